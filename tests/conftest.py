@@ -1,0 +1,35 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# The CI machine has 2 slow cores: bound the examples and never fail on timing.
+settings.register_profile(
+    "ci",
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    have_cuda = torch.cuda.is_available()
+    n_gpus = torch.cuda.device_count() if have_cuda else 0
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    for item in items:
+        if "cuda" in item.keywords and not have_cuda:
+            item.add_marker(skip_cuda)
+        if "multigpu" in item.keywords and n_gpus < 2:
+            item.add_marker(skip_multi)
