@@ -289,25 +289,25 @@ _DSV32 = DSAConfig(
 _SMALL = DSAConfig(
     name="small",
     num_hidden_layers=8,
-    hidden_size=512,
-    num_attention_heads=8,
-    q_lora_rank=256,
+    hidden_size=256,
+    num_attention_heads=4,
+    q_lora_rank=128,
     kv_lora_rank=128,
-    qk_nope_head_dim=48,
+    qk_nope_head_dim=32,
     qk_rope_head_dim=16,
-    v_head_dim=64,
-    index_n_heads=8,
+    v_head_dim=32,
+    index_n_heads=4,
     index_head_dim=128,
-    index_topk=128,
+    index_topk=64,
     n_routed_experts=16,
     num_experts_per_tok=4,
     n_shared_experts=1,
-    moe_intermediate_size=128,
-    intermediate_size=1024,
+    moe_intermediate_size=32,
+    intermediate_size=512,
     first_k_dense_replace=2,
     rope_theta=10_000.0,
     max_position_embeddings=65_536,
-    vocab_size=1024,
+    vocab_size=512,
 )
 
 _TINY = DSAConfig(
@@ -397,7 +397,7 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
             p = os.path.join(p, "config.json")
         with open(p, encoding="utf-8") as f:
             d = json.load(f)
-        name = p
+        name = str(d.get("_name_or_path", p))
     kw: dict[str, Any] = {"name": name, "model_type": d.get("model_type", "glm_moe_dsa")}
     defaults = {"index_topk_freq": 1, "index_skip_topk_offset": 2}
     for f in _DIRECT_FIELDS:

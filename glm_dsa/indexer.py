@@ -1,0 +1,696 @@
+"""The DSA lightning indexer: FP8 scoring of every earlier key, then a top-k per query row.
+
+For each query token the indexer scores all keys of its context with a cheap FP8 multi-head
+dot product and keeps the ``index_topk`` best; sparse MLA then attends only to those. Its
+``n × L`` scoring is the one quadratic term of the prefill, and the float32 logits of a long
+prefill do not fit in memory at once (a 32K chunk over a 1M prefix is 137 GB), so the rows are
+cut into chunks that fit a byte budget (SGLang's rule, CONVENTIONS §12) and the top-k is taken
+chunk by chunk. Results never depend on the chunking: scores are computed the same way in
+every chunk and the top-k order is canonical (score descending, index ascending on ties).
+
+The pure functions mirror the upstream kernels a user checks against us:
+DeepGEMM ``fp8_mqa_logits`` (``mqa_logits``), ``fp8_paged_mqa_logits``
+(``paged_mqa_logits``), SGLang ``fast_topk_v2`` / vLLM ``top_k_per_row`` (``topk_per_row``)
+and the ragged / paged index transforms. ``Indexer`` owns the weights (HF names) and calls them.
+
+Memory: no function materializes the ``[S, H, S_kv]`` per-head scores; scores are computed for
+``[rows, H, cols]`` tiles of at most ``TILE_BYTES`` and reduced over heads at once, so the peak
+is the logits being returned plus one tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glm_dsa.batch import ForwardBatch
+from glm_dsa.config import DSAConfig
+from glm_dsa.fp8 import act_quant
+from glm_dsa.hadamard import hadamard_transform
+from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
+from glm_dsa.norm import LayerNorm
+from glm_dsa.rope import apply_rope, rope_cos_sin
+
+__all__ = [
+    "TILE_BYTES",
+    "NO_CHUNK_LOGITS",
+    "mqa_logits",
+    "paged_mqa_logits",
+    "topk_per_row",
+    "topk_to_ragged",
+    "topk_to_paged",
+    "logits_budget_bytes",
+    "max_logit_rows",
+    "indexer_topk",
+    "Indexer",
+]
+
+# Bound, in bytes, on each temporary the scoring and top-k loops allocate beside the logits
+# (the [rows * H, cols] score tile, the top-k masks). Large enough for efficient GEMMs.
+TILE_BYTES = 256 * 2**20
+
+# SGLang never row-chunks the indexer logits below this many elements (num_q * num_k).
+NO_CHUNK_LOGITS = 8_000_000
+
+# GEMM tiles are multiples of this many columns (cuBLAS FP8 / tensor-core friendly).
+_COL_ALIGN = 16
+_MAX_TILE_COLS = 1024
+
+
+# ----------------------------------------------------------------------------- validation
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _check_index_vector(name: str, t: Tensor, n: int, device: torch.device) -> None:
+    _need(
+        isinstance(t, Tensor) and t.dim() == 1 and t.shape[0] == n,
+        f"{name} must be a 1-D tensor of {n} entries, got "
+        f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}",
+    )
+    _need(
+        t.dtype in (torch.int32, torch.int64),
+        f"{name} must be int32 (or int64), got {t.dtype}",
+    )
+    _need(t.device == device, f"{name} is on {t.device}, the other inputs on {device}")
+
+
+def _check_ranges(ks: list[int], ke: list[int], num_cols: int, what: str) -> None:
+    for m, (s, e) in enumerate(zip(ks, ke)):
+        if not 0 <= s <= e <= num_cols:
+            raise ValueError(
+                f"row {m}: [ks, ke) = [{s}, {e}) must satisfy 0 ≤ ks ≤ ke ≤ {what}={num_cols}"
+            )
+
+
+def _check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int, int]:
+    _need(
+        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 3,
+        f"q_fp8 must be float8_e4m3fn [S, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
+    )
+    S, H, D = q_fp8.shape
+    _need(
+        k_fp8.dtype == torch.float8_e4m3fn and k_fp8.dim() == 2 and k_fp8.shape[1] == D,
+        f"k_fp8 must be float8_e4m3fn [S_kv, D={D}], got {k_fp8.dtype} {tuple(k_fp8.shape)}",
+    )
+    S_kv = k_fp8.shape[0]
+    _need(
+        k_scale.dtype == torch.float32 and tuple(k_scale.shape) == (S_kv,),
+        f"k_scale must be float32 [S_kv={S_kv}], got {k_scale.dtype} {tuple(k_scale.shape)}",
+    )
+    _need(
+        weights.dtype in (torch.float32, torch.float64) and tuple(weights.shape) == (S, H),
+        f"weights must be float32 (or float64) [S={S}, H={H}], got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
+    dev = q_fp8.device
+    for name, t in (("k_fp8", k_fp8), ("k_scale", k_scale), ("weights", weights)):
+        _need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+    return S, H, D, S_kv
+
+
+# ----------------------------------------------------------------------------- logits
+def _tile_shape(S: int, H: int, itemsize: int) -> tuple[int, int]:
+    """(rows, cols) of one score tile: ``rows * H * cols * itemsize`` ≲ ``TILE_BYTES``."""
+    elems = max(1, TILE_BYTES // itemsize)
+    cols = max(_COL_ALIGN, min(_MAX_TILE_COLS, elems // H) // _COL_ALIGN * _COL_ALIGN)
+    rows = max(1, min(S, elems // (H * cols)))
+    if rows == S:
+        # Few rows: widen the tile so the GEMMs stay large.
+        cols = max(cols, elems // (S * H) // _COL_ALIGN * _COL_ALIGN)
+    return rows, cols
+
+
+def _column_span(ks: list[int], ke: list[int]) -> tuple[int, int]:
+    """The union ``[min ks, max ke)`` of the non-empty rows (``(0, 0)`` if all are empty)."""
+    spans = [(s, e) for s, e in zip(ks, ke) if e > s]
+    if not spans:
+        return 0, 0
+    return min(s for s, _ in spans), max(e for _, e in spans)
+
+
+def _dot_operand(x_fp8: Tensor) -> Tensor:
+    """E4M3 values as float64, the GEMM operand of ``_dot_products``."""
+    return x_fp8.to(torch.float64)
+
+
+def _dot_products(q: Tensor, k: Tensor, dtype: torch.dtype) -> Tensor:
+    """``q [M, D] @ k [T, D]ᵀ`` → ``[M, T]``, exact, then rounded once to ``dtype``.
+
+    Every E4M3 value is a multiple of 2**-9 below 2**9, so each product is a multiple of
+    2**-18 below 2**18 and any sum of ``D ≤ 2**16`` of them fits float64's 53 bits: the float64
+    GEMM is exact whatever its summation order or blocking. The logits therefore do not depend
+    on tile shapes, row chunks or the device.
+    """
+    return (q @ k.t()).to(dtype)
+
+
+def _weighted_relu_head_sum(scores: Tensor, weights: Tensor) -> Tensor:
+    """``sum_h weights[r, h] * relu(scores[r, h, c])`` → ``[r, c]``, heads added in a fixed tree.
+
+    scores: ``[r, H, c]`` (consumed in place); weights: ``[r, H]``. Plain elementwise float ops
+    (no fused multiply-add, no library reduction whose order could follow the shape), and the
+    heads are added pairwise in an order that depends on H only, so each output element is
+    rounded the same way for any tile shape and on any device.
+    """
+    scores.relu_().mul_(weights[:, :, None])
+    n = scores.shape[1]
+    while n > 1:
+        half = n // 2
+        # Fold the last `half` heads onto the first `half` (the middle head of an odd n waits).
+        scores[:, :half].add_(scores[:, n - half : n])
+        n -= half
+    return scores[:, 0]
+
+
+def mqa_logits(
+    q_fp8: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    clean_logits: bool = True,
+) -> Tensor:
+    """Weighted-ReLU MQA logits of ragged query rows (DeepGEMM ``fp8_mqa_logits``).
+
+    ``I[m, n] = k_scale[n] * sum_h weights[m, h] * relu(q_fp8[m, h] · k_fp8[n])`` for the
+    columns ``[ks[m], ke[m])``. Each dot product is exact and rounded once to float32; the
+    ReLU, gates, head sum (heads in order) and key scale are float32 operations. Every logit is
+    thus a fixed function of its inputs, independent of chunking, tiling and device.
+
+    Args:
+        q_fp8: ``[S, H, D]`` float8_e4m3fn (its scale is folded into ``weights``).
+        k_fp8: ``[S_kv, D]`` float8_e4m3fn; ``k_scale``: ``[S_kv]`` float32, one per key.
+        weights: ``[S, H]`` float32 head gates (float64 also accepted: then the logits are
+            float64, for tests that need ~1e-12).
+        ks, ke: int32 ``[S]``, the valid columns ``[ks[m], ke[m])`` of each row,
+            ``0 ≤ ks ≤ ke ≤ S_kv``.
+        clean_logits: fill ``-inf`` outside ``[ks, ke)``. When False those entries are
+            unspecified, as in DeepGEMM; here they hold deterministic values (the unmasked
+            formula inside the column span that was computed, 0 beyond it).
+
+    Returns:
+        ``[S, S_kv]`` float32 (float64 for float64 weights).
+    """
+    S, H, D, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
+    dev = q_fp8.device
+    _check_index_vector("ks", ks, S, dev)
+    _check_index_vector("ke", ke, S, dev)
+    ks_host, ke_host = ks.tolist(), ke.tolist()
+    _check_ranges(ks_host, ke_host, S_kv, "S_kv")
+
+    dtype = torch.promote_types(weights.dtype, torch.float32)
+    fill = float("-inf") if clean_logits else 0.0
+    logits = torch.full((S, S_kv), fill, dtype=dtype, device=dev)
+    # Per score element: the float64 GEMM output and its rounded copy.
+    rows, cols = _tile_shape(S, H, 8 + dtype.itemsize)
+    q2d = q_fp8.reshape(S * H, D)
+    for r0 in range(0, S, rows):
+        r1 = min(S, r0 + rows)
+        lo, hi = _column_span(ks_host[r0:r1], ke_host[r0:r1])
+        if lo == hi:
+            continue
+        q_op = _dot_operand(q2d[r0 * H : r1 * H])  # [r * H, D]
+        w = weights[r0:r1].to(dtype)  # [r, H]
+        row_ks, row_ke = ks[r0:r1, None], ke[r0:r1, None]
+        for c0 in range(lo, hi, cols):
+            c1 = min(hi, c0 + cols)
+            scores = _dot_products(q_op, _dot_operand(k_fp8[c0:c1]), dtype)  # [r * H, c]
+            tile = _weighted_relu_head_sum(scores.view(r1 - r0, H, c1 - c0), w)  # [r, c]
+            # The key scale is applied after ReLU and the head sum, as the kernel does
+            # (equivalent: scales are positive).
+            tile.mul_(k_scale[c0:c1].to(dtype))
+            if clean_logits:
+                col = torch.arange(c0, c1, device=dev)
+                tile.masked_fill_((col < row_ks) | (col >= row_ke), float("-inf"))
+            logits[r0:r1, c0:c1] = tile
+            del scores, tile
+    return logits
+
+
+def paged_mqa_logits(
+    q_fp8: Tensor,
+    index_k_pages: Tensor,
+    weights: Tensor,
+    context_lens: Tensor,
+    block_table: Tensor,
+    max_context_len: int,
+    clean_logits: bool = True,
+    page_size: int = 64,
+) -> Tensor:
+    """Weighted-ReLU MQA logits read through a block table (DeepGEMM ``fp8_paged_mqa_logits``).
+
+    Same formula as ``mqa_logits``; request ``b``'s keys are the tokens at positions
+    ``0, 1, …`` of its pages ``block_table[b, pos // page_size]`` in the index-K cache.
+
+    Args:
+        q_fp8: ``[B, next_n, H, D]`` float8_e4m3fn.
+        index_k_pages: uint8 ``[num_pages, page_size * (D + 4)]`` (8448 bytes for 64 × 128).
+        weights: ``[B * next_n, H]`` float32 (float64 accepted, as in ``mqa_logits``).
+        context_lens: int32 ``[B]``: row ``(b, j)`` sees positions ``0 … ctx_b − next_n + j``;
+            or int32 ``[B, next_n]``: row ``(b, j)`` sees positions ``< context_lens[b, j]``.
+        block_table: int32 ``[B, max_blocks]``, physical page of each logical page.
+        max_context_len: width of the output in tokens; every row's range must fit in it.
+        clean_logits: ``-inf`` outside each row's range (else unspecified, see ``mqa_logits``).
+
+    Returns:
+        ``[B * next_n, max_context_len]`` float32 (float64 for float64 weights).
+    """
+    _need(
+        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
+        f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
+    )
+    B, next_n, H, D = q_fp8.shape
+    page_bytes = index_k_page_bytes(page_size, D)
+    _need(
+        index_k_pages.dtype == torch.uint8
+        and index_k_pages.dim() == 2
+        and index_k_pages.shape[1] == page_bytes,
+        f"index_k_pages must be uint8 [num_pages, {page_bytes}] (page_size={page_size}, D={D}), "
+        f"got {index_k_pages.dtype} {tuple(index_k_pages.shape)}",
+    )
+    _need(
+        weights.dtype in (torch.float32, torch.float64)
+        and tuple(weights.shape) == (B * next_n, H),
+        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
+    _need(
+        context_lens.dtype in (torch.int32, torch.int64)
+        and tuple(context_lens.shape) in ((B,), (B, next_n)),
+        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}], got "
+        f"{context_lens.dtype} {tuple(context_lens.shape)}",
+    )
+    _need(
+        block_table.dtype in (torch.int32, torch.int64)
+        and block_table.dim() == 2
+        and block_table.shape[0] == B,
+        f"block_table must be int32 [B={B}, max_blocks], got {block_table.dtype} "
+        f"{tuple(block_table.shape)}",
+    )
+    _need(
+        isinstance(max_context_len, int) and max_context_len >= 0,
+        f"max_context_len={max_context_len!r} must be a non-negative int",
+    )
+    dev = q_fp8.device
+    for name, t in (
+        ("index_k_pages", index_k_pages),
+        ("weights", weights),
+        ("context_lens", context_lens),
+        ("block_table", block_table),
+    ):
+        _need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+
+    dtype = torch.promote_types(weights.dtype, torch.float32)
+    fill = float("-inf") if clean_logits else 0.0
+    logits = torch.full((B * next_n, max_context_len), fill, dtype=dtype, device=dev)
+    lens = context_lens.tolist()
+    for b in range(B):
+        if context_lens.dim() == 1:
+            # The last next_n context tokens are this step's queries, each seeing itself.
+            ends = [max(0, lens[b] - next_n + j + 1) for j in range(next_n)]
+        else:
+            ends = lens[b]
+        for j, e in enumerate(ends):
+            _need(
+                0 <= e <= max_context_len,
+                f"row (b={b}, j={j}) sees {e} tokens, outside [0, max_context_len="
+                f"{max_context_len}]",
+            )
+        n_ctx = max(ends)
+        if n_ctx == 0:
+            continue
+        n_blocks = -(-n_ctx // page_size)
+        _need(
+            n_blocks <= block_table.shape[1],
+            f"request {b} needs {n_blocks} pages for {n_ctx} tokens; block_table has "
+            f"{block_table.shape[1]} columns",
+        )
+        pos = torch.arange(n_ctx, device=dev)
+        slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
+        k_fp8, k_scale = index_k_load(index_k_pages, slots, D, page_size)
+        rows = slice(b * next_n, (b + 1) * next_n)
+        logits[rows, :n_ctx] = mqa_logits(
+            q_fp8[b],
+            k_fp8,
+            k_scale,
+            weights[rows],
+            torch.zeros(next_n, dtype=torch.int32, device=dev),
+            torch.tensor(ends, dtype=torch.int32, device=dev),
+            clean_logits=clean_logits,
+        )
+    return logits
+
+
+# ----------------------------------------------------------------------------- top-k
+def _prefix_indices(lens: Tensor, topk: int) -> Tensor:
+    """int32 ``[R, topk]``: ``0 … len − 1`` then ``-1`` (rows with no more than topk keys)."""
+    ar = torch.arange(topk, device=lens.device)
+    return torch.where(ar < lens[:, None], ar, -1).to(torch.int32)
+
+
+def _canonical_topk(vals: Tensor, starts: Tensor, ends: Tensor, k: int, rows: Tensor) -> Tensor:
+    """Absolute column indices int64 ``[b, k]`` of the k best valid entries of each row.
+
+    Every row has more than k valid columns ``[start, end)``; ``rows`` names the rows in
+    error messages. Order: score descending, column
+    ascending on ties. ``torch.topk`` breaks ties arbitrarily, so its set is kept only where it
+    is unambiguous (exactly k entries ≥ the k-th value); elsewhere the tie at the k-th value
+    is filled by the lowest valid columns explicitly.
+    """
+    b, n = vals.shape
+    col = torch.arange(n, device=vals.device)
+    valid = (col >= starts[:, None]) & (col < ends[:, None])
+    masked = vals.masked_fill(~valid, float("-inf"))
+    if bool(masked.isnan().any()):
+        bad = int(rows[masked.isnan().any(dim=1)][0])
+        raise ValueError(f"logits row {bad} holds NaN inside [row_start, row_end)")
+    top_vals, idx = masked.topk(k, dim=1, sorted=False)
+    kth = top_vals.amin(dim=1, keepdim=True)  # [b, 1]
+    tied = ((masked >= kth).sum(dim=1) > k).nonzero().flatten()
+    if tied.numel():
+        # Masked columns are -inf too: only valid columns may fill the tie at the k-th value.
+        m, v = masked[tied], valid[tied]
+        above = m > kth[tied]
+        tie = (m == kth[tied]) & v
+        need = k - above.sum(dim=1, keepdim=True)
+        take = above | (tie & (tie.cumsum(dim=1, dtype=torch.int32) <= need))
+        idx[tied] = take.nonzero()[:, 1].view(-1, k)
+    idx = idx.sort(dim=1).values  # columns ascending, so the stable sort below breaks ties
+    order = masked.gather(1, idx).sort(dim=1, descending=True, stable=True).indices
+    return idx.gather(1, order)
+
+
+def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int) -> Tensor:
+    """The ``topk`` best columns of each row within ``[row_starts[r], row_ends[r])``.
+
+    Mirrors SGLang ``fast_topk_v2`` / vLLM ``top_k_per_row_prefill`` with a canonical order.
+
+    Args:
+        logits: ``[R, N]`` float32 (or float64); entries outside the row's range are never read
+            for selection, whatever they hold.
+        row_starts, row_ends: int32 ``[R]``, ``0 ≤ start ≤ end ≤ N``.
+        topk: number of indices per row.
+
+    Returns:
+        int32 ``[R, topk]`` relative to ``row_starts``. With ``len = end − start``: if
+        ``len ≤ topk``, exactly ``0 … len − 1`` then ``-1`` (SGLang's fast path, in index
+        order, scores not read); otherwise the ``topk`` best, score descending, index ascending
+        on ties.
+
+    Raises:
+        ValueError: on NaN inside the range of a row whose scores are read.
+    """
+    _need(
+        logits.dim() == 2 and logits.dtype in (torch.float32, torch.float64),
+        f"logits must be float32 [R, N], got {logits.dtype} {tuple(logits.shape)}",
+    )
+    _need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
+    R, N = logits.shape
+    dev = logits.device
+    _check_index_vector("row_starts", row_starts, R, dev)
+    _check_index_vector("row_ends", row_ends, R, dev)
+    _check_ranges(row_starts.tolist(), row_ends.tolist(), N, "N")
+
+    starts, ends = row_starts.long(), row_ends.long()
+    out = _prefix_indices(ends - starts, topk)
+    long_rows = ((ends - starts) > topk).nonzero().flatten()
+    # The [block, N] temporaries (row copy, masked copy, masks) stay within TILE_BYTES.
+    block = max(1, TILE_BYTES // (16 * max(N, 1)))
+    for i in range(0, long_rows.numel(), block):
+        rows = long_rows[i : i + block]
+        idx = _canonical_topk(logits[rows], starts[rows], ends[rows], topk, rows)
+        out[rows] = (idx - starts[rows, None]).to(torch.int32)
+    return out
+
+
+def topk_to_ragged(indices: Tensor, offsets: Tensor) -> Tensor:
+    """Request-relative → ragged row: ``indices[r, i] + offsets[r]``; ``-1`` stays ``-1``.
+
+    Args:
+        indices: int32 ``[R, topk]``, request-relative (``-1`` padding).
+        offsets: int ``[R]``, each row's request offset in the concatenated KV buffer
+            (``cu_seqlens_k[request of row]``; SGLang ``topk_indices_offset``).
+
+    Returns:
+        int32 ``[R, topk]``.
+    """
+    _need(
+        indices.dim() == 2 and indices.dtype in (torch.int32, torch.int64),
+        f"indices must be int32 [R, topk], got {indices.dtype} {tuple(indices.shape)}",
+    )
+    _check_index_vector("offsets", offsets, indices.shape[0], indices.device)
+    _need(bool((indices >= -1).all()), "indices may hold -1 (padding) but no other negative")
+    out = indices.long() + offsets.long()[:, None]
+    return torch.where(indices < 0, -1, out).to(torch.int32)
+
+
+def topk_to_paged(indices: Tensor, page_table: Tensor, page_size: int = 64) -> Tensor:
+    """Request-relative → physical slot: ``page_table[r, i // ps] * ps + i % ps``; ``-1`` kept.
+
+    Args:
+        indices: int32 ``[R, topk]``, request-relative (``-1`` padding).
+        page_table: int32 ``[R, max_pages]``, the physical pages of each row's request.
+        page_size: tokens per page.
+
+    Returns:
+        int32 ``[R, topk]`` physical slots (vLLM ``convert_req_index_to_global_index``).
+    """
+    _need(
+        indices.dim() == 2 and indices.dtype in (torch.int32, torch.int64),
+        f"indices must be int32 [R, topk], got {indices.dtype} {tuple(indices.shape)}",
+    )
+    _need(
+        page_table.dim() == 2
+        and page_table.shape[0] == indices.shape[0]
+        and page_table.dtype in (torch.int32, torch.int64),
+        f"page_table must be int32 [R={indices.shape[0]}, max_pages], got "
+        f"{page_table.dtype} {tuple(page_table.shape)}",
+    )
+    _need(page_table.device == indices.device, "page_table and indices are on different devices")
+    _need(isinstance(page_size, int) and page_size > 0, f"page_size={page_size!r} must be > 0")
+    _need(bool((indices >= -1).all()), "indices may hold -1 (padding) but no other negative")
+    valid = indices >= 0
+    page = torch.where(valid, indices.long() // page_size, 0)
+    _need(
+        bool((page < page_table.shape[1]).all()),
+        f"an index points past the {page_table.shape[1]} pages of its page_table row",
+    )
+    slot = page_table.long().gather(1, page) * page_size + indices.long() % page_size
+    return torch.where(valid, slot, -1).to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- budget
+def logits_budget_bytes(
+    device: torch.device | str, mem_fraction_static: float = 0.8, free_fraction: float = 0.2
+) -> int:
+    """Bytes the indexer logits may take on a CUDA device (SGLang ``mqa_logits_budget``).
+
+    ``min(free_fraction * free_now, min(free_fraction * (1 − mem_fraction_static) * total,
+    0.3 * total))``. About 5.6 GB on a 141 GB H200 at ``mem_fraction_static = 0.8``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("on CPU pass an explicit budget in bytes")
+    _need(
+        0.0 <= mem_fraction_static < 1.0,
+        f"mem_fraction_static={mem_fraction_static} must lie in [0, 1)",
+    )
+    _need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
+    free, total = torch.cuda.mem_get_info(device)
+    static = min(free_fraction * (1.0 - mem_fraction_static) * total, 0.3 * total)
+    return int(min(free_fraction * free, static))
+
+
+def max_logit_rows(num_q: int, num_k: int, budget_bytes: int) -> int:
+    """Query rows whose float32 logits over ``num_k`` keys may exist at once.
+
+    SGLang's rule: all ``num_q`` rows when ``num_q * num_k < 8e6`` or the ``4 * num_q * num_k``
+    bytes fit ``budget_bytes``; else ``max(1, budget_bytes // (4 * num_k))``.
+    """
+    _need(isinstance(num_q, int) and num_q >= 1, f"num_q={num_q!r} must be a positive int")
+    _need(isinstance(num_k, int) and num_k >= 0, f"num_k={num_k!r} must be a non-negative int")
+    _need(
+        isinstance(budget_bytes, int) and budget_bytes >= 0,
+        f"budget_bytes={budget_bytes!r} must be a non-negative int (bytes)",
+    )
+    logits_bytes = 4 * num_q * num_k
+    if num_q * num_k < NO_CHUNK_LOGITS or logits_bytes <= budget_bytes:
+        return num_q
+    return max(1, budget_bytes // (4 * num_k))
+
+
+def indexer_topk(
+    q_fp8: Tensor,
+    weights: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    topk: int,
+    budget_bytes: int,
+) -> Tensor:
+    """Top-k keys of every query row, logits computed in row chunks that fit ``budget_bytes``.
+
+    At most ``max_logit_rows(S, S_kv, budget_bytes)`` rows of logits exist at once, each only
+    over the columns its chunk can see; the top-k of each chunk is taken before the next chunk
+    is scored. The result does not depend on the budget.
+
+    Args:
+        q_fp8: ``[S, H, D]`` float8_e4m3fn; ``weights``: ``[S, H]`` float32 head gates.
+        k_fp8: ``[S_kv, D]`` float8_e4m3fn; ``k_scale``: ``[S_kv]`` float32 (the gathered context).
+        ks, ke: int32 ``[S]``, row ``m`` may select keys ``[ks[m], ke[m])``.
+        topk: indices per row (``index_topk``).
+        budget_bytes: bytes the float32 logits may take (``logits_budget_bytes`` on CUDA).
+
+    Returns:
+        int32 ``[S, topk]`` relative to ``ks`` (request-relative), canonical order, ``-1`` pad.
+    """
+    S, H, D, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
+    dev = q_fp8.device
+    _check_index_vector("ks", ks, S, dev)
+    _check_index_vector("ke", ke, S, dev)
+    _need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
+    ks_host, ke_host = ks.tolist(), ke.tolist()
+    _check_ranges(ks_host, ke_host, S_kv, "S_kv")
+
+    rows = max_logit_rows(S, S_kv, budget_bytes)
+    out = torch.empty((S, topk), dtype=torch.int32, device=dev)
+    for r0 in range(0, S, rows):
+        r1 = min(S, r0 + rows)
+        chunk_ks, chunk_ke = ks[r0:r1].long(), ke[r0:r1].long()
+        if max(e - s for s, e in zip(ks_host[r0:r1], ke_host[r0:r1])) <= topk:
+            # Every row keeps all its keys: no scores needed (SGLang's skip path).
+            out[r0:r1] = _prefix_indices(chunk_ke - chunk_ks, topk)
+            continue
+        lo, hi = _column_span(ks_host[r0:r1], ke_host[r0:r1])
+        # Column span of the chunk; empty rows get an empty range inside it.
+        starts = (chunk_ks - lo).clamp(0, hi - lo)
+        ends = torch.where(chunk_ke > chunk_ks, chunk_ke - lo, starts)
+        logits = mqa_logits(
+            q_fp8[r0:r1],
+            k_fp8[lo:hi],
+            k_scale[lo:hi],
+            weights[r0:r1],
+            starts.to(torch.int32),
+            ends.to(torch.int32),
+            clean_logits=False,  # topk_per_row reads only [start, end)
+        )
+        out[r0:r1] = topk_per_row(logits, starts, ends, topk)
+        del logits  # free this chunk's logits before the next chunk allocates its own
+    return out
+
+
+# ----------------------------------------------------------------------------- module
+class Indexer(nn.Module):
+    """The DSA indexer of one full layer (HF names under ``self_attn.indexer``).
+
+    ``wq_b``: ``Linear(q_lora_rank, H * D)`` on the normed q latent MLA also uses; ``wk``:
+    ``Linear(hidden, D)``; ``k_norm``: LayerNorm with bias, eps ``index_k_norm_eps``, float32
+    math; ``weights_proj``: ``Linear(hidden, H)`` run in float32. Each head vector is split
+    ``[rope | nope]`` (rope part first), RoPE'd (interleaved for GLM, half-split for DS-V3.2),
+    Hadamard-rotated (orthonormal) and quantized to FP8: q per (token, head), k per token.
+    """
+
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        self.config = config
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = LayerNorm(self.head_dim, eps=config.index_k_norm_eps)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def _check_tokens(self, x: Tensor, positions: Tensor) -> int:
+        n = x.shape[0] if x.dim() == 2 else -1
+        _need(
+            x.dim() == 2 and x.shape[1] == self.config.hidden_size,
+            f"x must be [n, hidden_size={self.config.hidden_size}], got {tuple(x.shape)}",
+        )
+        _need(
+            positions.dtype == torch.int64 and tuple(positions.shape) == (n,),
+            f"positions must be int64 [{n}], got {positions.dtype} {tuple(positions.shape)}",
+        )
+        return n
+
+    def _rope_then_rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``[n, ..., D]``: RoPE on the first ``rope_dim`` dims, then the Hadamard rotation."""
+        cfg = self.config
+        cos, sin = rope_cos_sin(
+            positions,
+            self.rope_dim,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            dtype=torch.promote_types(x.dtype, torch.float32),
+        )
+        x_pe, x_nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        x_pe = apply_rope(x_pe, cos, sin, interleaved=cfg.indexer_rope_interleave)
+        return hadamard_transform(torch.cat([x_pe, x_nope], dim=-1), self.head_dim**-0.5)
+
+    def project_k(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``x [n, hidden]``, ``positions`` int64 ``[n]`` → unquantized key ``[n, D]`` (x.dtype)."""
+        self._check_tokens(x, positions)
+        return self._rope_then_rotate(self.k_norm(self.wk(x)), positions)
+
+    def project_q(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Queries and head gates.
+
+        Args:
+            x: ``[n, hidden]`` (the attention input); ``q_latent``: ``[n, q_lora_rank]``, the
+                normed latent ``q_a_layernorm(q_a_proj(x))``; ``positions``: int64 ``[n]``.
+
+        Returns:
+            ``q_fp8 [n, H, D]`` float8_e4m3fn and ``weights [n, H]`` =
+            ``weights_proj(x) · H^-0.5 · q_scale · D^-0.5`` in float32 (float64 for float64 x).
+        """
+        n = self._check_tokens(x, positions)
+        _need(
+            tuple(q_latent.shape) == (n, self.config.q_lora_rank),
+            f"q_latent must be [n={n}, q_lora_rank={self.config.q_lora_rank}], got "
+            f"{tuple(q_latent.shape)}",
+        )
+        q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)
+        q = self._rope_then_rotate(q, positions)
+        q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        gates = F.linear(x.to(dtype), self.weights_proj.weight.to(dtype))  # [n, H]
+        weights = gates * self.n_heads**-0.5 * q_scale[..., 0].to(dtype) * self.head_dim**-0.5
+        return q_fp8, weights
+
+    def forward(
+        self,
+        x: Tensor,
+        q_latent: Tensor,
+        batch: ForwardBatch,
+        index_k_pages: Tensor,
+        budget_bytes: int,
+    ) -> Tensor:
+        """Top-k context rows of every query token of a ragged batch.
+
+        Quantizes this step's keys and writes them to ``index_k_pages`` at ``batch.out_slots``
+        **before** scoring, then reads the whole context back from the pages
+        (``batch.kv_slots``), so the chunk's own keys are scored in FP8 exactly like the cached
+        prefix (a prefix-cache hit is simply a longer prefix).
+
+        Args:
+            x: ``[n, hidden]``; ``q_latent``: ``[n, q_lora_rank]``; ``batch``: the step metadata.
+            index_k_pages: uint8 ``[num_pages, page_size * (D + 4)]``, updated in place.
+            budget_bytes: bytes the float32 logits may take at once.
+
+        Returns:
+            int32 ``[n, index_topk]``, request-relative (relative to ``batch.ks``), ``-1`` pad.
+        """
+        cfg = self.config
+        k = self.project_k(x, batch.positions)
+        k_fp8, k_scale = act_quant(k, self.head_dim, cfg.scale_fmt)  # scale [n, 1]
+        index_k_store(index_k_pages, batch.out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
+        ctx_fp8, ctx_scale = index_k_load(index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size)
+        q_fp8, weights = self.project_q(x, q_latent, batch.positions)
+        return indexer_topk(
+            q_fp8, weights, ctx_fp8, ctx_scale, batch.ks, batch.ke, cfg.index_topk, budget_bytes
+        )

@@ -1,0 +1,270 @@
+"""Byte layouts of the two KV caches, as uint8 tensors (little-endian, as on every GPU host).
+
+Index-K page (DeepGEMM / SGLang / vLLM; CONVENTIONS §4): one page of ``page_size`` tokens is
+``page_size * head_dim`` e4m3 bytes (token t at ``t * head_dim``) followed by ``page_size``
+float32 scales (token t at ``page_size * head_dim + 4 t``): 8448 bytes for 64 × 128.
+
+MLA KV row (FlashMLA ``V32_FP8Sparse``; CONVENTIONS §6): per token ``R`` e4m3 bytes of the
+latent ``c`` in tiles of 128, then ``R / 128`` float32 tile scales, then the ``P`` RoPE values
+``k_pe`` in bf16: 656 bytes for R = 512, P = 64. The bf16 alternative is ``[c | k_pe]`` in
+bf16: 1152 bytes.
+
+A slot is ``page * page_size + offset``, the physical token index into a paged pool.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast
+
+__all__ = [
+    "index_k_page_bytes",
+    "index_k_store",
+    "index_k_load",
+    "mla_kv_row_bytes",
+    "mla_kv_quantize",
+    "mla_kv_dequantize",
+    "mla_kv_pack_bf16",
+    "mla_kv_unpack_bf16",
+    "mla_kv_store",
+    "mla_kv_load",
+]
+
+MLA_TILE = 128
+_SCALE_BYTES = 4  # float32
+_BF16_BYTES = 2
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, v in sizes.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+
+
+def _check_slots(slots: Tensor, num_slots: int) -> None:
+    if slots.dtype != torch.int64 or slots.dim() != 1:
+        raise ValueError(
+            f"slots must be a 1-D int64 tensor, got {slots.dtype} of shape {tuple(slots.shape)}"
+        )
+    if slots.numel() == 0:
+        return
+    lo, hi = int(slots.min()), int(slots.max())
+    if lo < 0 or hi >= num_slots:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"slot {bad} is outside the pool of {num_slots} slots [0, {num_slots}); "
+            "allocate more pages or fix the slot mapping"
+        )
+
+
+def _check_unique(slots: Tensor) -> None:
+    # Two writes to one slot would leave whichever the backend happened to apply last.
+    if slots.numel() != torch.unique(slots).numel():
+        raise ValueError("slots to store must be distinct; one slot was written twice")
+
+
+# ------------------------------------------------------------------ index-K pages
+def index_k_page_bytes(page_size: int = 64, head_dim: int = 128) -> int:
+    """Bytes of one index-K page: ``page_size * (head_dim + 4)`` (8448 for 64 × 128)."""
+    _check_positive(page_size=page_size, head_dim=head_dim)
+    return page_size * (head_dim + _SCALE_BYTES)
+
+
+def _check_pages(pages: Tensor, page_size: int, head_dim: int) -> None:
+    row = index_k_page_bytes(page_size, head_dim)
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != row:
+        raise ValueError(
+            f"index-K pages must be uint8 [num_pages, {row}] for page_size={page_size}, "
+            f"head_dim={head_dim}; got {pages.dtype} of shape {tuple(pages.shape)}"
+        )
+
+
+def _index_k_byte_columns(offsets: Tensor, page_size: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Byte columns inside a page of each token's fp8 payload [n, head_dim] and scale [n, 4]."""
+    payload = offsets.unsqueeze(-1) * head_dim + torch.arange(head_dim, device=offsets.device)
+    scale = (
+        page_size * head_dim
+        + _SCALE_BYTES * offsets.unsqueeze(-1)
+        + torch.arange(_SCALE_BYTES, device=offsets.device)
+    )
+    return payload, scale
+
+
+def index_k_store(
+    pages: Tensor, slots: Tensor, k_fp8: Tensor, k_scale: Tensor, page_size: int = 64
+) -> None:
+    """Write tokens' index keys into their slots, in place; bytes of other slots are untouched.
+
+    pages: uint8 [num_pages, page_size * (head_dim + 4)]; slots: int64 [n], distinct, in
+    ``[0, num_pages * page_size)``; k_fp8: float8_e4m3fn [n, head_dim]; k_scale: float32 [n].
+    """
+    if k_fp8.dtype != torch.float8_e4m3fn or k_fp8.dim() != 2:
+        raise ValueError(
+            f"k_fp8 must be float8_e4m3fn [n, head_dim], got {k_fp8.dtype} of shape "
+            f"{tuple(k_fp8.shape)}"
+        )
+    n, head_dim = k_fp8.shape
+    if k_scale.dtype != torch.float32 or tuple(k_scale.shape) != (n,):
+        raise ValueError(
+            f"k_scale must be float32 [{n}] (one scale per token), got {k_scale.dtype} of "
+            f"shape {tuple(k_scale.shape)}"
+        )
+    _check_pages(pages, page_size, head_dim)
+    _check_slots(slots, pages.shape[0] * page_size)
+    if slots.shape[0] != n:
+        raise ValueError(f"slots has {slots.shape[0]} entries for {n} tokens of k_fp8")
+    _check_unique(slots)
+    page = (slots // page_size).unsqueeze(-1)
+    payload_cols, scale_cols = _index_k_byte_columns(slots % page_size, page_size, head_dim)
+    pages[page, payload_cols] = k_fp8.view(torch.uint8)
+    pages[page, scale_cols] = k_scale.contiguous().view(torch.uint8).reshape(n, _SCALE_BYTES)
+
+
+def index_k_load(
+    pages: Tensor, slots: Tensor, head_dim: int = 128, page_size: int = 64
+) -> tuple[Tensor, Tensor]:
+    """Read tokens' index keys from their slots.
+
+    pages: uint8 [num_pages, page_size * (head_dim + 4)]; slots: int64 [n] (repeats allowed).
+    Returns ``(k_fp8 [n, head_dim] float8_e4m3fn, k_scale [n] float32)``, fresh tensors.
+    """
+    _check_pages(pages, page_size, head_dim)
+    _check_slots(slots, pages.shape[0] * page_size)
+    page = (slots // page_size).unsqueeze(-1)
+    payload_cols, scale_cols = _index_k_byte_columns(slots % page_size, page_size, head_dim)
+    k_fp8 = pages[page, payload_cols].view(torch.float8_e4m3fn)
+    k_scale = pages[page, scale_cols].view(torch.float32).reshape(-1)
+    return k_fp8, k_scale
+
+
+# ------------------------------------------------------------------ MLA KV rows
+def mla_kv_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64, kv_dtype: str = "fp8") -> int:
+    """Bytes per token of the MLA KV cache: 656 (``"fp8"``, R=512, P=64) or 1152 (``"bf16"``)."""
+    _check_positive(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    if kv_dtype == "fp8":
+        if kv_lora_rank % MLA_TILE != 0:
+            raise ValueError(
+                f"kv_lora_rank={kv_lora_rank} must be a multiple of {MLA_TILE} for the FP8 "
+                "KV cache (one scale per tile of 128)"
+            )
+        return kv_lora_rank + _SCALE_BYTES * (kv_lora_rank // MLA_TILE) + _BF16_BYTES * rope_dim
+    if kv_dtype == "bf16":
+        return _BF16_BYTES * (kv_lora_rank + rope_dim)
+    raise ValueError(f"kv_dtype={kv_dtype!r} must be 'fp8' or 'bf16'")
+
+
+def _check_latent(c: Tensor, k_pe: Tensor) -> None:
+    if not (c.is_floating_point() and k_pe.is_floating_point()):
+        raise ValueError(f"c and k_pe must be floating point, got {c.dtype} and {k_pe.dtype}")
+    if c.dim() != 2 or k_pe.dim() != 2 or c.shape[0] != k_pe.shape[0]:
+        raise ValueError(
+            f"c must be [n, R] and k_pe [n, P] with the same n; got {tuple(c.shape)} and "
+            f"{tuple(k_pe.shape)}"
+        )
+    if c.shape[1] == 0 or k_pe.shape[1] == 0:
+        raise ValueError("c and k_pe must have a non-empty last dim")
+
+
+def _bf16_bytes(t: Tensor) -> Tensor:
+    """[n, k] -> uint8 [n, 2k]: the values rounded to bf16 (nearest even), little-endian."""
+    return narrow_cast(t, torch.bfloat16).contiguous().view(torch.uint8)
+
+
+def mla_kv_quantize(c: Tensor, k_pe: Tensor, scale_fmt: str | None = "ue8m0") -> Tensor:
+    """Pack latent rows into FlashMLA's FP8 layout.
+
+    c: [n, R] floating, ``R % 128 == 0``, finite; k_pe: [n, P] floating (rounded to bf16).
+    Per token and tile of 128: ``"ue8m0"``: ``s = 2**ceil(log2(max(amax / 448, 1e-4)))``
+    (newest FlashMLA ``tests/quant.py``; note the floor applies to ``s``, not to amax as in
+    ``act_quant``); ``None``: ``s = max(amax, 1e-4) / 448``. Payload ``clamp(c / s, ±448)``
+    as e4m3, computed in ``promote_types(c.dtype, float32)`` with the float32 ``s``.
+    Returns uint8 [n, R + 4 * R / 128 + 2 * P].
+    """
+    _check_latent(c, k_pe)
+    if scale_fmt not in (None, "ue8m0"):
+        raise ValueError(f"scale_fmt={scale_fmt!r} must be None (fp32 amax/448) or 'ue8m0'")
+    n, rank = c.shape
+    mla_kv_row_bytes(rank, k_pe.shape[1], "fp8")  # validates the tile multiple
+    if not bool(torch.isfinite(c).all()):
+        raise ValueError("mla_kv_quantize got NaN or inf in c; fix the producer of the latent")
+    compute = torch.promote_types(c.dtype, torch.float32)
+    tiles = c.to(compute).reshape(n, rank // MLA_TILE, MLA_TILE)
+    amax = tiles.abs().amax(dim=-1)
+    if scale_fmt == "ue8m0":
+        scale = ceil_pow2((amax / FP8_E4M3_MAX).clamp_min(AMAX_FLOOR))
+    else:
+        scale = amax.clamp_min(AMAX_FLOOR) / FP8_E4M3_MAX
+    scale = scale.to(torch.float32)
+    payload = (tiles / scale.to(compute).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    payload = narrow_cast(payload, torch.float8_e4m3fn).reshape(n, rank)
+    return torch.cat(
+        (payload.view(torch.uint8), scale.view(torch.uint8), _bf16_bytes(k_pe)), dim=-1
+    )
+
+
+def _check_rows(rows: Tensor, row_bytes: int, what: str) -> None:
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != row_bytes:
+        raise ValueError(
+            f"{what} rows must be uint8 [n, {row_bytes}], got {rows.dtype} of shape "
+            f"{tuple(rows.shape)}"
+        )
+
+
+def mla_kv_dequantize(rows: Tensor, kv_lora_rank: int = 512, rope_dim: int = 64) -> Tensor:
+    """Unpack FP8 rows to float32 [n, R + P]: ``[e4m3 * tile scale | k_pe]``."""
+    _check_rows(rows, mla_kv_row_bytes(kv_lora_rank, rope_dim, "fp8"), "FP8 MLA KV")
+    n = rows.shape[0]
+    tiles = kv_lora_rank // MLA_TILE
+    rows = rows.contiguous()
+    payload = rows[:, :kv_lora_rank].contiguous().view(torch.float8_e4m3fn)
+    scale_end = kv_lora_rank + _SCALE_BYTES * tiles
+    scale = rows[:, kv_lora_rank:scale_end].contiguous().view(torch.float32)  # [n, tiles]
+    k_pe = rows[:, scale_end:].contiguous().view(torch.bfloat16)
+    c = payload.to(torch.float32).reshape(n, tiles, MLA_TILE) * scale.unsqueeze(-1)
+    return torch.cat((c.reshape(n, kv_lora_rank), k_pe.to(torch.float32)), dim=-1)
+
+
+def mla_kv_pack_bf16(c: Tensor, k_pe: Tensor) -> Tensor:
+    """``[c | k_pe]`` rounded to bf16 as bytes: c [n, R], k_pe [n, P] -> uint8 [n, 2 (R + P)]."""
+    _check_latent(c, k_pe)
+    return torch.cat((_bf16_bytes(c), _bf16_bytes(k_pe)), dim=-1)
+
+
+def mla_kv_unpack_bf16(rows: Tensor, kv_lora_rank: int = 512, rope_dim: int = 64) -> Tensor:
+    """uint8 [n, 2 (R + P)] -> bfloat16 [n, R + P]."""
+    _check_rows(rows, mla_kv_row_bytes(kv_lora_rank, rope_dim, "bf16"), "bf16 MLA KV")
+    return rows.contiguous().view(torch.bfloat16)
+
+
+def _check_pool(pool: Tensor) -> None:
+    if pool.dtype != torch.uint8 or pool.dim() != 3:
+        raise ValueError(
+            f"MLA KV pool must be uint8 [num_pages, page_size, row_bytes], got {pool.dtype} of "
+            f"shape {tuple(pool.shape)}"
+        )
+
+
+def mla_kv_store(pool: Tensor, slots: Tensor, rows: Tensor) -> None:
+    """Write rows into their slots, in place; other slots' bytes are untouched.
+
+    pool: uint8 [num_pages, page_size, row_bytes]; slots: int64 [n], distinct, in
+    ``[0, num_pages * page_size)``; rows: uint8 [n, row_bytes].
+    """
+    _check_pool(pool)
+    num_pages, page_size, row_bytes = pool.shape
+    _check_rows(rows, row_bytes, "MLA KV")
+    _check_slots(slots, num_pages * page_size)
+    if slots.shape[0] != rows.shape[0]:
+        raise ValueError(f"slots has {slots.shape[0]} entries for {rows.shape[0]} rows")
+    _check_unique(slots)
+    pool[slots // page_size, slots % page_size] = rows
+
+
+def mla_kv_load(pool: Tensor, slots: Tensor) -> Tensor:
+    """Read rows from their slots: pool uint8 [num_pages, page_size, row_bytes] -> uint8 [n, row_bytes]."""
+    _check_pool(pool)
+    num_pages, page_size, _ = pool.shape
+    _check_slots(slots, num_pages * page_size)
+    return pool[slots // page_size, slots % page_size]

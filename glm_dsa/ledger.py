@@ -1,0 +1,1037 @@
+"""Cost ledger of a chunked DSA prefill, computed from a config alone.
+
+Every figure is a pure function of a :class:`~glm_dsa.config.DSAConfig` and a few run
+parameters (prompt length, chunk size, cached prefix, CP degree, GPU spec), so the same code
+accounts for ``glm-5.3``, ``deepseek-v3.2``, ``small`` and ``tiny``.
+
+Units and conventions:
+
+- FLOPs count **2 per multiply-add** and only the matrix products (norms, RoPE, softmax and
+  top-k are not counted), as the design article does.
+- Bytes are bytes; ``GB = 1e9`` bytes (the article's decimal unit). Rates are per second.
+- ``tokens`` is the whole prompt length L (positions ``0 .. L-1``), ``prefix`` the P tokens
+  already in the cache; the prefill computes the ``N = L - P`` new tokens.
+- A query at absolute position ``i`` is scored by the indexer against ``i + 1`` keys (itself
+  and everything before it, cached prefix included) and attends to ``min(index_topk, i + 1)``.
+
+The exact integer helpers (``cache_bytes_written``, ``chunk_plan``, ``indexer_pairs``,
+``cp_rank_positions``, ``cp_indexer_pairs_per_rank``, ``cp_comm_bytes_per_chunk``,
+``logits_budget_bytes_static``) are what the rest of the project checks real runs against.
+``build_ledger`` assembles everything into one JSON-ready dict (keys documented in
+``docs/ledger.md``) and ``format_ledger`` renders that dict as text tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from glm_dsa.config import DSAConfig
+
+__all__ = [
+    "KV_DTYPES",
+    "CP_SPLITS",
+    "SCHEMA",
+    "GpuSpec",
+    "OpFlops",
+    "IndexerPairs",
+    "CommRow",
+    "TtftComponent",
+    "main_kv_row_bytes",
+    "index_k_row_bytes",
+    "main_kv_page_bytes",
+    "index_k_page_bytes",
+    "cache_bytes_written",
+    "chunk_plan",
+    "indexer_pairs",
+    "index_k_reread_bytes",
+    "op_flops",
+    "layer_flops_per_token",
+    "sparse_mla_keys",
+    "indexer_flops_per_pair",
+    "param_counts",
+    "logits_budget_bytes_static",
+    "logits_row_slices",
+    "cp_rank_positions",
+    "cp_indexer_pairs_per_rank",
+    "cp_mean_prefix_article",
+    "cp_comm_bytes_per_chunk",
+    "ttft_floor",
+    "build_ledger",
+    "format_ledger",
+]
+
+SCHEMA = "glm-dsa.ledger/1"
+KV_DTYPES = ("fp8", "bf16")
+CP_SPLITS = ("contiguous", "interleave", "zigzag")
+
+GB = 10**9
+FP32_BYTES = 4
+BF16_BYTES = 2
+FP8_BYTES = 1
+FP8_BLOCK = 128
+# SGLang's mqa_logits_budget: below this many logits (num_q * num_k) rows are never sliced.
+LOGITS_NO_CHUNK_ELEMENTS = 8_000_000
+LOGITS_TOTAL_MEM_CAP = 0.3
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _need_int(name: str, value: Any, minimum: int) -> None:
+    _need(
+        isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
+        f"{name}={value!r} must be an integer ≥ {minimum}",
+    )
+
+
+def _check_kv_dtype(kv_dtype: str) -> None:
+    _need(kv_dtype in KV_DTYPES, f"kv_dtype={kv_dtype!r} must be one of {KV_DTYPES}")
+
+
+# ============================================================================ byte formats
+def main_kv_row_bytes(config: DSAConfig, kv_dtype: str = "fp8") -> int:
+    """Bytes of one token's MLA latent row in one layer's KV cache.
+
+    ``"fp8"`` (FlashMLA ``V32_FP8Sparse``): ``kv_lora_rank`` e4m3 bytes, one float32 scale per
+    128-element tile, ``qk_rope_head_dim`` bf16 values (656 for GLM-5.3). ``"bf16"``:
+    ``2 * (kv_lora_rank + qk_rope_head_dim)`` (1152).
+    """
+    _check_kv_dtype(kv_dtype)
+    if kv_dtype == "fp8":
+        return (
+            config.kv_lora_rank * FP8_BYTES
+            + FP32_BYTES * (config.kv_lora_rank // FP8_BLOCK)
+            + BF16_BYTES * config.qk_rope_head_dim
+        )
+    return BF16_BYTES * config.kv_latent_dim
+
+
+def index_k_row_bytes(config: DSAConfig) -> int:
+    """Bytes of one token's index key in one full layer: FP8 values plus one float32 scale (132)."""
+    return config.index_head_dim * FP8_BYTES + FP32_BYTES
+
+
+def main_kv_page_bytes(config: DSAConfig, kv_dtype: str = "fp8") -> int:
+    """Bytes of one ``page_size``-token page of one layer's MLA KV cache (41,984 for GLM-5.3 fp8)."""
+    return config.page_size * main_kv_row_bytes(config, kv_dtype)
+
+
+def index_k_page_bytes(config: DSAConfig) -> int:
+    """Bytes of one page of one full layer's index-K cache (8,448 for GLM-5.3)."""
+    return config.page_size * index_k_row_bytes(config)
+
+
+def cache_bytes_written(
+    config: DSAConfig, extend_tokens: int, kv_dtype: str = "fp8"
+) -> dict[str, int]:
+    """Cache bytes a prefill of ``extend_tokens`` new tokens writes, over the whole model.
+
+    Returns ``{"main_kv": …, "index_k": …, "total": …}`` in bytes: the MLA latent row in every
+    layer, the index key only in full layers (shared layers have no index-K cache).
+    """
+    _need_int("extend_tokens", extend_tokens, 0)
+    main = extend_tokens * config.num_hidden_layers * main_kv_row_bytes(config, kv_dtype)
+    index = extend_tokens * len(config.full_layers) * index_k_row_bytes(config)
+    return {"main_kv": main, "index_k": index, "total": main + index}
+
+
+# ============================================================================ chunk plan
+def chunk_plan(
+    total_tokens: int, chunk: int, prefix: int = 0, page_size: int = 64
+) -> list[tuple[int, int]]:
+    """Chunk boundaries ``[(start, end), …]`` covering ``[prefix, total_tokens)`` (CONVENTIONS §11).
+
+    A step whose remaining ``total_tokens - start`` tokens round up to at most ``chunk`` tokens
+    of whole pages takes them all; otherwise the chunk ends on a page boundary in absolute
+    position, ``end = floor((start + chunk) / page_size) * page_size`` (SGLang ``PrefillAdder``).
+    Interior boundaries are therefore multiples of ``page_size``; only the first start (an
+    unaligned prefix) and the last end may not be.
+    """
+    _need_int("total_tokens", total_tokens, 1)
+    _need_int("prefix", prefix, 0)
+    _need_int("page_size", page_size, 1)
+    _need_int("chunk", chunk, 1)
+    _need(prefix < total_tokens, f"prefix={prefix} must be < total_tokens={total_tokens}: the "
+          "prefill computes at least one new token")
+    _need(chunk >= page_size, f"chunk={chunk} tokens is smaller than one page (page_size="
+          f"{page_size}); a chunk must hold at least one page")
+    plan = []
+    start = prefix
+    while start < total_tokens:
+        remaining = total_tokens - start
+        if -(-remaining // page_size) * page_size <= chunk:
+            end = total_tokens
+        else:
+            end = min(total_tokens, (start + chunk) // page_size * page_size)
+        plan.append((start, end))
+        start = end
+    return plan
+
+
+def _check_plan(plan: Sequence[tuple[int, int]]) -> None:
+    _need(len(plan) > 0, "the chunk plan is empty; build it with chunk_plan()")
+    for (s0, e0), (s1, _) in zip(plan, plan[1:]):
+        _need(e0 == s1, f"chunk plan is not contiguous: ({s0}, {e0}) is followed by a chunk "
+              f"starting at {s1}")
+    for s, e in plan:
+        _need(0 <= s < e, f"chunk ({s}, {e}) must satisfy 0 ≤ start < end")
+
+
+# ============================================================================ indexer pairs
+def _sum_positions_plus_one(a: int, b: int) -> int:
+    """``Σ_{i=a}^{b-1} (i + 1)``: keys scored by the queries at positions ``a .. b-1``."""
+    return (b * (b + 1) - a * (a + 1)) // 2
+
+
+@dataclass(frozen=True)
+class IndexerPairs:
+    """(query, key) pairs one full layer's indexer scores over a chunked prefill.
+
+    Exact integers: ``total = intra_chunk + cross_chunk + prefix_cache``, where ``intra_chunk =
+    Σ_j b_j (b_j + 1) / 2`` (keys of the query's own chunk, causal, itself included),
+    ``cross_chunk = Σ_{i<j} b_i b_j`` (new tokens of earlier chunks) and ``prefix_cache = P · N``
+    (the cached prefix, scored by every new query). ``*_approx`` are the article's
+    approximations: ``N² / (2m)``, ``N² / 2`` and ``N² / 2 + P · N`` for ``m`` chunks.
+    """
+
+    total: int
+    intra_chunk: int
+    cross_chunk: int
+    prefix_cache: int
+    intra_chunk_approx: float
+    cross_chunk_approx: float
+    total_approx: float
+
+
+def indexer_pairs(plan: Sequence[tuple[int, int]]) -> IndexerPairs:
+    """Exact pair counts of one full layer over ``plan`` (from :func:`chunk_plan`).
+
+    The cached prefix is ``plan[0][0]``: a query at absolute position ``i`` scores ``i + 1`` keys.
+    """
+    _check_plan(plan)
+    prefix = plan[0][0]
+    new = plan[-1][1] - prefix
+    sizes = [e - s for s, e in plan]
+    intra = sum(b * (b + 1) // 2 for b in sizes)
+    cross = sum(b * (s - prefix) for (s, _), b in zip(plan, sizes))
+    total = _sum_positions_plus_one(prefix, plan[-1][1])
+    m = len(plan)
+    return IndexerPairs(
+        total=total,
+        intra_chunk=intra,
+        cross_chunk=cross,
+        prefix_cache=prefix * new,
+        intra_chunk_approx=new * new / (2 * m),
+        cross_chunk_approx=new * new / 2,
+        total_approx=new * new / 2 + prefix * new,
+    )
+
+
+def index_k_reread_bytes(config: DSAConfig, plan: Sequence[tuple[int, int]]) -> int:
+    """Index-K bytes of the already-committed prefix read again by each chunk, all full layers.
+
+    Chunk ``j`` starting at ``s_j`` reads the ``s_j`` index keys before it (cached prefix
+    included) once per full layer: ``full_layers · index_k_row_bytes · Σ_j s_j``. The article
+    approximates ``Σ_j s_j`` by ``N² / (2B)`` for ``P = 0``.
+    """
+    _check_plan(plan)
+    return len(config.full_layers) * index_k_row_bytes(config) * sum(s for s, _ in plan)
+
+
+def indexer_flops_per_pair(config: DSAConfig) -> int:
+    """FLOPs of one (query, key) score: ``index_n_heads`` dot products of ``index_head_dim`` (8192)."""
+    return 2 * config.index_n_heads * config.index_head_dim
+
+
+# ============================================================================ FLOPs per op
+@dataclass(frozen=True)
+class OpFlops:
+    """One matrix product of a layer.
+
+    ``flops_per_token`` is per token per layer it runs in; ``applies_to`` is ``"all"``,
+    ``"full"`` (full indexer layers), ``"moe"`` or ``"dense"``; ``in_article`` says whether the
+    article's per-op table lists it (the router gate is not listed there).
+    """
+
+    op: str
+    shape: str
+    flops_per_token: int
+    applies_to: str
+    in_article: bool = True
+
+
+def op_flops(config: DSAConfig) -> list[OpFlops]:
+    """Per-token FLOPs of every matrix product, in the order of the article's table.
+
+    ``sparse_mla`` assumes ``index_topk`` keys per query (QK over ``kv_lora_rank +
+    qk_rope_head_dim`` and PV over ``kv_lora_rank``); :func:`sparse_mla_keys` gives the exact
+    key count near the start of a sequence.
+    """
+    c = config
+    h, heads, topk = c.hidden_size, c.num_attention_heads, c.index_topk
+    experts = c.num_experts_per_tok
+    return [
+        OpFlops("a_proj", f"{h}->{c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim}",
+                2 * h * (c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim), "all"),
+        OpFlops("q_up", f"{c.q_lora_rank}->{heads * c.qk_head_dim}",
+                2 * c.q_lora_rank * heads * c.qk_head_dim, "all"),
+        OpFlops("q_absorb", f"{heads}x{c.qk_nope_head_dim}x{c.kv_lora_rank}",
+                2 * heads * c.qk_nope_head_dim * c.kv_lora_rank, "all"),
+        OpFlops("index_k", f"{h}->{c.index_head_dim}", 2 * h * c.index_head_dim, "full"),
+        OpFlops("index_q", f"{c.q_lora_rank}->{c.index_n_heads * c.index_head_dim}",
+                2 * c.q_lora_rank * c.index_n_heads * c.index_head_dim, "full"),
+        OpFlops("index_gate", f"{h}->{c.index_n_heads}", 2 * h * c.index_n_heads, "full"),
+        OpFlops("sparse_mla", f"{heads}x({c.kv_latent_dim}+{c.kv_lora_rank})x{topk}",
+                2 * heads * (c.kv_latent_dim + c.kv_lora_rank) * topk, "all"),
+        OpFlops("out_absorb", f"{heads}x{c.kv_lora_rank}x{c.v_head_dim}",
+                2 * heads * c.kv_lora_rank * c.v_head_dim, "all"),
+        OpFlops("o_proj", f"{heads * c.v_head_dim}->{h}", 2 * heads * c.v_head_dim * h, "all"),
+        OpFlops("moe_experts", f"{experts}x3x{h}x{c.moe_intermediate_size}",
+                2 * experts * 3 * h * c.moe_intermediate_size, "moe"),
+        OpFlops("shared_experts", f"{c.n_shared_experts}x3x{h}x{c.moe_intermediate_size}",
+                2 * c.n_shared_experts * 3 * h * c.moe_intermediate_size, "moe"),
+        OpFlops("dense_mlp", f"3x{h}x{c.intermediate_size}", 2 * 3 * h * c.intermediate_size, "dense"),
+        OpFlops("router_gate", f"{h}->{c.n_routed_experts}", 2 * h * c.n_routed_experts, "moe",
+                in_article=False),
+    ]
+
+
+def _op_layers(config: DSAConfig, applies_to: str) -> int:
+    counts = {
+        "all": config.num_hidden_layers,
+        "full": len(config.full_layers),
+        "moe": config.num_hidden_layers - config.first_k_dense_replace,
+        "dense": config.first_k_dense_replace,
+    }
+    return counts[applies_to]
+
+
+def _op_runs_in(op: OpFlops, full: bool, moe: bool) -> bool:
+    return {"all": True, "full": full, "moe": moe, "dense": not moe}[op.applies_to]
+
+
+def layer_flops_per_token(config: DSAConfig, full: bool, moe: bool, with_router: bool = False) -> int:
+    """Per-token FLOPs of one layer of the given kind (the article's ops; router optional).
+
+    A full MoE layer of GLM-5.3 is 1,313,472,512 FLOPs/token (the article's "1313M").
+    """
+    return sum(
+        op.flops_per_token
+        for op in op_flops(config)
+        if _op_runs_in(op, full, moe) and (op.in_article or with_router)
+    )
+
+
+def sparse_mla_keys(config: DSAConfig, start: int, end: int) -> int:
+    """Exact ``Σ_{i=start}^{end-1} min(index_topk, i + 1)``: keys attended by positions ``start..end-1``."""
+    _need_int("start", start, 0)
+    _need(end >= start, f"end={end} must be ≥ start={start}")
+    k = config.index_topk
+
+    def upto(x: int) -> int:  # Σ_{i<x} min(k, i + 1)
+        return x * (x + 1) // 2 if x <= k else k * (k + 1) // 2 + (x - k) * k
+
+    return upto(end) - upto(start)
+
+
+def _model_flops_exact(config: DSAConfig, prefix: int, tokens: int) -> int:
+    """All matrix-product FLOPs of the new tokens: router included, exact sparse-MLA keys."""
+    new = tokens - prefix
+    total = 0
+    for op in op_flops(config):
+        layers = _op_layers(config, op.applies_to)
+        if op.op == "sparse_mla":
+            per_key = op.flops_per_token // config.index_topk
+            total += layers * per_key * sparse_mla_keys(config, prefix, tokens)
+        else:
+            total += layers * op.flops_per_token * new
+    return total
+
+
+# ============================================================================ parameters
+def param_counts(config: DSAConfig) -> dict[str, int]:
+    """Parameter counts (elements) by component, the model total, and those active per token.
+
+    ``activated`` counts every weight a token touches: all but the ``n_routed_experts -
+    num_experts_per_tok`` unchosen experts of each MoE layer.
+    """
+    c = config
+    h, heads = c.hidden_size, c.num_attention_heads
+    moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+    expert = 3 * h * c.moe_intermediate_size
+    attention = (
+        h * c.q_lora_rank + c.q_lora_rank
+        + c.q_lora_rank * heads * c.qk_head_dim
+        + h * c.kv_latent_dim + c.kv_lora_rank
+        + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        + heads * c.v_head_dim * h
+    )
+    indexer = (
+        c.q_lora_rank * c.index_n_heads * c.index_head_dim
+        + h * c.index_head_dim
+        + 2 * c.index_head_dim
+        + h * c.index_n_heads
+    )
+    counts = {
+        "embedding": c.vocab_size * h,
+        "lm_head": 0 if c.tie_word_embeddings else c.vocab_size * h,
+        "norms": c.num_hidden_layers * 2 * h + h,
+        "attention_per_layer": attention,
+        "indexer_per_full_layer": indexer,
+        "dense_mlp_per_layer": 3 * h * c.intermediate_size,
+        "experts_per_moe_layer": c.n_routed_experts * expert,
+        "shared_experts_per_moe_layer": c.n_shared_experts * expert,
+        "router_per_moe_layer": c.n_routed_experts * h + c.n_routed_experts,
+    }
+    counts["indexer_total"] = len(c.full_layers) * indexer
+    counts["total"] = (
+        counts["embedding"] + counts["lm_head"] + counts["norms"]
+        + c.num_hidden_layers * attention
+        + counts["indexer_total"]
+        + c.first_k_dense_replace * counts["dense_mlp_per_layer"]
+        + moe_layers * (counts["experts_per_moe_layer"] + counts["shared_experts_per_moe_layer"]
+                        + counts["router_per_moe_layer"])
+    )
+    counts["activated"] = counts["total"] - moe_layers * (c.n_routed_experts - c.num_experts_per_tok) * expert
+    return counts
+
+
+# ============================================================================ logits budget
+def logits_budget_bytes_static(
+    total_bytes: int, mem_fraction_static: float, free_fraction: float = 0.2
+) -> int:
+    """CONVENTIONS §12 static logits budget in bytes (SGLang ``mqa_logits_static_budget_bytes``).
+
+    ``min(int(free_fraction * int(total * (1 - mem_fraction_static))), int(0.3 * total))``; the
+    runtime budget is further capped by ``free_fraction`` of the live free memory, which a
+    ledger cannot know. 141e9 bytes at 0.8 give 5,639,999,999 bytes.
+    """
+    _need_int("total_bytes", total_bytes, 1)
+    _need(0.0 <= mem_fraction_static <= 1.0,
+          f"mem_fraction_static={mem_fraction_static} must lie in [0, 1]")
+    _need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
+    static_free = int(total_bytes * max(0.0, 1.0 - mem_fraction_static))
+    return min(int(static_free * free_fraction), int(total_bytes * LOGITS_TOTAL_MEM_CAP))
+
+
+def logits_row_slices(num_q: int, num_k: int, budget_bytes: int) -> tuple[int, int]:
+    """``(rows per slice, slices)`` of one ``[num_q, num_k]`` float32 logits matrix (§12).
+
+    Unsliced when ``num_q * num_k < 8e6`` or the matrix fits the budget; otherwise
+    ``rows = max(1, budget // (4 * num_k))`` and ``slices = ceil(num_q / rows)``.
+    """
+    _need_int("num_q", num_q, 1)
+    _need_int("num_k", num_k, 1)
+    _need_int("budget_bytes", budget_bytes, 0)
+    if num_q * num_k < LOGITS_NO_CHUNK_ELEMENTS or FP32_BYTES * num_q * num_k <= budget_bytes:
+        return num_q, 1
+    rows = max(1, budget_bytes // (FP32_BYTES * num_k))
+    return rows, -(-num_q // rows)
+
+
+# ============================================================================ context parallel
+def _rank_ranges(n: int, cp: int, split: str) -> list[list[range]]:
+    """Chunk-relative token indices of each rank as arithmetic ranges, in rank order."""
+    _need_int("n", n, 0)
+    _need_int("cp", cp, 1)
+    _need(split in CP_SPLITS, f"split={split!r} must be one of {CP_SPLITS}")
+    if split == "interleave":
+        return [[range(r, n, cp)] for r in range(cp)]
+    blocks = cp if split == "contiguous" else 2 * cp
+    # n // blocks tokens per block, the remainder one extra to each of the first blocks
+    bounds = [0]
+    for b in range(blocks):
+        bounds.append(bounds[-1] + n // blocks + (1 if b < n % blocks else 0))
+    block = [range(bounds[b], bounds[b + 1]) for b in range(blocks)]
+    if split == "contiguous":
+        return [[block[r]] for r in range(cp)]
+    return [[block[r], block[2 * cp - 1 - r]] for r in range(cp)]
+
+
+def cp_rank_positions(n: int, cp: int, split: str) -> list[list[int]]:
+    """Chunk-relative token indices each of ``cp`` ranks holds, ascending.
+
+    ``"contiguous"``: ``cp`` consecutive blocks (the first ``n % cp`` one token longer);
+    ``"interleave"``: token ``i`` on rank ``i % cp`` (SGLang round-robin); ``"zigzag"``:
+    ``2 cp`` consecutive blocks (the first ``n % (2 cp)`` one token longer), rank ``r`` holding
+    blocks ``r`` and ``2 cp - 1 - r``.
+    """
+    return [[i for rg in ranges for i in rg] for ranges in _rank_ranges(n, cp, split)]
+
+
+def _range_sum(rg: range) -> int:
+    return len(rg) * (2 * rg.start + (len(rg) - 1) * rg.step) // 2 if len(rg) else 0
+
+
+def cp_indexer_pairs_per_rank(n: int, cp: int, split: str, prefix: int = 0) -> list[int]:
+    """Exact indexer (query, key) pairs per rank for one chunk of ``n`` tokens after ``prefix``.
+
+    Rank ``r`` sums ``prefix + i + 1`` over its chunk-relative tokens ``i``: every query scores
+    the cached prefix and the chunk up to itself. One full layer; multiply by the full layers.
+    """
+    _need_int("prefix", prefix, 0)
+    return [
+        sum(len(rg) * (prefix + 1) + _range_sum(rg) for rg in ranges)
+        for ranges in _rank_ranges(n, cp, split)
+    ]
+
+
+def cp_mean_prefix_article(n: int, cp: int, split: str, rank: int, prefix: int = 0) -> float | None:
+    """The article's average prefix length of ``rank``'s queries (``None`` for zigzag: not given).
+
+    Contiguous ``r L / p + L / (2p)``; interleave ``L / 2 - (p - 1) / 2`` (the same for every
+    rank). ``prefix`` is added to both (the article has no cached prefix).
+    """
+    _need(split in CP_SPLITS, f"split={split!r} must be one of {CP_SPLITS}")
+    if split == "contiguous":
+        return prefix + rank * n / cp + n / (2 * cp)
+    if split == "interleave":
+        return prefix + n / 2 - (cp - 1) / 2
+    return None
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One communication of a prefill chunk: ``count`` collectives of ``bytes_each`` bytes.
+
+    ``bytes_each`` is the size of the whole gathered / reduced tensor (the article's
+    convention); ``local_bytes_each`` is one rank's share for the CP gathers (padded to
+    ``ceil(n / cp)`` rows), ``None`` elsewhere. ``optional`` rows (DP attention) are not in the
+    chunk total.
+    """
+
+    op: str
+    description: str
+    count: int
+    bytes_each: int
+    local_bytes_each: int | None = None
+    optional: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.count * self.bytes_each
+
+
+def cp_comm_bytes_per_chunk(
+    config: DSAConfig,
+    chunk_tokens: int,
+    cp: int,
+    index_k_bytes_per_token: int | None = None,
+    latent_bytes_per_token: int | None = None,
+) -> list[CommRow]:
+    """Communication of one chunk of ``chunk_tokens`` tokens (CONVENTIONS §13; article's table).
+
+    Rows: index-K all-gather (each full layer), latent all-gather (each layer; the article's
+    table omits it), o_proj reduce-scatter (each layer, bf16), MoE dispatch (FP8, 1 byte per
+    element) and combine (bf16) over ``num_experts_per_tok`` copies (each MoE layer), the CP
+    boundary gather of the hidden states (once), and the optional DP-attention gather +
+    scatter (twice per layer, bf16). CP rows have ``count = 0`` when ``cp == 1``.
+
+    ``index_k_bytes_per_token`` defaults to the article's 132 (FP8 + scale); our implementation
+    gathers the key before quantization, ``index_head_dim`` × element size (256 in bf16).
+    ``latent_bytes_per_token`` defaults to bf16 ``[c | k_pe]`` (1152).
+    """
+    _need_int("chunk_tokens", chunk_tokens, 1)
+    _need_int("cp", cp, 1)
+    c = config
+    idx_bytes = index_k_row_bytes(c) if index_k_bytes_per_token is None else index_k_bytes_per_token
+    lat_bytes = BF16_BYTES * c.kv_latent_dim if latent_bytes_per_token is None else latent_bytes_per_token
+    _need_int("index_k_bytes_per_token", idx_bytes, 1)
+    _need_int("latent_bytes_per_token", lat_bytes, 1)
+    n, h = chunk_tokens, c.hidden_size
+    local = -(-n // cp)
+    cp_on = 1 if cp > 1 else 0
+    layers = c.num_hidden_layers
+    moe_layers = layers - c.first_k_dense_replace
+    hidden_bf16 = n * h * BF16_BYTES
+    return [
+        CommRow("index_k_allgather", "chunk's index K, each full layer (CP)",
+                cp_on * len(c.full_layers), n * idx_bytes, local * idx_bytes),
+        CommRow("latent_allgather", "chunk's [c | k_pe], each layer (CP)",
+                cp_on * layers, n * lat_bytes, local * lat_bytes),
+        CommRow("o_proj_reduce_scatter", "o_proj output, bf16, each layer", layers, hidden_bf16),
+        CommRow("moe_dispatch", "top-k copies of hidden, fp8, each MoE layer", moe_layers,
+                n * c.num_experts_per_tok * h * FP8_BYTES),
+        CommRow("moe_combine", "top-k expert outputs, bf16, each MoE layer", moe_layers,
+                n * c.num_experts_per_tok * h * BF16_BYTES),
+        CommRow("cp_boundary_gather", "hidden after the last layer, bf16 (CP)", cp_on, hidden_bf16,
+                local * h * BF16_BYTES),
+        CommRow("dp_attention_gather_scatter", "hidden gather + scatter, bf16, each layer",
+                2 * layers, hidden_bf16, optional=True),
+    ]
+
+
+# ============================================================================ TTFT floor
+@dataclass(frozen=True)
+class GpuSpec:
+    """Throughputs for the TTFT floor, per GPU. Defaults: the article's 8 × H200.
+
+    ``indexer_flops_per_s`` and ``backbone_flops_per_s`` are *effective* rates (the article's
+    300 TFLOP/s for the bandwidth-bound indexer and 1.5 PFLOP/s for the GEMMs), not peaks.
+    ``mem_bytes`` is the total memory the logits budget is computed from (141e9; torch reports
+    150,109,880,320 bytes on a real H200).
+    """
+
+    name: str = "H200"
+    gpus: int = 8
+    mem_bytes: int = 141 * GB
+    hbm_bytes_per_s: float = 4.8e12
+    indexer_flops_per_s: float = 300e12
+    backbone_flops_per_s: float = 1.5e15
+    nvlink_bytes_per_s: float = 900e9
+
+    def __post_init__(self) -> None:
+        _need_int("gpus", self.gpus, 1)
+        _need_int("mem_bytes", self.mem_bytes, 1)
+        for f in ("hbm_bytes_per_s", "indexer_flops_per_s", "backbone_flops_per_s", "nvlink_bytes_per_s"):
+            v = getattr(self, f)
+            _need(isinstance(v, (int, float)) and v > 0, f"GpuSpec.{f}={v!r} must be > 0")
+
+
+@dataclass(frozen=True)
+class TtftComponent:
+    """One term of the TTFT floor: ``amount`` (in ``unit``) at ``rate`` per second."""
+
+    name: str
+    amount: int
+    unit: str
+    rate: float
+    rate_basis: str
+    seconds: float
+
+
+def ttft_floor(
+    config: DSAConfig,
+    tokens: int,
+    chunk: int,
+    prefix: int = 0,
+    gpu: GpuSpec = GpuSpec(),
+    kv_dtype: str = "fp8",
+) -> dict[str, Any]:
+    """The article's TTFT floor, term by term, with the article's choice of per-GPU or aggregate rate.
+
+    Terms: indexer scoring FLOPs over all GPUs' indexer rate; index-K reread at one GPU's HBM
+    (each TP rank reads the whole replicated cache); backbone FLOPs (exact top-k key counts,
+    router included) over all GPUs; sparse-attention KV rows read over all GPUs' HBM (the
+    article's aggregate, at the true row size); MoE dispatch + combine of every chunk over the
+    aggregate NVLink; cache writes at one GPU's HBM. ``serial_s`` adds them all;
+    ``critical_path_s`` overlaps the reread with indexer compute and hides the KV write, as the
+    article's table notes. No CP, no queueing, no PD transfer.
+    """
+    plan = chunk_plan(tokens, chunk, prefix, config.page_size)
+    new = tokens - prefix
+    full = len(config.full_layers)
+    g = gpu.gpus
+    idx_flops = full * indexer_pairs(plan).total * indexer_flops_per_pair(config)
+    reread = index_k_reread_bytes(config, plan)
+    backbone = _model_flops_exact(config, prefix, tokens)
+    keys = sparse_mla_keys(config, prefix, tokens)
+    kv_read = config.num_hidden_layers * keys * main_kv_row_bytes(config, kv_dtype)
+    moe = sum(
+        row.total
+        for s, e in plan
+        for row in cp_comm_bytes_per_chunk(config, e - s, 1)
+        if row.op in ("moe_dispatch", "moe_combine")
+    )
+    written = cache_bytes_written(config, new, kv_dtype)["total"]
+    terms = [
+        ("indexer_compute", idx_flops, "FLOP", g * gpu.indexer_flops_per_s, f"{g} GPUs x indexer rate"),
+        ("index_k_reread", reread, "B", gpu.hbm_bytes_per_s, "1 GPU HBM"),
+        ("backbone_compute", backbone, "FLOP", g * gpu.backbone_flops_per_s, f"{g} GPUs x backbone rate"),
+        ("sparse_kv_read", kv_read, "B", g * gpu.hbm_bytes_per_s, f"{g} GPUs HBM"),
+        ("moe_comm", moe, "B", g * gpu.nvlink_bytes_per_s, f"{g} GPUs NVLink"),
+        ("kv_write", written, "B", gpu.hbm_bytes_per_s, "1 GPU HBM"),
+    ]
+    comps = [TtftComponent(n, a, u, r, b, a / r) for n, a, u, r, b in terms]
+    sec = {c.name: c.seconds for c in comps}
+    serial = sum(sec.values())
+    critical = (
+        max(sec["indexer_compute"], sec["index_k_reread"])
+        + sec["backbone_compute"] + sec["sparse_kv_read"] + sec["moe_comm"]
+    )
+    return {"components": comps, "serial_s": serial, "critical_path_s": critical}
+
+
+# ============================================================================ the whole ledger
+def build_ledger(
+    config: DSAConfig,
+    tokens: int,
+    chunk: int,
+    prefix: int = 0,
+    cp: int = 8,
+    kv_dtype: str = "fp8",
+    mem_fraction_static: float = 0.8,
+    gpu: GpuSpec = GpuSpec(),
+) -> dict[str, Any]:
+    """Every account of the article for one prefill, as a JSON-ready dict (keys: docs/ledger.md)."""
+    _check_kv_dtype(kv_dtype)
+    _need_int("cp", cp, 1)
+    c = config
+    plan = chunk_plan(tokens, chunk, prefix, c.page_size)
+    new = tokens - prefix
+    m = len(plan)
+    full = len(c.full_layers)
+    layers = c.num_hidden_layers
+    moe_layers = layers - c.first_k_dense_replace
+
+    ops = []
+    for op in op_flops(c):
+        n_layers = _op_layers(c, op.applies_to)
+        ops.append({
+            "op": op.op, "shape": op.shape, "flops_per_token": op.flops_per_token,
+            "applies_to": op.applies_to, "layers": n_layers,
+            "total": op.flops_per_token * n_layers * new, "in_article": op.in_article,
+        })
+    keys = sparse_mla_keys(c, prefix, tokens)
+    flops = {
+        "ops": ops,
+        "layer_per_token": {
+            f"{'full' if f else 'shared'}_{'moe' if e else 'dense'}": layer_flops_per_token(c, f, e)
+            for f in (True, False) for e in (True, False)
+        },
+        "model_total_article": sum(o["total"] for o in ops if o["in_article"]),
+        "sparse_mla_keys": keys,
+        "model_total": _model_flops_exact(c, prefix, tokens),
+    }
+
+    pairs = indexer_pairs(plan)
+    per_pair = indexer_flops_per_pair(c)
+    reread = index_k_reread_bytes(c, plan)
+    intensity = per_pair // (c.index_head_dim * FP8_BYTES)
+    indexer = {
+        "full_layers": full,
+        "flops_per_pair": per_pair,
+        "pairs_per_layer": {
+            "total": pairs.total, "intra_chunk": pairs.intra_chunk,
+            "cross_chunk": pairs.cross_chunk, "prefix_cache": pairs.prefix_cache,
+        },
+        "pairs_per_layer_approx": {
+            "total": pairs.total_approx, "intra_chunk": pairs.intra_chunk_approx,
+            "cross_chunk": pairs.cross_chunk_approx, "prefix_cache": float(pairs.prefix_cache),
+        },
+        "flops": full * pairs.total * per_pair,
+        "flops_approx": full * pairs.total_approx * per_pair,
+        "intensity_flop_per_byte": intensity,
+        "bandwidth_bound_flops_per_s": intensity * gpu.hbm_bytes_per_s,
+        "index_k_reread_bytes": reread,
+        "index_k_reread_bytes_approx": full * index_k_row_bytes(c) * (new * new / (2 * chunk) + m * prefix),
+    }
+
+    row_main = main_kv_row_bytes(c, kv_dtype)
+    row_idx = index_k_row_bytes(c)
+    at_l = cache_bytes_written(c, tokens, kv_dtype)
+    kv = {
+        "kv_dtype": kv_dtype,
+        "main_row_bytes": row_main,
+        "index_row_bytes": row_idx,
+        "main_bytes_per_token": layers * row_main,
+        "index_bytes_per_token": full * row_idx,
+        "bytes_per_token": layers * row_main + full * row_idx,
+        "main_bytes": at_l["main_kv"],
+        "index_bytes": at_l["index_k"],
+        "total_bytes": at_l["total"],
+        "main_page_bytes": main_kv_page_bytes(c, kv_dtype),
+        "index_page_bytes": index_k_page_bytes(c),
+        "pages_per_chunk": -(-chunk // c.page_size),
+        "written_per_chunk": cache_bytes_written(c, chunk, kv_dtype),
+        "written_request": cache_bytes_written(c, new, kv_dtype),
+    }
+
+    budget = logits_budget_bytes_static(gpu.mem_bytes, mem_fraction_static)
+    slices = [logits_row_slices(e - s, e, budget) for s, e in plan]
+    logits = {
+        "total_mem_bytes": gpu.mem_bytes,
+        "mem_fraction_static": mem_fraction_static,
+        "budget_bytes": budget,
+        "row_bytes_at_tokens": FP32_BYTES * tokens,
+        "rows_at_tokens": budget // (FP32_BYTES * tokens),
+        "peak_bytes_one_chunk": max(FP32_BYTES * (e - s) * e for s, e in plan),
+        "rows_last_chunk": slices[-1][0],
+        "slices_last_chunk": slices[-1][1],
+        "slices_total": sum(k for _, k in slices),
+    }
+    activations = {
+        "hidden_bytes_per_chunk": chunk * c.hidden_size * BF16_BYTES,
+        "moe_intermediate_bytes_per_chunk":
+            chunk * c.num_experts_per_tok * c.moe_intermediate_size * BF16_BYTES,
+    }
+    mha_width = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    mha = {
+        "kv_elements_per_token": mha_width,
+        "latent_elements_per_token": c.kv_latent_dim,
+        "temp_kv_bytes_at_tokens": tokens * mha_width * BF16_BYTES,
+        "temp_kv_bytes_per_chunk": chunk * mha_width * BF16_BYTES,
+    }
+
+    chunk_sizes = []
+    for b in (chunk // 4, chunk, 4 * chunk):
+        if b < c.page_size:
+            continue
+        p = chunk_plan(tokens, b, prefix, c.page_size)
+        b_reread = index_k_reread_bytes(c, p)
+        chunk_sizes.append({
+            "chunk": b,
+            "chunks": len(p),
+            "index_k_reread_bytes": b_reread,
+            "index_k_reread_relative": b_reread / reread if reread else None,
+            "logits_peak_bytes": max(FP32_BYTES * (e - s) * e for s, e in p),
+            "hidden_bytes_per_chunk": b * c.hidden_size * BF16_BYTES,
+        })
+
+    cp_section: dict[str, Any] = {"cp": cp, "sequence": {}, "request": {}}
+    for split in CP_SPLITS:
+        per_rank = cp_indexer_pairs_per_rank(new, cp, split, prefix)
+        counts = [sum(len(rg) for rg in ranges) for ranges in _rank_ranges(new, cp, split)]
+        cp_section["sequence"][split] = {
+            "tokens_per_rank": counts,
+            "pairs_per_rank": per_rank,
+            "mean_prefix_per_rank": [q / t - 1 if t else None for q, t in zip(per_rank, counts)],
+            "article_mean_prefix_per_rank":
+                [cp_mean_prefix_article(new, cp, split, r, prefix) for r in range(cp)],
+            "max_over_min": max(per_rank) / min(per_rank) if min(per_rank) else None,
+        }
+        req = [0] * cp
+        for s, e in plan:
+            for r, q in enumerate(cp_indexer_pairs_per_rank(e - s, cp, split, s)):
+                req[r] += q
+        cp_section["request"][split] = {
+            "pairs_per_rank": req,
+            "max_over_min": max(req) / min(req) if min(req) else None,
+        }
+
+    rows = cp_comm_bytes_per_chunk(c, chunk, cp)
+    comm = {
+        "chunk_tokens": chunk,
+        "cp": cp,
+        "rows": [dict(dataclasses.asdict(r), total=r.total) for r in rows],
+        "total_bytes": sum(r.total for r in rows if not r.optional),
+    }
+
+    ttft = ttft_floor(c, tokens, chunk, prefix, gpu, kv_dtype)
+    ttft_json = {
+        "components": [
+            dict(dataclasses.asdict(x), share=x.seconds / ttft["serial_s"]) for x in ttft["components"]
+        ],
+        "serial_s": ttft["serial_s"],
+        "critical_path_s": ttft["critical_path_s"],
+    }
+
+    return {
+        "schema": SCHEMA,
+        "inputs": {
+            "config": c.name, "tokens": tokens, "prefix": prefix, "new_tokens": new, "chunk": chunk,
+            "cp": cp, "kv_dtype": kv_dtype, "mem_fraction_static": mem_fraction_static,
+            "gpu": dataclasses.asdict(gpu),
+        },
+        "model": {
+            "layers": layers, "full_layers": full, "shared_layers": layers - full,
+            "dense_layers": c.first_k_dense_replace, "moe_layers": moe_layers,
+            "page_size": c.page_size, "index_topk": c.index_topk,
+            "max_position_embeddings": c.max_position_embeddings,
+        },
+        "params": param_counts(c),
+        "flops": flops,
+        "indexer": indexer,
+        "kv": kv,
+        "chunks": {"count": m, "plan": [list(x) for x in plan]},
+        "logits": logits,
+        "activations": activations,
+        "mha_one_shot": mha,
+        "chunk_sizes": chunk_sizes,
+        "context_parallel": cp_section,
+        "comm": comm,
+        "ttft": ttft_json,
+    }
+
+
+# ============================================================================ text rendering
+_SI = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def _si(x: float, unit: str) -> str:
+    """``53.65 GB``-style decimal rendering (1 GB = 1e9 B)."""
+    for scale, prefix in _SI:
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {prefix}{unit}"
+    return f"{x:.4g} {unit}"
+
+
+def _n(x: Any) -> str:
+    """Exact integers with thousands separators; floats with 10 significant digits."""
+    if x is None:
+        return "-"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.10g}" if abs(x) < 1e10 else f"{x:.10e}"
+
+
+def _q(label: str, value: Any, unit: str | None = None, note: str = "") -> list[Any]:
+    """A ``quantity | value | human-readable`` row; ``unit`` asks for the decimal rendering."""
+    return [label, value, _si(value, unit) if unit is not None else note]
+
+
+def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(map(str, headers))] + [[v if isinstance(v, str) else _n(v) for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: Sequence[str]) -> str:
+        # labels left-aligned, numbers right-aligned
+        cols = (v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
+        return "  ".join(cols).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([f"== {title}", line(cells[0]), rule] + [line(r) for r in cells[1:]])
+
+
+def format_ledger(ledger: dict[str, Any]) -> str:
+    """Render a :func:`build_ledger` dict as aligned text tables (every JSON number appears)."""
+    inp, mod = ledger["inputs"], ledger["model"]
+    gpu = inp["gpu"]
+    header = [
+        f"glm-dsa ledger: config {inp['config']}, L = {_n(inp['tokens'])} tokens (prefix P = "
+        f"{_n(inp['prefix'])}, new N = {_n(inp['new_tokens'])}), chunk B = {_n(inp['chunk'])}, "
+        f"CP {inp['cp']}, KV {inp['kv_dtype']}",
+        f"model: {mod['layers']} layers = {mod['full_layers']} full + {mod['shared_layers']} shared "
+        f"indexer layers; {mod['dense_layers']} dense + {mod['moe_layers']} MoE; page "
+        f"{mod['page_size']} tokens; index_topk {mod['index_topk']}",
+        "units: FLOPs count 2 per multiply-add; B = bytes; GB = 1e9 B (decimal); s = seconds",
+    ]
+    if inp["tokens"] > mod["max_position_embeddings"]:
+        header.append(f"note: L exceeds max_position_embeddings = {_n(mod['max_position_embeddings'])}")
+    out = ["\n".join(header)]
+
+    fl = ledger["flops"]
+    out.append(_table(
+        f"FLOPs per op (total over N = {_n(inp['new_tokens'])} new tokens; sparse MLA at index_topk keys)",
+        ["op", "shape", "FLOP/token", "layers", "total FLOP", "total"],
+        [[o["op"] + ("" if o["in_article"] else " (not in article)"), o["shape"], o["flops_per_token"],
+          o["layers"], o["total"], _si(o["total"], "FLOP")] for o in fl["ops"]],
+    ))
+    out.append(_table(
+        "FLOPs per layer per token (article's ops, router excluded)",
+        ["layer kind", "FLOP/token", ""],
+        [_q(k, v, "FLOP") for k, v in fl["layer_per_token"].items()],
+    ))
+    out.append(_table("model FLOPs", ["quantity", "value", ""], [
+        _q("model_total_article (article's ops, topk keys/token)", fl["model_total_article"], "FLOP"),
+        _q("sparse_mla_keys (exact sum of min(topk, i+1))", fl["sparse_mla_keys"]),
+        _q("model_total (all ops, router, exact keys)", fl["model_total"], "FLOP"),
+    ]))
+    out.append(_table("parameters (elements)", ["component", "params", ""],
+                      [_q(k, v, "") for k, v in ledger["params"].items()]))
+
+    ix = ledger["indexer"]
+    full = ix["full_layers"]
+    pl, pa = ix["pairs_per_layer"], ix["pairs_per_layer_approx"]
+    out.append(_table(
+        f"indexer (query, key) pairs: per full layer, x {full} full layers, article's approximation",
+        ["term", "pairs/layer", f"x {full} layers", "approx/layer"],
+        [[t, pl[t], full * pl[t], pa[t]] for t in ("intra_chunk", "cross_chunk", "prefix_cache", "total")],
+    ))
+    out.append(_table("indexer cost", ["quantity", "value", ""], [
+        _q("flops_per_pair", ix["flops_per_pair"]),
+        _q("flops (exact)", ix["flops"], "FLOP"),
+        _q("flops_approx (L^2/2 pairs)", ix["flops_approx"], "FLOP"),
+        _q("intensity_flop_per_byte", ix["intensity_flop_per_byte"], note="FLOP/B of FP8 K"),
+        _q("bandwidth_bound_flops_per_s", ix["bandwidth_bound_flops_per_s"], "FLOP/s"),
+        _q("index_k_reread_bytes (exact)", ix["index_k_reread_bytes"], "B"),
+        _q("index_k_reread_bytes_approx (N^2/(2B))", ix["index_k_reread_bytes_approx"], "B"),
+    ]))
+
+    kv = ledger["kv"]
+    wc, wr = kv["written_per_chunk"], kv["written_request"]
+    out.append(_table(f"KV cache ({kv['kv_dtype']} main KV)", ["quantity", "bytes", ""], [
+        _q("main_row_bytes (per token per layer)", kv["main_row_bytes"]),
+        _q("index_row_bytes (per token per full layer)", kv["index_row_bytes"]),
+        _q("main_bytes_per_token (all layers)", kv["main_bytes_per_token"]),
+        _q("index_bytes_per_token (full layers)", kv["index_bytes_per_token"]),
+        _q("bytes_per_token", kv["bytes_per_token"]),
+        _q("main_bytes at L", kv["main_bytes"], "B"),
+        _q("index_bytes at L", kv["index_bytes"], "B"),
+        _q("total_bytes at L", kv["total_bytes"], "B"),
+        _q("main_page_bytes", kv["main_page_bytes"], note=f"{kv['main_page_bytes'] / 1024:g} KiB"),
+        _q("index_page_bytes", kv["index_page_bytes"], note=f"{kv['index_page_bytes'] / 1024:g} KiB"),
+        _q("pages_per_chunk", kv["pages_per_chunk"], note="pages"),
+        *[_q(f"written_per_chunk {k}", v, "B") for k, v in wc.items()],
+        *[_q(f"written_request {k} (N tokens)", v, "B") for k, v in wr.items()],
+    ]))
+
+    plan = ledger["chunks"]["plan"]
+    shown = list(range(len(plan))) if len(plan) <= 4 else [0, 1, None, len(plan) - 1]
+    out.append(_table(
+        f"chunk plan ({ledger['chunks']['count']} chunks)",
+        ["chunk", "start", "end", "tokens"],
+        [["...", "...", "...", "..."] if j is None
+         else [str(j + 1), plan[j][0], plan[j][1], plan[j][1] - plan[j][0]] for j in shown],
+    ))
+
+    lg, act, mha = ledger["logits"], ledger["activations"], ledger["mha_one_shot"]
+    out.append(_table("indexer logits, activations, MHA one-shot", ["quantity", "value", ""], [
+        _q("total_mem_bytes (per GPU)", lg["total_mem_bytes"], "B"),
+        _q("mem_fraction_static", lg["mem_fraction_static"]),
+        _q("budget_bytes (static, CONVENTIONS 12)", lg["budget_bytes"], "B"),
+        _q("row_bytes_at_tokens (4 L)", lg["row_bytes_at_tokens"], "B"),
+        _q("rows_at_tokens (budget // 4L)", lg["rows_at_tokens"], note="rows"),
+        _q("peak_bytes_one_chunk (unsliced)", lg["peak_bytes_one_chunk"], "B"),
+        _q("rows_last_chunk", lg["rows_last_chunk"], note="rows/slice"),
+        _q("slices_last_chunk", lg["slices_last_chunk"], note="slices"),
+        _q("slices_total", lg["slices_total"], note="slices"),
+        _q("hidden_bytes_per_chunk (bf16)", act["hidden_bytes_per_chunk"], "B"),
+        _q("moe_intermediate_bytes_per_chunk (bf16)", act["moe_intermediate_bytes_per_chunk"], "B"),
+        _q("mha kv_elements_per_token", mha["kv_elements_per_token"]),
+        _q("mha latent_elements_per_token", mha["latent_elements_per_token"]),
+        _q("mha temp_kv_bytes_at_tokens (bf16)", mha["temp_kv_bytes_at_tokens"], "B"),
+        _q("mha temp_kv_bytes_per_chunk (bf16)", mha["temp_kv_bytes_per_chunk"], "B"),
+    ]))
+
+    out.append(_table(
+        "chunk size comparison (reread relative to chunk B)",
+        ["chunk", "chunks", "index-K reread B", "relative", "logits peak B", "", "hidden act B"],
+        [[x["chunk"], x["chunks"], x["index_k_reread_bytes"], x["index_k_reread_relative"],
+          x["logits_peak_bytes"], _si(x["logits_peak_bytes"], "B"), x["hidden_bytes_per_chunk"]]
+         for x in ledger["chunk_sizes"]],
+    ))
+
+    cps = ledger["context_parallel"]
+    contig, inter, zig = (cps["sequence"][s] for s in CP_SPLITS)
+    out.append(_table(
+        f"context parallel CP{cps['cp']}: N new tokens split once; mean prefix per rank (exact / article)",
+        ["rank", "contig exact", "contig article", "interleave exact", "interleave article", "zigzag exact"],
+        [[str(r), contig["mean_prefix_per_rank"][r], contig["article_mean_prefix_per_rank"][r],
+          inter["mean_prefix_per_rank"][r], inter["article_mean_prefix_per_rank"][r],
+          zig["mean_prefix_per_rank"][r]] for r in range(cps["cp"])],
+    ))
+    out.append(_table(
+        "context parallel: indexer pairs per rank (one full layer) and imbalance",
+        ["split", "scope", "min pairs", "max pairs", "max/min"],
+        [[split, scope, min(d["pairs_per_rank"]), max(d["pairs_per_rank"]), d["max_over_min"]]
+         for scope in ("sequence", "request") for split, d in cps[scope].items()],
+    ))
+
+    cm = ledger["comm"]
+    out.append(_table(
+        f"communication per chunk of {_n(cm['chunk_tokens'])} tokens, CP{cm['cp']}",
+        ["op", "count", "bytes each", "local each", "total B", "total"],
+        [[r["op"] + (" (optional)" if r["optional"] else ""), r["count"], r["bytes_each"],
+          r["local_bytes_each"], r["total"], _si(r["total"], "B")] for r in cm["rows"]]
+        + [["total (without optional)", "", "", "", cm["total_bytes"], _si(cm["total_bytes"], "B")]],
+    ))
+
+    tt = ledger["ttft"]
+    rates = (f"HBM {_si(gpu['hbm_bytes_per_s'], 'B/s')}, "
+             f"indexer {_si(gpu['indexer_flops_per_s'], 'FLOP/s')}, "
+             f"backbone {_si(gpu['backbone_flops_per_s'], 'FLOP/s')}, "
+             f"NVLink {_si(gpu['nvlink_bytes_per_s'], 'B/s')} per GPU")
+    out.append(_table(
+        f"TTFT floor on {gpu['gpus']} x {gpu['name']} ({rates})",
+        ["term", "amount", "unit", "rate /s", "rate basis", "seconds", "share"],
+        [[x["name"], x["amount"], x["unit"], x["rate"], x["rate_basis"], x["seconds"],
+          f"{100 * x['share']:.1f}%"] for x in tt["components"]]
+        + [["serial_s", "", "", "", "", tt["serial_s"], ""],
+           ["critical_path_s", "", "", "", "", tt["critical_path_s"], ""]],
+    ))
+    return "\n\n".join(out) + "\n"

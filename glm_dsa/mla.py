@@ -1,0 +1,448 @@
+"""Multi-head latent attention (MLA): the absorbed sparse form and the expanded one-shot form.
+
+Keys and values of MLA live in a per-token latent row ``[c | k_pe]`` (``kv_lora_rank +
+qk_rope_head_dim`` = 576 for GLM-5.3). Two equivalent ways to attend over it:
+
+* **Absorbed** (what FlashMLA's sparse kernels run): fold ``W_UK`` into the query,
+  ``q_abs = q_nope @ W_UK`` ``[n, H, kv_lora]``, attend with the 576-dim query ``[q_abs | q_pe]``
+  over the selected latent rows with a single shared KV head, take the first ``kv_lora`` dims of
+  the same rows as values, and unfold ``W_UV`` after the softmax. ``kv_b_proj`` never runs.
+* **Expanded** (the MHA one-shot prefill): ``k_nope, v = kv_b_proj(c)`` per head, ``k = [k_nope |
+  k_pe]``, plain causal multi-head attention. Used when the longest context of the batch is short
+  (``dense_attn_kv_len_threshold``), where the top-k covers every key anyway.
+
+``kv_b_proj.weight`` ``[H * (nope + v), kv_lora]`` viewed as ``[H, nope + v, kv_lora]`` gives
+``W_UK = [:, :nope]`` and ``W_UV = [:, nope:]``. Both forms compute the same function; the
+tests prove it against an independent dense attention.
+
+Precision: attention math runs in ``torch.promote_types(dtype, float32)`` of its inputs (float32
+for bf16/fp32, float64 for float64), matching FlashMLA's float32 accumulation and letting float64
+tests reach ~1e-12.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from glm_dsa.batch import ForwardBatch
+from glm_dsa.config import DSAConfig
+from glm_dsa.norm import RMSNorm
+from glm_dsa.rope import apply_rope, rope_cos_sin
+
+__all__ = ["sparse_mla_fwd", "dense_causal_mha", "MLAProjection", "MLA"]
+
+_LOG2E = math.log2(math.e)
+
+# Largest score temporary of one dense_causal_mha chunk, in bytes. The MHA path only runs for
+# contexts of ≤ 2048 tokens, so this bounds a chunk at a few hundred query rows for 64 heads
+# while keeping the per-chunk GEMMs large.
+_DENSE_SCORE_BYTES = 1 << 28
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    out = torch.float32
+    for d in dtypes:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, dtype: torch.dtype,
+                    budget_bytes: int | None) -> int:
+    """Query rows whose gathered ``[rows, topk, d_qk]`` keys in ``dtype`` fit ``budget_bytes``."""
+    if budget_bytes is None:
+        return max(1, num_rows)
+    return max(1, budget_bytes // (topk * d_qk * dtype.itemsize))
+
+
+def _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
+                         budget_bytes) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [s_q, h, d_qk], got shape {tuple(q.shape)}")
+    s_q, h, d_qk = q.shape
+    if kv.dim() != 3 or kv.shape[1] != 1 or kv.shape[2] != d_qk:
+        raise ValueError(
+            f"kv must be [s_kv, 1, d_qk={d_qk}] (one latent KV head shared by all query heads), "
+            f"got shape {tuple(kv.shape)}"
+        )
+    if not q.dtype.is_floating_point or not kv.dtype.is_floating_point:
+        raise ValueError(
+            f"q and kv must be floating (dequantize an FP8 cache first), got q {q.dtype} and "
+            f"kv {kv.dtype}"
+        )
+    if indices.dtype != torch.int32 or indices.dim() != 3 or indices.shape[:2] != (s_q, 1):
+        raise ValueError(
+            f"indices must be int32 [s_q={s_q}, 1, topk], got {indices.dtype} "
+            f"{tuple(indices.shape)}"
+        )
+    if indices.shape[2] < 1:
+        raise ValueError("indices needs topk ≥ 1 columns; pad unused ones with -1")
+    if not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v={d_v} must lie in [1, d_qk={d_qk}]: values are kv[..., :d_v]")
+    if attn_sink is not None and (
+        not attn_sink.dtype.is_floating_point or attn_sink.shape != (h,)
+    ):
+        raise ValueError(
+            f"attn_sink must be a floating [h={h}] tensor, got {attn_sink.dtype} "
+            f"{tuple(attn_sink.shape)}"
+        )
+    if topk_length is not None and (topk_length.dtype != torch.int32 or topk_length.shape != (s_q,)):
+        raise ValueError(
+            f"topk_length must be int32 [s_q={s_q}], got {topk_length.dtype} "
+            f"{tuple(topk_length.shape)}"
+        )
+    if lse_base not in ("e", "2"):
+        raise ValueError(f"lse_base={lse_base!r} must be 'e' (newest FlashMLA) or '2' (Sep 2025)")
+    if lonely_lse not in ("+inf", "-inf"):
+        raise ValueError(
+            f"lonely_lse={lonely_lse!r} must be '+inf' (newest FlashMLA) or '-inf' (Sep 2025)"
+        )
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 1):
+        raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive int or None")
+
+
+def sparse_mla_fwd(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Tensor | None = None,
+    topk_length: Tensor | None = None,
+    lse_base: str = "e",
+    lonely_lse: str = "+inf",
+    budget_bytes: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sparse MLA attention with FlashMLA's ``flash_mla_sparse_fwd`` contract.
+
+    Args:
+        q: ``[s_q, h, d_qk]`` float (576 = ``[q_abs 512 | q_pe 64]`` for GLM-5.3).
+        kv: ``[s_kv, 1, d_qk]`` float; the values are ``kv[..., :d_v]``. Gathered rows are
+            cast to the compute dtype chunk by chunk, so a bf16 cache is never copied whole.
+        indices: int32 ``[s_q, 1, topk]``, rows of ``kv``. Invalid, hence ignored: ``idx < 0``,
+            ``idx >= s_kv``, or column ``>= topk_length[row]``. A repeated valid index counts
+            once per occurrence, as in FlashMLA's gather.
+        sm_scale: softmax scale applied to ``q · kv`` (the MLA scale, not ``d_qk**-0.5``).
+        d_v: value width.
+        attn_sink: optional ``[h]`` float logit of an extra value-less key per head: the output
+            is normalised by ``logaddexp(lse, attn_sink)``; the returned ``lse`` excludes it.
+        topk_length: optional int32 ``[s_q]`` number of leading index columns each row uses.
+        lse_base: ``"e"`` natural-log ``max_logits``/``lse`` (newest kernel); ``"2"`` both in
+            base 2, i.e. of ``P * log2(e)`` (September 2025 kernel).
+        lonely_lse: ``lse`` of a row with no valid index: ``"+inf"`` (newest) or ``"-inf"``.
+        budget_bytes: bound on the gathered ``[rows, topk, d_qk]`` keys, in bytes of the compute
+            dtype; rows are processed in chunks of ``max(1, budget_bytes // (topk * d_qk *
+            itemsize))``. ``None``: one chunk. The result does not depend on it.
+
+    Returns:
+        ``(out [s_q, h, d_v], max_logits [s_q, h], lse [s_q, h])`` in the compute dtype
+        (``promote_types(q.dtype, kv.dtype, float32)``), where ``P = (q · kv[idx]) * sm_scale`` with
+        ``-inf`` at invalid positions, ``max_logits = max P``, ``lse = logsumexp P`` and
+        ``out = exp(P - lse) @ kv[idx, :d_v]``. A row with no valid index gives ``out = 0``,
+        ``max_logits = -inf`` and ``lse`` per ``lonely_lse``.
+    """
+    _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
+                         budget_bytes)
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale={sm_scale} must be finite")
+    s_q, h, d_qk = q.shape
+    s_kv, topk = kv.shape[0], indices.shape[2]
+    cdt = _compute_dtype(q.dtype, kv.dtype)
+    rows_per_chunk = _rows_per_chunk(s_q, topk, d_qk, cdt, budget_bytes)
+
+    out = torch.empty((s_q, h, d_v), dtype=cdt, device=q.device)
+    max_logits = torch.empty((s_q, h), dtype=cdt, device=q.device)
+    lse = torch.empty((s_q, h), dtype=cdt, device=q.device)
+    kv_rows = kv[:, 0, :]                                           # [s_kv, d_qk]
+    column = torch.arange(topk, device=q.device)
+    sink = None if attn_sink is None else attn_sink.to(cdt)
+
+    for r0 in range(0, s_q, rows_per_chunk):
+        r1 = min(s_q, r0 + rows_per_chunk)
+        idx = indices[r0:r1, 0, :].to(torch.int64)                  # [r, topk]
+        valid = (idx >= 0) & (idx < s_kv)
+        if topk_length is not None:
+            valid &= column[None, :] < topk_length[r0:r1, None]
+        keys = kv_rows[torch.where(valid, idx, 0)].to(cdt)          # [r, topk, d_qk]
+        # Zeroed so that whatever row 0 holds (a NaN-poisoned slot, say) cannot leak into a row
+        # through an invalid index: 0 * NaN would survive the -inf mask.
+        keys.masked_fill_(~valid[..., None], 0)
+        scores = torch.bmm(q[r0:r1].to(cdt), keys.transpose(1, 2))  # [r, h, topk]
+        scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
+        chunk_max = scores.amax(dim=-1)                             # [r, h]
+        chunk_lse = torch.logsumexp(scores, dim=-1)                 # -inf on lonely rows
+        norm = chunk_lse if sink is None else torch.logaddexp(chunk_lse, sink)
+        # A row with nothing to normalise (no valid key, no sink) gets weights
+        # exp(-inf - inf) = 0 rather than exp(-inf + inf) = NaN.
+        norm = norm.masked_fill(norm == -math.inf, math.inf)
+        probs = scores.sub_(norm[..., None]).exp_()
+        out[r0:r1] = torch.bmm(probs, keys[..., :d_v])
+        lonely = ~valid.any(dim=-1, keepdim=True).expand(-1, h)
+        if lonely_lse == "+inf":
+            chunk_lse = chunk_lse.masked_fill(lonely, math.inf)
+        max_logits[r0:r1] = chunk_max
+        lse[r0:r1] = chunk_lse
+
+    if lse_base == "2":
+        max_logits.mul_(_LOG2E)
+        lse.mul_(_LOG2E)
+    return out, max_logits, lse
+
+
+def _row_chunks(ks: list[int], ke: list[int], heads: int, itemsize: int):
+    """Yield ``(r0, r1)`` row ranges sharing one ``ks`` whose ``[r, heads, span]`` scores fit
+    ``_DENSE_SCORE_BYTES``; consecutive rows of one request share ``ks``, so this is per request."""
+    n, r0 = len(ks), 0
+    while r0 < n:
+        seg_end = r0 + 1
+        while seg_end < n and ks[seg_end] == ks[r0]:
+            seg_end += 1
+        span = max(1, max(ke[r0:seg_end]) - ks[r0])
+        step = max(1, _DENSE_SCORE_BYTES // (heads * span * itemsize))
+        for c0 in range(r0, seg_end, step):
+            yield c0, min(seg_end, c0 + step)
+        r0 = seg_end
+
+
+def dense_causal_mha(q: Tensor, k: Tensor, v: Tensor, ks: Tensor, ke: Tensor, sm_scale: float) -> Tensor:
+    """Dense multi-head attention where query row ``m`` sees key rows ``[ks[m], ke[m])``.
+
+    Args:
+        q: ``[n, h, d_qk]`` float; k: ``[S_kv, h, d_qk]``; v: ``[S_kv, h, d_v]``; one dtype.
+        ks, ke: int32 ``[n]`` with ``0 ≤ ks ≤ ke ≤ S_kv`` (``ForwardBatch.ks``/``ke``).
+        sm_scale: softmax scale of ``q · k``.
+
+    Returns:
+        ``[n, h, d_v]`` in ``promote_types(q.dtype, float32)``: ``softmax(q·kᵀ·sm_scale)`` over
+        the visible rows, times ``v``; an empty range gives 0. Rows are processed per request
+        in chunks whose score matrix stays under 256 MiB.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"q, k, v must be [n, h, d_qk], [S_kv, h, d_qk], [S_kv, h, d_v]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    n, h, d_qk = q.shape
+    s_kv = k.shape[0]
+    if k.shape[1:] != (h, d_qk) or v.shape[:2] != (s_kv, h):
+        raise ValueError(
+            f"k must be [S_kv, h={h}, d_qk={d_qk}] and v [S_kv, h={h}, d_v] with the same S_kv; "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if not q.dtype.is_floating_point or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, t in (("ks", ks), ("ke", ke)):
+        if t.dtype != torch.int32 or t.shape != (n,):
+            raise ValueError(f"{name} must be int32 [n={n}], got {t.dtype} {tuple(t.shape)}")
+    if n and bool(((ks < 0) | (ks > ke) | (ke > s_kv)).any()):
+        raise ValueError(f"every row needs 0 ≤ ks ≤ ke ≤ S_kv={s_kv}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale={sm_scale} must be finite")
+
+    cdt = _compute_dtype(q.dtype)
+    out = torch.zeros((n, h, v.shape[2]), dtype=cdt, device=q.device)
+    ks_list, ke_list = ks.tolist(), ke.tolist()
+    for r0, r1 in _row_chunks(ks_list, ke_list, h, cdt.itemsize):
+        c0, c1 = ks_list[r0], max(ke_list[r0:r1])
+        if c1 <= c0:
+            continue
+        q_h = q[r0:r1].to(cdt).transpose(0, 1)                      # [h, r, d_qk]
+        k_h = k[c0:c1].to(cdt).permute(1, 2, 0)                     # [h, d_qk, c]
+        v_h = v[c0:c1].to(cdt).transpose(0, 1)                      # [h, c, d_v]
+        scores = torch.bmm(q_h, k_h).mul_(sm_scale)                 # [h, r, c]
+        column = torch.arange(c0, c1, device=q.device)
+        visible = column[None, :] < ke[r0:r1, None]                 # ks[r] == c0 in this chunk
+        scores.masked_fill_(~visible[None], -math.inf)
+        norm = torch.logsumexp(scores, dim=-1, keepdim=True)
+        norm.masked_fill_(norm == -math.inf, math.inf)              # empty row: weights 0, not NaN
+        probs = scores.sub_(norm).exp_()
+        out[r0:r1] = torch.bmm(probs, v_h).transpose(0, 1)
+    return out
+
+
+@dataclass
+class MLAProjection:
+    """The per-token projections of one MLA layer (activation dtype).
+
+    Attributes:
+        q_latent: ``[n, q_lora_rank]``, ``q_a_layernorm(q_a_proj(x))``; also the indexer's input.
+        q_nope: ``[n, H, qk_nope_head_dim]``.
+        q_pe: ``[n, H, qk_rope_head_dim]``, RoPE applied.
+        kv_latent: ``[n, kv_lora_rank + qk_rope_head_dim]`` = ``[kv_a_layernorm(c) | roped k_pe]``,
+            the row the KV cache stores.
+    """
+
+    q_latent: Tensor
+    q_nope: Tensor
+    q_pe: Tensor
+    kv_latent: Tensor
+
+
+class MLA(nn.Module):
+    """MLA attention of one DSA layer, with Hugging Face parameter names.
+
+    Weights: ``q_a_proj [q_lora, hidden]``, ``q_a_layernorm`` (RMSNorm, ``rms_norm_eps``),
+    ``q_b_proj [H*(nope+rope), q_lora]``, ``kv_a_proj_with_mqa [kv_lora+rope, hidden]``,
+    ``kv_a_layernorm`` (RMSNorm, ``rms_norm_eps``; HF uses 1e-6 here, see CONVENTIONS §9),
+    ``kv_b_proj [H*(nope+v), kv_lora]``, ``o_proj [hidden, H*v]``; no biases.
+
+    The caller owns the KV cache: ``project`` gives the new tokens' latent rows, the caller writes
+    them and gathers every request's context back as ``kv_context`` (``batch.kv_slots`` order),
+    then ``attend`` runs the form the batch calls for.
+    """
+
+    def __init__(self, config: DSAConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(
+            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+
+    def project(self, x: Tensor, positions: Tensor) -> MLAProjection:
+        """Queries and latent KV rows of ``x [n, hidden]`` at int64 ``positions [n]``."""
+        c = self.config
+        if x.dim() != 2 or x.shape[1] != c.hidden_size:
+            raise ValueError(f"x must be [n, hidden={c.hidden_size}], got {tuple(x.shape)}")
+        if x.dtype != self.q_a_proj.weight.dtype:
+            raise ValueError(
+                f"x is {x.dtype} but the weights are {self.q_a_proj.weight.dtype}; cast one of them"
+            )
+        if positions.dtype != torch.int64 or positions.shape != (x.shape[0],):
+            raise ValueError(
+                f"positions must be int64 [n={x.shape[0]}], got {positions.dtype} "
+                f"{tuple(positions.shape)}"
+            )
+        n, heads = x.shape[0], c.num_attention_heads
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(n, heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling,
+                                dtype=_compute_dtype(x.dtype))
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope_interleave)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope_interleave)
+        return MLAProjection(q_latent, q_nope, q_pe, torch.cat([c_kv, k_pe], dim=-1))
+
+    def use_mha(self, batch: ForwardBatch) -> bool:
+        """True when the expanded one-shot form runs: every context is short enough that the
+        top-k keeps all its keys (``max_kv_len ≤ min(dense_attn_kv_len_threshold, index_topk)``)."""
+        c = self.config
+        return batch.max_kv_len <= min(c.dense_attn_kv_len_threshold, c.index_topk)
+
+    def _check_context(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> torch.dtype:
+        c = self.config
+        s_kv = batch.kv_slots.numel()
+        if kv_context.dim() != 2 or kv_context.shape != (s_kv, c.kv_latent_dim):
+            raise ValueError(
+                f"kv_context must be [S_kv={s_kv}, {c.kv_latent_dim}] (one latent row per "
+                f"batch.kv_slots entry), got {tuple(kv_context.shape)}"
+            )
+        if not kv_context.dtype.is_floating_point:
+            raise ValueError(
+                f"kv_context must be floating (dequantize or unpack the cache first), got "
+                f"{kv_context.dtype}"
+            )
+        if proj.q_nope.shape[0] != batch.num_tokens:
+            raise ValueError(
+                f"proj has {proj.q_nope.shape[0]} tokens but the batch has {batch.num_tokens}"
+            )
+        return _compute_dtype(proj.q_nope.dtype, kv_context.dtype)
+
+    def _kv_b_weight(self, dtype: torch.dtype) -> Tensor:
+        """``kv_b_proj.weight`` as ``[H, nope + v, kv_lora]`` in ``dtype``."""
+        c = self.config
+        return self.kv_b_proj.weight.to(dtype).view(
+            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+        )
+
+    def forward_absorbed(
+        self,
+        proj: MLAProjection,
+        kv_context: Tensor,
+        batch: ForwardBatch,
+        topk_indices: Tensor,
+        budget_bytes: int | None = None,
+    ) -> Tensor:
+        """Absorbed sparse attention over the top-k latent rows -> ``[n, hidden]``.
+
+        Args:
+            proj: the ``n`` query tokens' projections.
+            kv_context: ``[S_kv, kv_lora + rope]`` float, the gathered context rows in
+                ``batch.kv_slots`` order (dequantized FP8 or unpacked bf16 cache).
+            batch: ragged metadata; row ``m`` may see ``[ks[m], ke[m])``.
+            topk_indices: int32 ``[n, topk]`` request-relative; entries outside
+                ``[0, ke - ks)`` are ignored, so an index past the causal limit is never read.
+            budget_bytes: bound on the gathered ``[rows, topk, 576]`` keys in bytes of the compute
+                dtype (see ``sparse_mla_fwd``); the whole pipeline runs in row chunks of that size.
+        """
+        c = self.config
+        cdt = self._check_context(proj, kv_context, batch)
+        n = batch.num_tokens
+        if topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != n:
+            raise ValueError(
+                f"topk_indices must be int32 [n={n}, topk], got {topk_indices.dtype} "
+                f"{tuple(topk_indices.shape)}"
+            )
+        w = self._kv_b_weight(cdt)
+        w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+        s_kv, kv = kv_context.shape[0], kv_context[:, None, :]                # [S_kv, 1, 576]
+        act = proj.q_latent.dtype
+        out = torch.empty((n, c.hidden_size), dtype=act, device=kv_context.device)
+        # Whole pipeline per row chunk, so q_abs, the query and o (a few GB each for a 32K-token
+        # chunk of 64 heads) are bounded by the budget as well as the gather.
+        rows = _rows_per_chunk(n, topk_indices.shape[1], c.kv_latent_dim, cdt, budget_bytes)
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            q_abs = torch.einsum("nhd,hdc->nhc", proj.q_nope[r0:r1].to(cdt), w_uk)   # [r, H, kv_lora]
+            query = torch.cat([q_abs, proj.q_pe[r0:r1].to(cdt)], dim=-1)            # [r, H, 576]
+            rel = topk_indices[r0:r1]
+            ks, ke = batch.ks[r0:r1, None], batch.ke[r0:r1, None]
+            inside = (rel >= 0) & (rel < ke - ks)                                   # causal limit
+            ragged = rel.clamp(0, s_kv).add_(ks).masked_fill_(~inside, -1)         # rows of kv
+            o_lat, _, _ = sparse_mla_fwd(
+                query, kv, ragged[:, None, :], c.softmax_scale, d_v=c.kv_lora_rank
+            )                                                                       # [r, H, kv_lora]
+            o = torch.einsum("nhc,hvc->nhv", o_lat, w_uv)                          # [r, H, v]
+            out[r0:r1] = self.o_proj(o.reshape(r1 - r0, -1).to(act))
+        return out
+
+    def forward_mha(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> Tensor:
+        """Expanded attention: ``kv_b_proj`` on every context row, dense causal MHA -> ``[n, hidden]``.
+
+        ``kv_context`` is as in ``forward_absorbed``; every row sees all of ``[ks, ke)``.
+        """
+        c = self.config
+        cdt = self._check_context(proj, kv_context, batch)
+        n, s_kv, heads = batch.num_tokens, kv_context.shape[0], c.num_attention_heads
+        ctx = kv_context.to(cdt)
+        c_kv, k_pe = ctx.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv = torch.einsum("sc,hdc->shd", c_kv, self._kv_b_weight(cdt))         # [S_kv, H, nope+v]
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(s_kv, heads, c.qk_rope_head_dim)], dim=-1)
+        q = torch.cat([proj.q_nope, proj.q_pe], dim=-1).to(cdt)               # [n, H, qk_head]
+        o = dense_causal_mha(q, k, v, batch.ks, batch.ke, c.softmax_scale)
+        return self.o_proj(o.reshape(n, -1).to(proj.q_latent.dtype))
+
+    def attend(
+        self,
+        proj: MLAProjection,
+        kv_context: Tensor,
+        batch: ForwardBatch,
+        topk_indices: Tensor,
+        budget_bytes: int | None = None,
+    ) -> Tensor:
+        """``forward_mha`` when ``use_mha(batch)``, else ``forward_absorbed`` -> ``[n, hidden]``."""
+        if self.use_mha(batch):
+            return self.forward_mha(proj, kv_context, batch)
+        return self.forward_absorbed(proj, kv_context, batch, topk_indices, budget_bytes)

@@ -1,0 +1,282 @@
+"""Chunked prefill: admission, the per-step chunk planner, a prefix cache, and the driver.
+
+The planner follows SGLang's ``PrefillAdder`` (CONVENTIONS §11): a step has a token budget
+``chunked_prefill_size``; each admitted request takes ``ceil_to_page(extend_len)`` of it; a
+request that does not fit is truncated so its chunk ends on a page boundary in absolute
+position, and at most one request is left part-way ("chunked") at a time. Admission reserves
+pages for the whole prompt plus ``max_new_tokens``; a request that cannot be reserved waits,
+and one larger than the whole pool is rejected — nothing is ever overwritten.
+
+A prefix-cache hit reuses the pages of an earlier request's identical whole-page prefix: the
+hit tokens skip projections and KV writes, but the indexer still scores them (they are part of
+every later query's context).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from glm_dsa.batch import ForwardBatch
+from glm_dsa.cache import KVCache, PageAllocator
+from glm_dsa.layer import DSAForCausalLM, LayerTimes
+
+__all__ = ["Request", "StepRecord", "PrefixCache", "PrefillEngine", "plan_step"]
+
+
+@dataclass
+class Request:
+    """One prompt being prefilled. ``prefix_len`` counts tokens already in the cache."""
+
+    rid: int
+    input_ids: torch.Tensor
+    max_new_tokens: int = 0
+    pages: list[int] = field(default_factory=list)
+    prefix_len: int = 0
+    cached_len: int = 0
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def done(self) -> bool:
+        return self.prefix_len >= self.length
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of the timeline: each request's token range, and seconds per component."""
+
+    step: int
+    chunks: tuple[tuple[int, int, int], ...]  # (rid, start, end) of the tokens run this step
+    prefix_at_start: tuple[int, ...]
+    seconds: float
+    projections: float
+    indexer: float
+    attention: float
+    moe: float
+
+
+def _ceil_page(n: int, page: int) -> int:
+    return -(-n // page) * page
+
+
+def plan_step(
+    requests: Sequence[Request], chunked_prefill_size: int, page_size: int
+) -> list[tuple[Request, int]]:
+    """The ``(request, extend_len)`` pairs of one step, in order (SGLang ``PrefillAdder``).
+
+    ``requests`` are admitted and unfinished, the chunked one (if any) first. Each takes
+    ``ceil_to_page(extend)`` of the budget; the first that does not fit is truncated to end on
+    a page boundary in absolute position and closes the step.
+    """
+    rem = chunked_prefill_size
+    plan: list[tuple[Request, int]] = []
+    for req in requests:
+        extend = req.length - req.prefix_len
+        if _ceil_page(extend, page_size) <= rem:
+            plan.append((req, extend))
+            rem -= _ceil_page(extend, page_size)
+            continue
+        end = (req.prefix_len + rem) // page_size * page_size
+        if end - req.prefix_len > 0:
+            plan.append((req, end - req.prefix_len))
+        break
+    return plan
+
+
+class PrefixCache:
+    """Whole-page prefixes of finished requests, keyed by their token ids (a flat radix cache).
+
+    Holds one reference on each cached page; ``flush`` gives them back to the allocator.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator, self.page_size = allocator, page_size
+        self._pages: dict[bytes, int] = {}
+
+    def _key(self, ids: torch.Tensor, n_pages: int) -> bytes:
+        return ids[: n_pages * self.page_size].to(torch.int64).cpu().numpy().tobytes()
+
+    def match(self, ids: torch.Tensor, max_tokens: int) -> list[int]:
+        """Pages holding the longest cached whole-page prefix of ``ids`` (≤ ``max_tokens``)."""
+        pages: list[int] = []
+        while (len(pages) + 1) * self.page_size <= max_tokens:
+            page = self._pages.get(self._key(ids, len(pages) + 1))
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def insert(self, ids: torch.Tensor, pages: list[int], length: int) -> None:
+        for j in range(length // self.page_size):
+            key = self._key(ids, j + 1)
+            if key not in self._pages:
+                self._pages[key] = pages[j]
+                self.allocator.retain([pages[j]])
+
+    def flush(self) -> None:
+        self.allocator.release(self._pages.values())
+        self._pages.clear()
+
+
+class PrefillEngine:
+    """Runs prompts through ``model`` step by step as ragged batches over a paged cache.
+
+    Args:
+        model: the layer stack (weights in their final dtype and device).
+        num_pages: pages in the pool (each ``page_size`` tokens, every layer).
+        kv_dtype: main KV format, see ``glm_dsa.cache``.
+        chunked_prefill_size: tokens per step, shared by the requests in the step.
+        budget_bytes: memory budget for indexer logits rows and the sparse-attention gather.
+        prefix_caching: reuse whole-page prefixes of finished requests.
+        compute_logits: compute each request's last-position logits with ``lm_head``.
+        timing: synchronize and record per-component seconds in each ``StepRecord``.
+    """
+
+    def __init__(
+        self,
+        model: DSAForCausalLM,
+        num_pages: int,
+        kv_dtype: str = "fp8",
+        chunked_prefill_size: int = 32768,
+        budget_bytes: int = 1 << 30,
+        prefix_caching: bool = True,
+        compute_logits: bool = True,
+        timing: bool = False,
+    ) -> None:
+        cfg = model.config
+        if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
+            raise ValueError(
+                f"chunked_prefill_size={chunked_prefill_size} must be a positive multiple of "
+                f"page_size={cfg.page_size}"
+            )
+        self.model, self.config = model, cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache = KVCache(cfg, num_pages, kv_dtype, self.device)
+        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_caching else None
+        self.chunked_prefill_size = chunked_prefill_size
+        self.budget_bytes = budget_bytes
+        self.compute_logits = compute_logits
+        self.timing = timing
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.finished: dict[int, Request] = {}
+        self.timeline: list[StepRecord] = []
+        self._next_rid = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, input_ids: torch.Tensor, max_new_tokens: int = 0) -> int:
+        """Queue a prompt (int64 ``[L]``); returns its request id."""
+        if input_ids.dtype != torch.int64 or input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D int64 tensor, got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size})")
+        need = math.ceil((input_ids.numel() + max_new_tokens) / self.config.page_size)
+        if need > self.allocator.num_pages:
+            raise ValueError(
+                f"request of {input_ids.numel()} + {max_new_tokens} tokens needs {need} pages; the pool "
+                f"has {self.allocator.num_pages}: raise num_pages or shorten the request"
+            )
+        rid = self._next_rid
+        self._next_rid += 1
+        self.waiting.append(Request(rid, input_ids.cpu(), max_new_tokens))
+        return rid
+
+    def _admit(self) -> None:
+        """Reserve pages for waiting requests in FIFO order while the pool has room."""
+        while self.waiting:
+            req = self.waiting[0]
+            page = self.config.page_size
+            # A hit must leave at least one token to run: its last position's logits are needed.
+            hit = self.prefix_cache.match(req.input_ids, req.length - 1) if self.prefix_cache else []
+            total = math.ceil((req.length + req.max_new_tokens) / page)
+            fresh = self.allocator.alloc(total - len(hit))
+            if fresh is None:
+                return
+            self.allocator.retain(hit)
+            req.pages = hit + fresh
+            req.prefix_len = req.cached_len = len(hit) * page
+            self.running.append(self.waiting.pop(0))
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> StepRecord | None:
+        """Plan and run one step; None when nothing is left to run."""
+        self._admit()
+        if not self.running:
+            if self.waiting:
+                raise RuntimeError("no request can be admitted although nothing is running")
+            return None
+        plan = plan_step(self.running, self.chunked_prefill_size, self.config.page_size)
+        if not plan:
+            raise RuntimeError("the planner scheduled no tokens; chunked_prefill_size is too small")
+        cache = self.cache
+        prefix_lens = [r.prefix_len for r, _ in plan]
+        extend_lens = [e for _, e in plan]
+        context_slots = [cache.slots_of(r.pages, r.prefix_len + e) for r, e in plan]
+        batch = ForwardBatch.from_slots(prefix_lens, extend_lens, context_slots, device=self.device)
+        ids = torch.cat([r.input_ids[r.prefix_len : r.prefix_len + e] for r, e in plan]).to(self.device)
+        times = LayerTimes() if self.timing else None
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times)
+            last_rows = []
+            for i, (req, e) in enumerate(plan):
+                q0 = int(batch.cu_seqlens_q[i])
+                req.hidden.append(hidden[q0 : q0 + e].detach().cpu())
+                req.prefix_len += e
+                if req.done:
+                    last_rows.append((req, q0 + e - 1))
+            if self.compute_logits and last_rows:
+                logits = self.model.logits(hidden[[row for _, row in last_rows]])
+                for (req, _), lg in zip(last_rows, logits):
+                    req.logits = lg.cpu()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        t = times or LayerTimes()
+        record = StepRecord(
+            step=len(self.timeline) + 1,
+            chunks=tuple((r.rid, p, p + e) for (r, e), p in zip(plan, prefix_lens)),
+            prefix_at_start=tuple(prefix_lens),
+            seconds=seconds,
+            projections=t.projections,
+            indexer=t.indexer,
+            attention=t.attention,
+            moe=t.moe,
+        )
+        self.timeline.append(record)
+        for req, _ in plan:
+            if req.done:
+                self._finish(req)
+        # The one request left part-way runs first next step (PrefillAdder's new_chunked_req).
+        self.running.sort(key=lambda r: r.prefix_len == 0)
+        return record
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(req.input_ids, req.pages, req.length)
+        self.allocator.release(req.pages)
+        self.finished[req.rid] = req
+
+    def run(self, progress: Callable[[StepRecord], None] | None = None) -> dict[int, Request]:
+        """Step until every request is finished; returns them by id."""
+        while (record := self.step()) is not None:
+            if progress is not None:
+                progress(record)
+        return self.finished
+
+    def output_hidden(self, rid: int) -> torch.Tensor:
+        """The last layer's output ``[L - cached_len, hidden]`` for the tokens request ``rid`` ran."""
+        return torch.cat(self.finished[rid].hidden)

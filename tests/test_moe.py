@@ -1,0 +1,454 @@
+"""noaux_tc MoE against explicit per-token loops written here (CONVENTIONS §8)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from glm_dsa.config import get_config
+from glm_dsa.moe import MLP, MoE, route
+
+SCALE = 2.5
+
+# Reduced-width copies that keep each preset's routing settings.
+GLM_LIKE = get_config("tiny").replace(hidden_size=32, moe_intermediate_size=16)
+GROUPED = GLM_LIKE.replace(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2)
+UNNORMALIZED = GROUPED.replace(norm_topk_prob=False, routed_scaling_factor=1.5)
+NO_SHARED = GLM_LIKE.replace(n_shared_experts=0)
+TWO_SHARED = GROUPED.replace(n_shared_experts=2)
+DSV32_ROUTING = get_config("deepseek-v3.2").replace(hidden_size=16, moe_intermediate_size=8)
+
+
+# ----------------------------------------------------------------- independent reference
+def ref_route_row(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scale):
+    """One token's routing by explicit loops: (chosen expert ids, their weights)."""
+    num_experts = len(logits)
+    s = [1.0 / (1.0 + math.exp(-v)) for v in logits]
+    sel = [s[e] + bias[e] for e in range(num_experts)]
+    size = num_experts // n_group
+    if n_group > 1:
+        group_score = []
+        for g in range(n_group):
+            members = sorted((sel[e] for e in range(g * size, (g + 1) * size)), reverse=True)
+            group_score.append(members[0] + members[1])
+        kept = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        candidates = [e for g in kept for e in range(g * size, (g + 1) * size)]
+    else:
+        candidates = list(range(num_experts))
+    chosen = sorted(candidates, key=lambda e: (-sel[e], e))[:top_k]
+    weights = [s[e] for e in chosen]
+    if norm_topk_prob:
+        total = sum(weights)
+        weights = [w / (total + 1e-20) for w in weights]
+    return chosen, [w * scale for w in weights]
+
+
+def ref_route(x, gate_weight, bias, top_k, n_group, topk_group, norm_topk_prob, scale):
+    """Rows of ``x`` routed one by one in float64 numpy."""
+    x, gw, b = (torch.as_tensor(t).double().numpy() for t in (x, gate_weight, bias))
+    ids, weights = [], []
+    for row in x:
+        chosen, w = ref_route_row(
+            list(gw @ row), list(b), top_k, n_group, topk_group, norm_topk_prob, scale
+        )
+        ids.append(chosen)
+        weights.append(w)
+    return ids, weights
+
+
+def ref_mlp(row, mlp):
+    wg, wu, wd = (p.detach().double().numpy() for p in (mlp.gate_proj.weight,
+                                                       mlp.up_proj.weight, mlp.down_proj.weight))
+    g = wg @ row
+    u = wu @ row
+    return wd @ (g / (1.0 + np.exp(-g)) * u)
+
+
+def ref_moe(x, moe, row_mask):
+    """Per-token loop: route, run each chosen expert, add the shared expert; masked rows 0."""
+    c = moe.config
+    xs = x.detach().double().numpy()
+    ids, weights = ref_route(
+        xs, moe.gate.weight.detach(), moe.gate.e_score_correction_bias.detach(),
+        c.num_experts_per_tok, c.n_group, c.topk_group, c.norm_topk_prob, c.routed_scaling_factor,
+    )
+    out = np.zeros_like(xs)
+    counts = [0] * c.n_routed_experts
+    for t, row in enumerate(xs):
+        if not row_mask[t]:
+            continue
+        for e, w in zip(ids[t], weights[t]):
+            out[t] += w * ref_mlp(row, moe.experts[e])
+            counts[e] += 1
+        if moe.shared_experts is not None:
+            out[t] += ref_mlp(row, moe.shared_experts)
+    return out, counts, ids
+
+
+def random_moe(config, seed, bias_scale=0.3, dtype=torch.float64):
+    """A MoE with spread-out router logits and a bias large enough to change choices."""
+    torch.manual_seed(seed)
+    moe = MoE(config).to(dtype)
+    with torch.no_grad():
+        moe.gate.weight.normal_(0.0, 2.0 / config.hidden_size ** 0.5)
+        moe.gate.e_score_correction_bias.uniform_(-bias_scale, bias_scale)
+    return moe
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.abs(a - b).max() / max(np.abs(b).max(), 1e-300)
+
+
+# ----------------------------------------------------------------- routed execution
+@given(
+    config=st.sampled_from([GLM_LIKE, GROUPED, UNNORMALIZED, NO_SHARED, TWO_SHARED]),
+    n=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+    mask_kind=st.sampled_from(["none", "random"]),
+)
+def test_grouped_moe_equals_per_token_loop(config, n, seed, mask_kind):
+    moe = random_moe(config, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(n, config.hidden_size, generator=g, dtype=torch.float64)
+    row_mask = None if mask_kind == "none" else torch.rand(n, generator=g) < 0.7
+    mask_list = [True] * n if row_mask is None else row_mask.tolist()
+
+    with torch.no_grad():
+        out, counts = moe(x, row_mask)
+    ref_out, ref_counts, _ = ref_moe(x, moe, mask_list)
+
+    assert out.dtype == torch.float64 and out.shape == x.shape
+    if any(mask_list):
+        assert rel_err(out.numpy(), ref_out) <= 1e-12
+    else:
+        assert not out.any()
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == ref_counts
+
+
+@given(n=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_moe_on_deepseek_routing_equals_per_token_loop(n, seed):
+    moe = random_moe(DSV32_ROUTING, seed)
+    x = torch.randn(n, DSV32_ROUTING.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        out, counts = moe(x)
+    ref_out, ref_counts, _ = ref_moe(x, moe, [True] * n)
+    assert rel_err(out.numpy(), ref_out) <= 1e-12
+    assert counts.tolist() == ref_counts
+
+
+def test_moe_without_tokens_returns_empty_output_and_zero_counts():
+    moe = random_moe(GROUPED, 0)
+    out, counts = moe(torch.zeros(0, GROUPED.hidden_size, dtype=torch.float64))
+    assert out.shape == (0, GROUPED.hidden_size)
+    assert counts.tolist() == [0] * GROUPED.n_routed_experts
+
+
+# ----------------------------------------------------------------- router
+def test_bias_flips_selection_but_weights_stay_unbiased():
+    # Router logits [2, 1, 0, -1]: unbiased top-2 is {0, 1}; a +2 bias on expert 2 flips
+    # expert 1 out. The weights must stay sigmoid(0) and sigmoid(2), not the biased scores.
+    gate_weight = torch.zeros(4, 4, dtype=torch.float64)
+    gate_weight[:, 0] = torch.tensor([2.0, 1.0, 0.0, -1.0], dtype=torch.float64)
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    zero_bias = torch.zeros(4, dtype=torch.float32)
+    bias = torch.tensor([0.0, 0.0, 2.0, 0.0], dtype=torch.float32)
+    s0, s2 = 1 / (1 + math.exp(-2.0)), 0.5
+
+    ids, _ = route(x, gate_weight, zero_bias, 2, 1, 1, True, SCALE)
+    assert ids.tolist() == [[0, 1]]
+
+    ids, weights = route(x, gate_weight, bias, 2, 1, 1, True, SCALE)
+    assert ids.tolist() == [[2, 0]]
+    expected = [SCALE * s2 / (s2 + s0), SCALE * s0 / (s2 + s0)]
+    assert rel_err(weights.numpy(), expected) <= 1e-15
+
+    ids, weights = route(x, gate_weight, bias, 2, 1, 1, False, SCALE)
+    assert ids.tolist() == [[2, 0]]
+    assert rel_err(weights.numpy(), [SCALE * s2, SCALE * s0]) <= 1e-15
+    biased = [SCALE * (s2 + 2.0), SCALE * s0]
+    assert rel_err(weights.numpy(), biased) > 0.5
+
+
+def test_moe_uses_the_loaded_router_bias():
+    # The DeepSeek reference only builds the bias at hidden 7168; GLM (6144) needs it too.
+    config = GLM_LIKE.replace(n_routed_experts=4, num_experts_per_tok=1, n_shared_experts=0)
+    moe = random_moe(config, 0, bias_scale=0.0)
+    x = torch.randn(16, config.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, counts = moe(x)
+        moe.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 0.0]))
+        _, counts_biased = moe(x)
+    assert counts.tolist() != [0, 0, 16, 0]
+    assert counts_biased.tolist() == [0, 0, 16, 0]
+
+
+@given(seed=st.integers(0, 2**16))
+def test_group_limited_selection_equals_explicit_group_loop(seed):
+    c = DSV32_ROUTING
+    assert (c.n_routed_experts, c.n_group, c.topk_group, c.num_experts_per_tok) == (256, 8, 4, 8)
+    g = torch.Generator().manual_seed(seed)
+    n = 32
+    x = torch.randn(n, c.hidden_size, generator=g, dtype=torch.float64)
+    gate_weight = torch.randn(c.n_routed_experts, c.hidden_size, generator=g, dtype=torch.float64)
+    bias = (torch.rand(c.n_routed_experts, generator=g, dtype=torch.float64) - 0.5).float()
+
+    ids, weights = route(x, gate_weight, bias, c.num_experts_per_tok, c.n_group, c.topk_group,
+                         c.norm_topk_prob, c.routed_scaling_factor)
+    ref_ids, ref_weights = ref_route(x, gate_weight, bias, c.num_experts_per_tok, c.n_group,
+                                     c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
+    assert ids.tolist() == ref_ids
+    assert rel_err(weights.numpy(), ref_weights) <= 1e-12
+
+    # The drawn case must exercise group limiting: some token's global top-8 differs.
+    global_ids, _ = ref_route(x, gate_weight, bias, c.num_experts_per_tok, 1, 1,
+                              c.norm_topk_prob, c.routed_scaling_factor)
+    assert global_ids != ref_ids
+
+
+def test_experts_of_dropped_groups_are_never_chosen():
+    # Every selection score is negative and group 0 is the least negative, so it is the one
+    # group kept. Filling dropped experts with 0.0 (HF) would pick them over group 0's -0.1.
+    x = torch.ones(1, 4, dtype=torch.float64)
+    gate_weight = torch.zeros(8, 4, dtype=torch.float64)
+    bias = torch.tensor([-0.6, -0.6] + [-1.0] * 6, dtype=torch.float32)
+    ids, weights = route(x, gate_weight, bias, 2, 4, 1, True, SCALE)
+    assert ids.tolist() == [[0, 1]]
+    assert rel_err(weights.numpy(), [[SCALE / 2, SCALE / 2]]) <= 1e-15
+
+
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_normalized_weights_sum_to_routed_scaling_factor(dtype, n, seed):
+    c = DSV32_ROUTING
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c.hidden_size, generator=g).to(dtype)
+    gate_weight = torch.randn(c.n_routed_experts, c.hidden_size, generator=g).to(dtype)
+    bias = torch.rand(c.n_routed_experts, generator=g) - 0.5
+    _, weights = route(x, gate_weight, bias, c.num_experts_per_tok, c.n_group, c.topk_group,
+                       True, c.routed_scaling_factor)
+    # Sum of 8 positive terms: a few ulp of the compute dtype.
+    tol = 1e-13 if dtype == torch.float64 else 1e-6
+    sums = weights.double().sum(dim=-1)
+    assert (sums - 2.5).abs().max().item() <= tol
+
+
+def test_ties_go_to_the_lower_expert_index():
+    x = torch.ones(1, 8, dtype=torch.float64)
+    bias = torch.zeros(16, dtype=torch.float32)
+    # Every score ties: experts 0..k-1, and with groups the lowest-index groups.
+    ids, weights = route(x, torch.zeros(16, 8, dtype=torch.float64), bias, 3, 1, 1, True, SCALE)
+    assert ids.tolist() == [[0, 1, 2]]
+    assert rel_err(weights.numpy(), [[SCALE / 3] * 3]) <= 1e-15
+    ids, _ = route(x, torch.zeros(16, 8, dtype=torch.float64), bias, 3, 4, 2, True, SCALE)
+    assert ids.tolist() == [[0, 1, 2]]
+
+    # Expert 11 is best; 3, 5 and 13 tie for the next two slots; 3 and 5 win.
+    logits = torch.zeros(16, dtype=torch.float64)
+    logits[[3, 5, 13]] = 1.0
+    logits[11] = 2.0
+    gate_weight = torch.zeros(16, 8, dtype=torch.float64)
+    gate_weight[:, 0] = logits
+    ids, _ = route(x[:, :8], gate_weight, bias, 3, 1, 1, True, SCALE)
+    assert ids.tolist() == [[11, 3, 5]]
+
+    # Groups 1 and 3 tie on their top-2 sum; with one group kept, group 1 wins.
+    logits = torch.zeros(16, dtype=torch.float64)
+    logits[[4, 5, 12, 13]] = 1.0
+    gate_weight[:, 0] = logits
+    ids, _ = route(x, gate_weight, bias, 2, 4, 1, True, SCALE)
+    assert ids.tolist() == [[4, 5]]
+
+
+@given(seed=st.integers(0, 2**16))
+def test_router_runs_in_float32_for_bf16_activations(seed):
+    c = DSV32_ROUTING
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, c.hidden_size, generator=g).bfloat16()
+    gate_weight = torch.randn(c.n_routed_experts, c.hidden_size, generator=g).bfloat16()
+    bias = torch.rand(c.n_routed_experts, generator=g) - 0.5
+    args = (bias, 8, c.n_group, c.topk_group, True, SCALE)
+    ids, weights = route(x, gate_weight, *args)
+    ids_f32, weights_f32 = route(x.float(), gate_weight.float(), *args)
+    assert weights.dtype == torch.float32
+    assert torch.equal(ids, ids_f32) and torch.equal(weights, weights_f32)
+
+
+# ----------------------------------------------------------------- row mask
+@given(n=st.integers(1, 24), seed=st.integers(0, 2**16), zero_pad=st.booleans())
+def test_masked_rows_produce_no_output_and_no_counts(n, seed, zero_pad):
+    moe = random_moe(GROUPED, seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, GROUPED.hidden_size, generator=g, dtype=torch.float64)
+    row_mask = torch.rand(n, generator=g) < 0.5
+    if zero_pad:
+        x[~row_mask] = 0.0
+    with torch.no_grad():
+        ids, weights = moe.gate(x, row_mask)
+        out, counts = moe(x, row_mask)
+        kept_out, kept_counts = moe(x[row_mask])
+
+    assert (ids[~row_mask] == -1).all() and (weights[~row_mask] == 0).all()
+    assert (ids[row_mask] >= 0).all()
+    assert not out[~row_mask].any()
+    explicit = [0] * GROUPED.n_routed_experts
+    for t in range(n):
+        if row_mask[t]:
+            for e in ids[t].tolist():
+                explicit[e] += 1
+    assert counts.tolist() == explicit == kept_counts.tolist()
+    if row_mask.any():
+        assert rel_err(out[row_mask].numpy(), kept_out.numpy()) <= 1e-12
+
+
+# ----------------------------------------------------------------- MLP and precision
+@given(n=st.integers(1, 8), seed=st.integers(0, 2**16))
+def test_dense_mlp_matches_formula(n, seed):
+    torch.manual_seed(seed)
+    mlp = MLP(24, 40).double()
+    x = torch.randn(n, 24, dtype=torch.float64)
+    with torch.no_grad():
+        out = mlp(x)
+    ref = np.stack([ref_mlp(row, mlp) for row in x.numpy()])
+    assert rel_err(out.numpy(), ref) <= 1e-12
+
+
+def test_bf16_mlp_rounds_once_before_down_proj():
+    # DeepSeek's Expert: silu and the product in float32, one rounding to bf16, then down_proj.
+    torch.manual_seed(0)
+    mlp = MLP(64, 96).bfloat16()
+    x = torch.randn(32, 64).bfloat16()
+    with torch.no_grad():
+        out = mlp(x)
+        gate = torch.nn.functional.linear(x, mlp.gate_proj.weight).float()
+        up = torch.nn.functional.linear(x, mlp.up_proj.weight).float()
+        h = (gate * torch.sigmoid(gate) * up).bfloat16()
+        expected = torch.nn.functional.linear(h, mlp.down_proj.weight)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+def test_bf16_moe_is_close_to_float64_loop():
+    moe = random_moe(GROUPED, 3, dtype=torch.bfloat16)
+    x = torch.randn(24, GROUPED.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        out, counts = moe(x)
+    ref_out, ref_counts, _ = ref_moe(x, moe, [True] * 24)
+    assert out.dtype == torch.bfloat16
+    assert counts.tolist() == ref_counts
+    # bf16 rounds the expert inputs' products and outputs (2^-8 relative each); DeepGEMM's
+    # calc_diff bound against an unquantized reference is 1e-3.
+    a, b = out.double().numpy(), ref_out
+    assert 1 - 2 * (a * b).sum() / (a * a + b * b).sum() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_outputs_are_summed_in_deepseek_loop_order(dtype):
+    # DeepSeek's MoE: y = 0 (float32); for each expert in ascending order, y[rows] += out * w;
+    # then y + shared. Same float32 additions in the same order give the same bits.
+    moe = random_moe(GROUPED, 7, dtype=dtype)
+    x = torch.randn(40, GROUPED.hidden_size, generator=torch.Generator().manual_seed(7)).to(dtype)
+    with torch.no_grad():
+        out, _ = moe(x)
+        ids, weights = moe.gate(x)
+        y = torch.zeros(40, GROUPED.hidden_size, dtype=torch.float32)
+        for e in range(GROUPED.n_routed_experts):
+            rows, slots = torch.where(ids == e)
+            if len(rows):
+                y[rows] += moe.experts[e](x[rows]).float() * weights[rows, slots, None]
+        expected = (y + moe.shared_experts(x).float()).to(dtype)
+    assert torch.equal(out, expected)
+
+
+def test_router_bias_stays_float32_when_the_model_is_cast():
+    moe = MoE(GROUPED)
+    fine = torch.linspace(-0.5, 0.5, GROUPED.n_routed_experts) + 1e-4
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(fine)
+    moe.to(torch.bfloat16)
+    assert moe.gate.weight.dtype == torch.bfloat16
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(moe.gate.e_score_correction_bias, fine)
+    moe.half()
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    moe.double()
+    assert moe.gate.e_score_correction_bias.dtype == torch.float64
+    assert torch.equal(moe.gate.e_score_correction_bias, fine.double())
+
+
+def test_weight_names_follow_hugging_face():
+    names = set(MoE(TWO_SHARED).state_dict())
+    expected = {"gate.weight", "gate.e_score_correction_bias"}
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        expected |= {f"experts.{e}.{proj}.weight" for e in range(TWO_SHARED.n_routed_experts)}
+        expected.add(f"shared_experts.{proj}.weight")
+    assert names == expected
+    moe = MoE(TWO_SHARED)
+    assert moe.shared_experts.gate_proj.weight.shape == (2 * 16, 32)
+    assert moe.gate.weight.shape == (16, 32)
+    assert set(MLP(32, 64).state_dict()) == {"gate_proj.weight", "up_proj.weight",
+                                             "down_proj.weight"}
+
+
+# ----------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    "x, row_mask",
+    [
+        (torch.zeros(4), None),
+        (torch.zeros(4, 31), None),
+        (torch.zeros(4, 32, dtype=torch.int64), None),
+        (torch.zeros(4, 32), torch.ones(4)),
+        (torch.zeros(4, 32), torch.ones(3, dtype=torch.bool)),
+        (torch.zeros(4, 32, dtype=torch.float64), None),
+    ],
+    ids=["1d", "wrong-hidden", "integer", "float-mask", "short-mask", "dtype-mismatch"],
+)
+def test_moe_rejects_bad_input(x, row_mask):
+    with pytest.raises(ValueError):
+        MoE(GROUPED)(x, row_mask)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(top_k=0),
+        dict(top_k=9),
+        dict(n_group=3),
+        dict(topk_group=5),
+        dict(n_group=16, topk_group=2),
+        dict(bias=torch.zeros(16, dtype=torch.bfloat16)),
+        dict(bias=torch.zeros(15)),
+        dict(gate_weight=torch.zeros(16, 7)),
+    ],
+    ids=["k0", "k-beyond-kept-groups", "groups-not-dividing", "topk-group", "singleton-groups",
+         "bf16-bias", "bias-shape", "gate-shape"],
+)
+def test_route_rejects_bad_settings(kwargs):
+    args = dict(x=torch.zeros(2, 8), gate_weight=torch.zeros(16, 8), bias=torch.zeros(16),
+                top_k=2, n_group=4, topk_group=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError):
+        route(args["x"], args["gate_weight"], args["bias"], args["top_k"], args["n_group"],
+              args["topk_group"], True, SCALE)
+
+
+@pytest.mark.cuda
+def test_cuda_moe_matches_cpu_output_and_counts():
+    moe = random_moe(GROUPED, 5, dtype=torch.float64)
+    x = torch.randn(64, GROUPED.hidden_size, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(5))
+    row_mask = torch.arange(64) % 5 != 0
+    with torch.no_grad():
+        out, counts = moe(x, row_mask)
+        out_gpu, counts_gpu = moe.cuda()(x.cuda(), row_mask.cuda())
+    assert torch.equal(counts, counts_gpu.cpu())
+    assert rel_err(out_gpu.cpu().numpy(), out.numpy()) <= 1e-12
