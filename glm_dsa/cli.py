@@ -1,6 +1,7 @@
 """The ``glm-dsa`` command: a thin shell over the package's functions.
 
     glm-dsa ledger --config glm-5.3 --tokens 1048576 --chunk 32768 [--json]
+    glm-dsa prefill --config tiny --tokens 1024 --chunk 256 --requests 2
     python -m glm_dsa.cli ledger ...        (same, without installing)
 
 One ``_add_<command>`` function per subcommand registers its arguments and handler.
@@ -14,7 +15,7 @@ import sys
 from typing import Sequence
 
 from glm_dsa.config import get_config
-from glm_dsa.ledger import KV_DTYPES, GpuSpec, build_ledger, format_ledger
+from glm_dsa.ledger import KV_DTYPES, GpuSpec, _table, build_ledger, format_ledger
 
 __all__ = ["build_parser", "main"]
 
@@ -81,6 +82,238 @@ def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_ledger)
 
 
+def _add_prefill(sub) -> None:
+    p = sub.add_parser(
+        "prefill",
+        help="run a chunked prefill (the main job)",
+        description="Run requests through the layer stack in page-aligned chunks over paged caches, "
+        "print the per-step timeline and the cache usage.",
+    )
+    p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
+    p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
+    p.add_argument("--tokens", type=int, help="prompt length of each request, in tokens")
+    p.add_argument("--requests", type=int, default=1, help="number of requests (default 1)")
+    p.add_argument("--chunk", type=int, default=32768, help="chunked_prefill_size: tokens per step (default 32768)")
+    p.add_argument("--prefix", type=int, default=0,
+                   help="the requests share their first P tokens, cached beforehand by a warm-up request; "
+                        "each request then hits floor(P/64)*64 tokens of prefix cache")
+    p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp32"], help="main KV cache format")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
+                   help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
+    p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
+    p.add_argument("--budget-bytes", type=int,
+                   help="indexer logits / sparse gather budget in bytes (default: CONVENTIONS §12 rule on CUDA, 256 MiB on CPU)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--save-outputs", metavar="FILE.safetensors",
+                   help="write request.{i}.input_ids, request.{i}.hidden and request.{i}.logits")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the per-step cost curve (needs the 'plot' extra)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=_cmd_prefill)
+
+
+def _progress_bar(total_tokens: int, enabled: bool):
+    done = [0]
+
+    def update(record) -> None:
+        done[0] += sum(end - start for _, start, end in record.chunks)
+        if not enabled:
+            return
+        width = 30
+        filled = int(width * done[0] / max(total_tokens, 1))
+        sys.stderr.write(
+            f"\r[{'=' * filled}{' ' * (width - filled)}] step {record.step}  "
+            f"{done[0]}/{total_tokens} tokens  {record.seconds:.3f} s"
+        )
+        sys.stderr.flush()
+
+    return update
+
+
+def _cmd_prefill(args) -> int:
+    import math
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from glm_dsa.indexer import logits_budget_bytes
+    from glm_dsa.layer import DSAForCausalLM
+    from glm_dsa.prefill import PrefillEngine
+    from glm_dsa.weights import init_weights, load_checkpoint
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    if args.weights:
+        model = load_checkpoint(args.weights, dtype=dtype, device=device)
+        config = model.config
+        if args.config not in (args.weights,) and get_config(args.config) != config:
+            raise SystemExit(f"error: --config {args.config} differs from {args.weights}/config.json; "
+                             "pass the checkpoint directory as --config or leave them consistent")
+    else:
+        config = get_config(args.config)
+        model = init_weights(DSAForCausalLM(config).to(device=device, dtype=dtype), args.seed)
+    model.eval()
+
+    if args.input_ids:
+        stored = load_file(args.input_ids)
+        prompts = [stored[f"request.{i}.input_ids"] for i in range(len(stored))
+                   if f"request.{i}.input_ids" in stored]
+        if not prompts:
+            raise SystemExit(f"error: {args.input_ids} holds no request.{{i}}.input_ids tensors")
+        prefix_ids = None
+    else:
+        if not args.tokens or args.tokens < 1:
+            raise SystemExit("error: --tokens N (≥ 1) is required unless --input-ids is given")
+        if not 0 <= args.prefix < args.tokens:
+            raise SystemExit(f"error: --prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
+        gen = torch.Generator().manual_seed(args.seed)
+        prefix_ids = torch.randint(0, config.vocab_size, (args.prefix,), generator=gen)
+        prompts = [
+            torch.cat([prefix_ids, torch.randint(0, config.vocab_size, (args.tokens - args.prefix,), generator=gen)])
+            for _ in range(args.requests)
+        ]
+    if args.budget_bytes is not None:
+        budget = args.budget_bytes
+    elif device.type == "cuda":
+        budget = logits_budget_bytes(device, args.mem_fraction_static)
+    else:
+        budget = 256 << 20
+    page = config.page_size
+    num_pages = sum(math.ceil(p.numel() / page) for p in prompts)
+    if prefix_ids is not None and prefix_ids.numel():
+        num_pages += math.ceil(prefix_ids.numel() / page)
+    engine = PrefillEngine(model, num_pages=num_pages, kv_dtype=args.kv_dtype,
+                           chunked_prefill_size=args.chunk, budget_bytes=budget, timing=True)
+    if prefix_ids is not None and prefix_ids.numel() >= page:
+        engine.add_request(prefix_ids)
+        engine.run()
+        warm = set(engine.finished)
+    else:
+        warm = set()
+    rids = [engine.add_request(p.to(torch.int64)) for p in prompts]
+    # Tokens to run: each request's prompt minus the prefix-cache hit it will get.
+    total = sum(p.numel() for p in prompts) - (
+        len(prompts) * (args.prefix // page * page) if warm else 0
+    )
+    peak_pages = [0]
+    bar = _progress_bar(total, not (args.no_progress or args.json))
+
+    def on_step(record) -> None:
+        peak_pages[0] = max(peak_pages[0], engine.allocator.num_pages - engine.allocator.num_free)
+        bar(record)
+
+    engine.timeline.clear()
+    written_before = dict(engine.cache.bytes_written)
+    engine.run(on_step)
+    if not (args.no_progress or args.json):
+        sys.stderr.write("\n")
+    written = {k: engine.cache.bytes_written[k] - written_before[k] for k in written_before}
+    results = [engine.finished[r] for r in rids]
+    steps = [
+        {
+            "step": s.step,
+            "chunks": [{"request": rids.index(rid), "start": a, "end": b} for rid, a, b in s.chunks],
+            "prefix_at_start": list(s.prefix_at_start),
+            "seconds": s.seconds,
+            "indexer_s": s.indexer,
+            "attention_s": s.attention,
+            "moe_s": s.moe,
+            "projections_s": s.projections,
+        }
+        for s in engine.timeline
+    ]
+    pool = engine.cache.pool_bytes()
+    usage = {
+        "pages_total": engine.allocator.num_pages,
+        "pages_peak": peak_pages[0],
+        "page_bytes_main_kv": engine.cache.mla_row_bytes * page,
+        "page_bytes_index_k": (config.index_head_dim + 4) * page,
+        "pool_bytes_main_kv": pool["mla"],
+        "pool_bytes_index_k": pool["index_k"],
+        "bytes_written_main_kv": written["mla"],
+        "bytes_written_index_k": written["index_k"],
+    }
+    report = {
+        "config": config.name,
+        "device": str(device),
+        "dtype": dtype_name,
+        "kv_dtype": args.kv_dtype,
+        "chunk": args.chunk,
+        "requests": [{"tokens": r.length, "cached": r.cached_len} for r in results],
+        "budget_bytes": budget,
+        "total_seconds": sum(s.seconds for s in engine.timeline),
+        "steps": steps,
+        "cache": usage,
+    }
+    if args.save_outputs:
+        out = {}
+        for i, r in enumerate(results):
+            out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
+            out[f"request.{i}.hidden"] = torch.cat(r.hidden).float().contiguous()
+            if r.logits is not None:
+                out[f"request.{i}.logits"] = r.logits.float().contiguous()
+        save_file(out, args.save_outputs)
+    if args.plot:
+        _plot_steps(engine.timeline, args.plot)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"prefill: config {config.name}, {len(results)} request(s) of "
+          f"{', '.join(str(r.length) for r in results)} tokens, chunk {args.chunk}, kv {args.kv_dtype}, "
+          f"{dtype_name} on {device}" + (f"; prefix cache warmed with {args.prefix} tokens" if warm else ""))
+    headers = ["step", "tokens (request:start-end)", "prefix at start", "indexer s", "attention s",
+               "moe s", "projections s", "total s"]
+    rows = []
+    for s in engine.timeline:
+        rows.append([
+            str(s.step),
+            " ".join(f"{rids.index(rid)}:{a}-{b - 1}" for rid, a, b in s.chunks),
+            " ".join(str(p) for p in s.prefix_at_start),
+            f"{s.indexer:.4f}", f"{s.attention:.4f}", f"{s.moe:.4f}", f"{s.projections:.4f}", f"{s.seconds:.4f}",
+        ])
+    print(_table("timeline (seconds per component, summed over layers)", headers, rows))
+    print()
+    print(_table("cache usage", ["cache", "value"], [
+        ["pages (total / peak in use)", f"{usage['pages_total']} / {usage['pages_peak']}"],
+        ["main KV page bytes", f"{usage['page_bytes_main_kv']:,}"],
+        ["index-K page bytes", f"{usage['page_bytes_index_k']:,}"],
+        ["main KV pool bytes (all layers)", f"{usage['pool_bytes_main_kv']:,}"],
+        ["index-K pool bytes (full layers)", f"{usage['pool_bytes_index_k']:,}"],
+        ["main KV bytes written", f"{usage['bytes_written_main_kv']:,}"],
+        ["index-K bytes written", f"{usage['bytes_written_index_k']:,}"],
+    ]))
+    return 0
+
+
+def _plot_steps(timeline, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("error: --plot needs matplotlib: pip install 'glm-dsa[plot]'") from exc
+    steps = [s.step for s in timeline]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(steps)
+    for name in ("indexer", "attention", "moe", "projections"):
+        vals = [getattr(s, name) for s in timeline]
+        ax.bar(steps, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(steps, [s.seconds for s in timeline], "k.-", label="step total")
+    ax.set_xlabel("step (chunk)")
+    ax.set_ylabel("seconds")
+    ax.set_title("per-step prefill cost")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glm-dsa",
@@ -88,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_ledger(subparsers)
+    _add_prefill(subparsers)
     return parser
 
 

@@ -13,6 +13,11 @@ DeepGEMM ``fp8_mqa_logits`` (``mqa_logits``), ``fp8_paged_mqa_logits``
 (``paged_mqa_logits``), SGLang ``fast_topk_v2`` / vLLM ``top_k_per_row`` (``topk_per_row``)
 and the ragged / paged index transforms. ``Indexer`` owns the weights (HF names) and calls them.
 
+Exactness: a dot product of two E4M3 vectors is exact in float64, so each logit is a fixed
+function of its inputs (exact dot, then float32 ReLU, gate, head sum in a fixed order, key
+scale). Logits are bitwise identical for every tiling, row chunking and device (CPU and CUDA
+checked equal on an H200), which is what makes the top-k independent of the memory budget.
+
 Memory: no function materializes the ``[S, H, S_kv]`` per-head scores; scores are computed for
 ``[rows, H, cols]`` tiles of at most ``TILE_BYTES`` and reduced over heads at once, so the peak
 is the logits being returned plus one tile.
@@ -53,9 +58,12 @@ TILE_BYTES = 256 * 2**20
 # SGLang never row-chunks the indexer logits below this many elements (num_q * num_k).
 NO_CHUNK_LOGITS = 8_000_000
 
-# GEMM tiles are multiples of this many columns (cuBLAS FP8 / tensor-core friendly).
+# Score tiles span a multiple of this many key columns, at most _MAX_TILE_COLS unless the tile
+# has so few rows that wider tiles are needed to keep the GEMMs large.
 _COL_ALIGN = 16
 _MAX_TILE_COLS = 1024
+# Dot products of E4M3 vectors are exact in float64 up to this length (see _dot_products).
+_MAX_EXACT_DIM = 2**16
 
 
 # ----------------------------------------------------------------------------- validation
@@ -91,6 +99,7 @@ def _check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int,
         f"q_fp8 must be float8_e4m3fn [S, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
     )
     S, H, D = q_fp8.shape
+    _need(D <= _MAX_EXACT_DIM, f"head dim D={D} exceeds {_MAX_EXACT_DIM}, the exact-dot limit")
     _need(
         k_fp8.dtype == torch.float8_e4m3fn and k_fp8.dim() == 2 and k_fp8.shape[1] == D,
         f"k_fp8 must be float8_e4m3fn [S_kv, D={D}], got {k_fp8.dtype} {tuple(k_fp8.shape)}",
@@ -178,8 +187,8 @@ def mqa_logits(
 
     ``I[m, n] = k_scale[n] * sum_h weights[m, h] * relu(q_fp8[m, h] · k_fp8[n])`` for the
     columns ``[ks[m], ke[m])``. Each dot product is exact and rounded once to float32; the
-    ReLU, gates, head sum (heads in order) and key scale are float32 operations. Every logit is
-    thus a fixed function of its inputs, independent of chunking, tiling and device.
+    ReLU, gates, head sum (a fixed pairwise order) and key scale are float32 operations. Every
+    logit is thus a fixed function of its inputs, independent of chunking, tiling and device.
 
     Args:
         q_fp8: ``[S, H, D]`` float8_e4m3fn (its scale is folded into ``weights``).
@@ -356,15 +365,16 @@ def _canonical_topk(vals: Tensor, starts: Tensor, ends: Tensor, k: int, rows: Te
     """Absolute column indices int64 ``[b, k]`` of the k best valid entries of each row.
 
     Every row has more than k valid columns ``[start, end)``; ``rows`` names the rows in
-    error messages. Order: score descending, column
-    ascending on ties. ``torch.topk`` breaks ties arbitrarily, so its set is kept only where it
-    is unambiguous (exactly k entries ≥ the k-th value); elsewhere the tie at the k-th value
-    is filled by the lowest valid columns explicitly.
+    error messages. Order: score descending, column ascending on ties. ``torch.topk`` breaks
+    ties arbitrarily, so its set is kept only where it is unambiguous (exactly k entries ≥ the
+    k-th value); elsewhere the tie at the k-th value is filled by the lowest valid columns.
     """
     b, n = vals.shape
     col = torch.arange(n, device=vals.device)
     valid = (col >= starts[:, None]) & (col < ends[:, None])
-    masked = vals.masked_fill(~valid, float("-inf"))
+    # Adding +0.0 turns -0.0 into +0.0, so that no sort (radix sorts compare bits) can tell
+    # the two zeros apart.
+    masked = vals.masked_fill(~valid, float("-inf")).add_(0.0)
     if bool(masked.isnan().any()):
         bad = int(rows[masked.isnan().any(dim=1)][0])
         raise ValueError(f"logits row {bad} holds NaN inside [row_start, row_end)")
@@ -658,7 +668,9 @@ class Indexer(nn.Module):
         q = self._rope_then_rotate(q, positions)
         q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
         dtype = torch.promote_types(x.dtype, torch.float32)
-        gates = F.linear(x.to(dtype), self.weights_proj.weight.to(dtype))  # [n, H]
+        # weights_proj(x.float()), computed as a float64 GEMM rounded once: immune to TF32 and
+        # to how many rows the GEMM is given (CPU GEMMs round a row differently for few rows).
+        gates = F.linear(x.double(), self.weights_proj.weight.double()).to(dtype)  # [n, H]
         weights = gates * self.n_heads**-0.5 * q_scale[..., 0].to(dtype) * self.head_dim**-0.5
         return q_fp8, weights
 
@@ -689,7 +701,9 @@ class Indexer(nn.Module):
         k = self.project_k(x, batch.positions)
         k_fp8, k_scale = act_quant(k, self.head_dim, cfg.scale_fmt)  # scale [n, 1]
         index_k_store(index_k_pages, batch.out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
-        ctx_fp8, ctx_scale = index_k_load(index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size)
+        ctx_fp8, ctx_scale = index_k_load(
+            index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size
+        )
         q_fp8, weights = self.project_q(x, q_latent, batch.positions)
         return indexer_topk(
             q_fp8, weights, ctx_fp8, ctx_scale, batch.ks, batch.ke, cfg.index_topk, budget_bytes

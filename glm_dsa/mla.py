@@ -123,8 +123,8 @@ def sparse_mla_fwd(
         kv: ``[s_kv, 1, d_qk]`` float; the values are ``kv[..., :d_v]``. Gathered rows are
             cast to the compute dtype chunk by chunk, so a bf16 cache is never copied whole.
         indices: int32 ``[s_q, 1, topk]``, rows of ``kv``. Invalid, hence ignored: ``idx < 0``,
-            ``idx >= s_kv``, or column ``>= topk_length[row]``. A repeated valid index counts
-            once per occurrence, as in FlashMLA's gather.
+            ``idx >= s_kv``, or column ``>= topk_length[row]``. A valid index listed twice
+            is attended twice (FlashMLA gathers, it does not deduplicate).
         sm_scale: softmax scale applied to ``q · kv`` (the MLA scale, not ``d_qk**-0.5``).
         d_v: value width.
         attn_sink: optional ``[h]`` float logit of an extra value-less key per head: the output
@@ -135,7 +135,8 @@ def sparse_mla_fwd(
         lonely_lse: ``lse`` of a row with no valid index: ``"+inf"`` (newest) or ``"-inf"``.
         budget_bytes: bound on the gathered ``[rows, topk, d_qk]`` keys, in bytes of the compute
             dtype; rows are processed in chunks of ``max(1, budget_bytes // (topk * d_qk *
-            itemsize))``. ``None``: one chunk. The result does not depend on it.
+            itemsize))``. ``None``: one chunk. Chunks change only the batch count of the GEMMs
+            (the result is bitwise the same on CPU).
 
     Returns:
         ``(out [s_q, h, d_v], max_logits [s_q, h], lse [s_q, h])`` in the compute dtype
@@ -384,7 +385,8 @@ class MLA(nn.Module):
             topk_indices: int32 ``[n, topk]`` request-relative; entries outside
                 ``[0, ke - ks)`` are ignored, so an index past the causal limit is never read.
             budget_bytes: bound on the gathered ``[rows, topk, 576]`` keys in bytes of the compute
-                dtype (see ``sparse_mla_fwd``); the whole pipeline runs in row chunks of that size.
+                dtype (see ``sparse_mla_fwd``); the whole pipeline runs in row chunks of that
+                size, which changes only the GEMMs' row blocking (last-bit differences).
         """
         c = self.config
         cdt = self._check_context(proj, kv_context, batch)

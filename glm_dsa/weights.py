@@ -76,10 +76,15 @@ def block_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_dequantize_weight(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``W = W_fp8 * scale_inv`` per 128×128 block (computed in float32), returned in ``dtype``."""
+    """``W = W_fp8 * scale_inv`` per 128×128 block, returned in ``dtype``.
+
+    The product is taken in float32 (upstream's ``weight_dequant``), or in float64 for a float64
+    target, where it is exact.
+    """
     out_f, in_f = w_fp8.shape
+    cdt = torch.promote_types(dtype, torch.float32)
     expand = scale_inv.repeat_interleave(WEIGHT_BLOCK, 0)[:out_f].repeat_interleave(WEIGHT_BLOCK, 1)[:, :in_f]
-    return (w_fp8.float() * expand).to(dtype)
+    return (w_fp8.to(cdt) * expand.to(cdt)).to(dtype)
 
 
 def state_dict_for_save(model: DSAForCausalLM, fp8: bool = False) -> dict[str, torch.Tensor]:

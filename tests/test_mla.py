@@ -128,7 +128,8 @@ def ref_projection(mla: MLA, x: torch.Tensor, positions: torch.Tensor) -> dict[s
 
     q_latent = rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"])
     q = (q_latent @ w["q_b_proj.weight"].T).view(n, heads, nope + rope)
-    q = torch.cat([q[..., :nope], ref_rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)], -1)
+    q_pe = ref_rope(q[..., nope:], positions, cfg.rope_theta, cfg.rope_interleave)
+    q = torch.cat([q[..., :nope], q_pe], -1)
     kv_a = x @ w["kv_a_proj_with_mqa.weight"].T
     c = rms(kv_a[:, :r], w["kv_a_layernorm.weight"])
     k_pe = ref_rope(kv_a[:, None, r:], positions, cfg.rope_theta, cfg.rope_interleave)[:, 0]
@@ -279,7 +280,8 @@ def test_absorbed_with_topk_subset_equals_dense_attention_masked_outside_the_set
         free = indices[m] == -1
         fill = junk[torch.randint(len(junk), (int(free.sum()),), generator=gen)]
         indices[m, free] = torch.where(torch.rand(int(free.sum()), generator=gen) < 0.5, fill, -1)
-    out = case.mla.forward_absorbed(case.query_projection(), case.context_projection().kv_latent, batch, indices)
+    kv_context = case.context_projection().kv_latent
+    out = case.mla.forward_absorbed(case.query_projection(), kv_context, batch, indices)
     assert rel_err(out, ref_attention(case, allowed)) <= 1e-10
 
 
@@ -322,12 +324,14 @@ def _widened(batch: ForwardBatch) -> ForwardBatch:
 @given(requests=requests_st, seed=seed_st, budget=st.integers(1, 200_000))
 @settings(max_examples=8)
 def test_absorbed_output_is_independent_of_the_gather_budget(requests, seed, budget):
+    """Row chunks change only the row blocking of the q_abs / W_UV / o_proj GEMMs, i.e. the
+    last bits (measured ≤ 1.4e-15 in float64); a lost or misplaced row would be O(1)."""
     case = make_case(TINY, requests, seed)
     proj, kv_context = case.query_projection(), case.context_projection().kv_latent
     topk = full_topk(case.batch, 64)
     whole = case.mla.forward_absorbed(proj, kv_context, case.batch, topk)
     chunked = case.mla.forward_absorbed(proj, kv_context, case.batch, topk, budget_bytes=budget)
-    assert torch.equal(chunked, whole)
+    assert rel_err(chunked, whole) <= 1e-13
 
 
 # ------------------------------------------------------------------ tests: FP8 vs bf16 KV cache
@@ -520,7 +524,9 @@ def sparse_inputs(draw):
     indices = torch.tensor(rows, dtype=torch.int32)[:, None, :]
     attn_sink = torch.randn(h, generator=gen).float() if draw(st.booleans()) else None
     topk_length = (
-        torch.tensor(draw(st.lists(st.integers(-1, topk + 2), min_size=s_q, max_size=s_q)), dtype=torch.int32)
+        torch.tensor(
+            draw(st.lists(st.integers(-1, topk + 2), min_size=s_q, max_size=s_q)), dtype=torch.int32
+        )
         if draw(st.booleans()) else None
     )
     return dict(
@@ -657,7 +663,9 @@ def test_dense_causal_mha_rejects_ranges_outside_the_buffer():
     with pytest.raises(ValueError, match="ke ≤ S_kv"):
         dense_causal_mha(q, k, v, ok, torch.tensor([1, 4], dtype=torch.int32), 0.5)
     with pytest.raises(ValueError, match="ks ≤ ke"):
-        dense_causal_mha(q, k, v, torch.tensor([2, 0], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32), 0.5)
+        dense_causal_mha(
+            q, k, v, torch.tensor([2, 0], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32), 0.5
+        )
     with pytest.raises(ValueError, match="int32"):
         dense_causal_mha(q, k, v, ok.long(), ok.long(), 0.5)
 

@@ -1,0 +1,178 @@
+"""Checkpoint I/O: HF names, FP8 block scales, strict errors, and the committed weights_stub/."""
+
+import json
+import math
+import pathlib
+import struct
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from glm_dsa.config import PRESETS, from_hf_config
+from glm_dsa.layer import DSAForCausalLM
+from glm_dsa.prefill import PrefillEngine
+from glm_dsa.weights import CheckpointError, init_weights, load_checkpoint, load_state_dict, save_checkpoint
+
+STUB = pathlib.Path(__file__).resolve().parent.parent / "weights_stub"
+
+
+def _tiny(dtype=torch.bfloat16, seed=0):
+    return init_weights(DSAForCausalLM(PRESETS["tiny"]).to(dtype), seed)
+
+
+def test_hf_names_cover_the_layer_and_shared_layers_have_no_indexer():
+    keys = set(DSAForCausalLM(PRESETS["small"]).state_dict())
+    for name in ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
+                 "kv_b_proj", "o_proj"]:
+        assert f"model.layers.0.self_attn.{name}.weight" in keys
+    for name in ["wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight"]:
+        assert f"model.layers.0.self_attn.indexer.{name}" in keys
+        assert f"model.layers.3.self_attn.indexer.{name}" not in keys  # layer 3 is shared
+    assert "model.layers.0.mlp.gate_proj.weight" in keys  # dense (first_k_dense_replace = 2)
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in keys
+    assert "model.layers.2.mlp.experts.15.down_proj.weight" in keys
+    assert "model.layers.2.mlp.shared_experts.up_proj.weight" in keys
+    assert {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= keys
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_save_then_load_round_trips(tmp_path, fp8):
+    model = _tiny()
+    save_checkpoint(model, tmp_path, fp8=fp8)
+    loaded = load_checkpoint(tmp_path, dtype=torch.bfloat16)
+    assert loaded.config == model.config
+    if not fp8:
+        for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+            assert k == k2 and a.dtype == b.dtype and torch.equal(a, b), k
+    else:
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+        stored = load_file(tmp_path / "model.safetensors")
+        assert stored["model.layers.1.mlp.experts.0.gate_proj.weight"].dtype == torch.float8_e4m3fn
+        assert stored["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # never quantized
+        assert stored["model.layers.0.self_attn.indexer.weights_proj.weight"].dtype == torch.bfloat16
+
+
+def test_committed_stubs_round_trip_bitwise(tmp_path):
+    for name in ("tiny", "small"):
+        model = load_checkpoint(STUB / name, dtype=torch.bfloat16)
+        save_checkpoint(model, tmp_path / name)
+        assert (tmp_path / name / "model.safetensors").read_bytes() == (STUB / name / "model.safetensors").read_bytes()
+
+
+def test_regenerating_the_stubs_gives_identical_bytes(tmp_path):
+    import runpy
+    import sys
+
+    script = STUB.parent / "scripts" / "make_weights_stub.py"
+    argv = sys.argv
+    sys.argv = [str(script), "--out", str(tmp_path)]
+    try:
+        with pytest.raises(SystemExit) as done:
+            runpy.run_path(str(script), run_name="__main__")
+        assert done.value.code == 0
+    finally:
+        sys.argv = argv
+    for name in ("tiny", "small", "small-fp8"):
+        for f in ("config.json", "model.safetensors"):
+            assert (tmp_path / name / f).read_bytes() == (STUB / name / f).read_bytes(), f"{name}/{f}"
+
+
+def _e4m3_value(byte: int) -> float:
+    """Decode one e4m3fn byte from the format definition (bias 7, no infinities)."""
+    sign = -1.0 if byte & 0x80 else 1.0
+    exp, man = (byte >> 3) & 0xF, byte & 0x7
+    if exp == 0xF and man == 0x7:
+        return float("nan")
+    if exp == 0:
+        return sign * man / 8 * 2.0**-6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def test_fp8_stub_dequantizes_block_by_block():
+    stored = load_file(STUB / "small-fp8" / "model.safetensors")
+    model = load_checkpoint(STUB / "small-fp8", dtype=torch.float64)
+    params = model.state_dict()
+    table = np.array([_e4m3_value(b) for b in range(256)])
+    checked = 0
+    for name in ("model.layers.0.self_attn.q_b_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight",
+                 "model.layers.0.self_attn.indexer.wq_b.weight"):
+        w8 = stored[name].view(torch.uint8).numpy()
+        scale = stored[name[: -len("weight")] + "weight_scale_inv"].numpy().astype(np.float64)
+        out_f, in_f = w8.shape
+        assert scale.shape == (math.ceil(out_f / 128), math.ceil(in_f / 128))
+        expected = np.empty((out_f, in_f))
+        for bo in range(scale.shape[0]):
+            for bi in range(scale.shape[1]):
+                blk = w8[bo * 128 : (bo + 1) * 128, bi * 128 : (bi + 1) * 128]
+                expected[bo * 128 : bo * 128 + blk.shape[0], bi * 128 : bi * 128 + blk.shape[1]] = (
+                    table[blk] * scale[bo, bi]
+                )
+        assert np.array_equal(params[name].numpy(), expected), name
+        checked += 1
+    assert checked == 3
+    # the never-quantized router bias is stored and loaded as float32 exactly
+    bias = stored["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32
+    raw = struct.unpack(f"<{bias.numel()}f", bias.numpy().tobytes())
+    assert params["model.layers.2.mlp.gate.e_score_correction_bias"].tolist() == list(raw)
+
+
+def _tensors():
+    return dict(load_file(STUB / "tiny" / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "corrupt, key, message",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.o_proj.weight"), "model.layers.1.self_attn.o_proj.weight", "missing"),
+        (lambda t: t.__setitem__("model.layers.0.extra.weight", torch.zeros(2)), "model.layers.0.extra.weight", "unexpected"),
+        (lambda t: t.__setitem__("model.norm.weight", torch.zeros(7, dtype=torch.bfloat16)), "model.norm.weight", "shape"),
+        (lambda t: t.__setitem__("model.norm.weight", torch.zeros(128, dtype=torch.int32)), "model.norm.weight", "dtype"),
+        (lambda t: t.__setitem__("model.layers.1.mlp.gate.e_score_correction_bias", torch.zeros(8, dtype=torch.bfloat16)),
+         "model.layers.1.mlp.gate.e_score_correction_bias", "float32"),
+        (lambda t: t.__setitem__("model.layers.0.self_attn.q_b_proj.weight",
+                                 t["model.layers.0.self_attn.q_b_proj.weight"].float().to(torch.float8_e4m3fn)),
+         "model.layers.0.self_attn.q_b_proj.weight", "scale"),
+        (lambda t: t.__setitem__("model.layers.3.self_attn.indexer.wk.weight", torch.zeros(128, 128, dtype=torch.bfloat16)),
+         "model.layers.3.self_attn.indexer.wk.weight", "unexpected"),
+    ],
+    ids=["missing", "extra", "shape", "dtype", "bias-dtype", "fp8-without-scale", "indexer-on-shared-layer"],
+)
+def test_each_bad_checkpoint_names_the_key(corrupt, key, message):
+    tensors = _tensors()
+    corrupt(tensors)
+    model = DSAForCausalLM(PRESETS["tiny"]).to(torch.bfloat16)
+    with pytest.raises(CheckpointError) as err:
+        load_state_dict(model, tensors)
+    assert key in err.value.problems and message in err.value.problems[key]
+    assert key in str(err.value)
+
+
+def test_every_problem_is_reported_at_once_and_the_mtp_layer_is_ignored():
+    tensors = _tensors()
+    tensors.pop("lm_head.weight")
+    tensors.pop("model.norm.weight")
+    tensors["model.layers.4.self_attn.q_a_proj.weight"] = torch.zeros(3, 3)  # MTP layer: ignored
+    with pytest.raises(CheckpointError) as err:
+        load_state_dict(DSAForCausalLM(PRESETS["tiny"]), tensors)
+    assert set(err.value.problems) == {"lm_head.weight", "model.norm.weight"}
+
+
+def test_small_stub_runs_end_to_end_on_the_cpu_deterministically():
+    assert from_hf_config(STUB / "small").name == "small"
+    model = load_checkpoint(STUB / "small", dtype=torch.float32).eval()
+    outs = []
+    for _ in range(2):
+        eng = PrefillEngine(model, num_pages=16, kv_dtype="fp8", chunked_prefill_size=128, budget_bytes=1 << 22)
+        ids = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(0))
+        rid = eng.add_request(ids)
+        eng.run()
+        outs.append((eng.output_hidden(rid), eng.finished[rid].logits))
+        assert len(eng.timeline) == 3  # 128 + 128 + 44 tokens
+    hidden, logits = outs[0]
+    assert hidden.shape == (300, model.config.hidden_size) and torch.isfinite(hidden).all()
+    assert logits.shape == (model.config.vocab_size,) and torch.isfinite(logits).all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
