@@ -50,12 +50,25 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
-def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, dtype: torch.dtype,
-                    budget_bytes: int | None) -> int:
-    """Query rows whose gathered ``[rows, topk, d_qk]`` keys in ``dtype`` fit ``budget_bytes``."""
+def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
+                    kv_dtype: torch.dtype, dtype: torch.dtype, budget_bytes: int | None) -> int:
+    """Query rows whose temporaries fit ``budget_bytes``.
+
+    Per row: the gathered ``[topk, d_qk]`` keys in the cache's dtype and again in the compute
+    dtype, the ``[heads, topk]`` scores with the two temporaries ``logsumexp`` makes of them,
+    three ``[topk]`` index tensors (int64), and the row's query, full-width output and output
+    in the compute dtype.
+    """
     if budget_bytes is None:
         return max(1, num_rows)
-    return max(1, budget_bytes // (topk * d_qk * dtype.itemsize))
+    c = dtype.itemsize
+    per_row = (
+        topk * d_qk * (kv_dtype.itemsize + c)
+        + 3 * heads * topk * c
+        + 3 * topk * 8
+        + heads * (2 * d_qk + d_v) * c
+    )
+    return max(1, budget_bytes // per_row)
 
 
 def _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
@@ -133,10 +146,10 @@ def sparse_mla_fwd(
         lse_base: ``"e"`` natural-log ``max_logits``/``lse`` (newest kernel); ``"2"`` both in
             base 2, i.e. of ``P * log2(e)`` (September 2025 kernel).
         lonely_lse: ``lse`` of a row with no valid index: ``"+inf"`` (newest) or ``"-inf"``.
-        budget_bytes: bound on the gathered ``[rows, topk, d_qk]`` keys, in bytes of the compute
-            dtype; rows are processed in chunks of ``max(1, budget_bytes // (topk * d_qk *
-            itemsize))``. ``None``: one chunk. Chunks change only the batch count of the GEMMs
-            (the result is bitwise the same on CPU).
+        budget_bytes: bound, in bytes, on the temporaries of one row chunk: the gathered keys
+            (in kv's dtype and in the compute dtype), the scores and their exponentials, the
+            index masks, the chunk's query and output (``_rows_per_chunk``). ``None``: one chunk.
+            Chunks change only the batch count of the GEMMs (bitwise the same on CPU).
 
     Returns:
         ``(out [s_q, h, d_v], max_logits [s_q, h], lse [s_q, h])`` in the compute dtype
@@ -152,7 +165,7 @@ def sparse_mla_fwd(
     s_q, h, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[2]
     cdt = _compute_dtype(q.dtype, kv.dtype)
-    rows_per_chunk = _rows_per_chunk(s_q, topk, d_qk, cdt, budget_bytes)
+    rows_per_chunk = _rows_per_chunk(s_q, topk, d_qk, d_v, h, kv.dtype, cdt, budget_bytes)
 
     out = torch.empty((s_q, h, d_v), dtype=cdt, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=cdt, device=q.device)
@@ -180,12 +193,16 @@ def sparse_mla_fwd(
         # exp(-inf - inf) = 0 rather than exp(-inf + inf) = NaN.
         norm = norm.masked_fill(norm == -math.inf, math.inf)
         probs = scores.sub_(norm[..., None]).exp_()
-        out[r0:r1] = torch.bmm(probs, keys[..., :d_v])
+        # Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more FLOPs but no
+        # contiguous copy of the [rows, topk, d_v] values, which would double the gather.
+        out[r0:r1] = torch.bmm(probs, keys)[..., :d_v]
         lonely = ~valid.any(dim=-1, keepdim=True).expand(-1, h)
         if lonely_lse == "+inf":
             chunk_lse = chunk_lse.masked_fill(lonely, math.inf)
         max_logits[r0:r1] = chunk_max
         lse[r0:r1] = chunk_lse
+        # Free this chunk's temporaries before the next gather, or two chunks' coexist at peak.
+        del idx, valid, keys, scores, probs, chunk_max, chunk_lse, norm, lonely
 
     if lse_base == "2":
         max_logits.mul_(_LOG2E)
@@ -384,9 +401,9 @@ class MLA(nn.Module):
             batch: ragged metadata; row ``m`` may see ``[ks[m], ke[m])``.
             topk_indices: int32 ``[n, topk]`` request-relative; entries outside
                 ``[0, ke - ks)`` are ignored, so an index past the causal limit is never read.
-            budget_bytes: bound on the gathered ``[rows, topk, 576]`` keys in bytes of the compute
-                dtype (see ``sparse_mla_fwd``); the whole pipeline runs in row chunks of that
-                size, which changes only the GEMMs' row blocking (last-bit differences).
+            budget_bytes: bound on the temporaries of a row chunk (see ``sparse_mla_fwd``); the
+                whole pipeline runs in row chunks of that size, which changes only the GEMMs'
+                row blocking (last-bit differences).
         """
         c = self.config
         cdt = self._check_context(proj, kv_context, batch)
@@ -403,7 +420,8 @@ class MLA(nn.Module):
         out = torch.empty((n, c.hidden_size), dtype=act, device=kv_context.device)
         # Whole pipeline per row chunk, so q_abs, the query and o (a few GB each for a 32K-token
         # chunk of 64 heads) are bounded by the budget as well as the gather.
-        rows = _rows_per_chunk(n, topk_indices.shape[1], c.kv_latent_dim, cdt, budget_bytes)
+        rows = _rows_per_chunk(n, topk_indices.shape[1], c.kv_latent_dim, c.kv_lora_rank,
+                               c.num_attention_heads, kv_context.dtype, cdt, budget_bytes)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             q_abs = torch.einsum("nhd,hdc->nhc", proj.q_nope[r0:r1].to(cdt), w_uk)   # [r, H, kv_lora]
@@ -417,6 +435,7 @@ class MLA(nn.Module):
             )                                                                       # [r, H, kv_lora]
             o = torch.einsum("nhc,hvc->nhv", o_lat, w_uv)                          # [r, H, v]
             out[r0:r1] = self.o_proj(o.reshape(r1 - r0, -1).to(act))
+            del q_abs, query, rel, inside, ragged, o_lat, o
         return out
 
     def forward_mha(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> Tensor:

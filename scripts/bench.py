@@ -118,7 +118,7 @@ def bench_indexer(ceil: dict, queries: int, keys: int) -> dict:
     return {
         "queries": queries, "keys": keys, "budget_gb": budget / GB, "inputs_gb": inputs / GB,
         "peak_gb": peak / GB, "peak_over_inputs_gb": (peak - before) / GB,
-        "limit_gb": (inputs + out_bytes + 1.1 * budget) / GB,
+        "limit_gb": 1.1 * (inputs + budget) / GB, "topk_out_gb": out_bytes / GB,
         "seconds": seconds, "tflops": flops / seconds / 1e12,
         "floor_seconds_fp8": flops / ceil["fp8_flops_per_s"],
     }
@@ -137,11 +137,13 @@ def bench_mla(ceil: dict, queries: int = 32768, keys: int = 131072) -> dict:
     budget = 4 << 30
     fn = lambda: sparse_mla_fwd(q, kv, idx, cfg.softmax_scale, d_v=cfg.kv_lora_rank, budget_bytes=budget)  # noqa: E731
     seconds, before, peak = _peak(fn)
+    # float32 out [s_q, h, 512] plus max_logits and lse: the results, not temporaries
+    results = queries * H * (cfg.kv_lora_rank + 2) * 4
     flops = queries * H * cfg.index_topk * 2 * (d + cfg.kv_lora_rank)
     return {
         "queries": queries, "keys": keys, "topk": cfg.index_topk, "budget_gb": budget / GB,
         "seconds": seconds, "tflops": flops / seconds / 1e12, "floor_seconds": flops / ceil["bf16_flops_per_s"],
-        "peak_over_inputs_gb": (peak - before) / GB,
+        "results_gb": results / GB, "temporaries_peak_gb": (peak - before - results) / GB,
     }
 
 
@@ -159,7 +161,8 @@ def bench_prefill(ceil: dict, tokens: int, chunk: int = 32768) -> dict:
     engine.add_request(ids)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine.run()
+    engine.run(lambda s: print(f"  step {s.step} {s.chunks} {s.seconds:.2f} s (indexer {s.indexer:.2f}, "
+                               f"attention {s.attention:.2f}, moe {s.moe:.2f})", flush=True))
     wall = time.perf_counter() - t0
     steps = [
         {"step": s.step, "start": s.chunks[0][1], "end": s.chunks[0][2], "seconds": s.seconds,

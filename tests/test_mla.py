@@ -701,7 +701,7 @@ def test_sparse_mla_fwd_on_cuda_matches_float64_and_stays_within_budget():
     torch.cuda.synchronize()
     results = sum(t.numel() * t.element_size() for t in (out, max_logits, lse))
     extra = torch.cuda.max_memory_allocated() - base - results
-    assert extra <= 2 * budget, f"peak extra {extra / 2**20:.0f} MiB for a {budget >> 20} MiB budget"
+    assert extra <= 1.25 * budget, f"peak extra {extra / 2**20:.0f} MiB for a {budget >> 20} MiB budget"
     kv64 = kv[:, 0].double().cpu()
     for r in range(0, s_q, 211):  # a sample of rows against the dense float64 formula
         idx = indices[r, 0].long().cpu()
