@@ -2,6 +2,8 @@
 
     glm-dsa ledger --config glm-5.3 --tokens 1048576 --chunk 32768 [--json]
     glm-dsa prefill --config tiny --tokens 1024 --chunk 256 --requests 2
+    glm-dsa golden --out golden [--seed 0]
+    glm-dsa compare --golden golden --candidate my_kernel.safetensors
     python -m glm_dsa.cli ledger ...        (same, without installing)
 
 One ``_add_<command>`` function per subcommand registers its arguments and handler.
@@ -111,6 +113,11 @@ def _add_prefill(sub) -> None:
                    help="write request.{i}.input_ids, request.{i}.hidden and request.{i}.logits")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-step cost curve (needs the 'plot' extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--cp", type=int,
+                   help="context-parallel ranks: spawned here (gloo on CPU, NCCL with rank r on cuda:r); "
+                        "under torchrun the group torchrun made is joined (default: 1, or torchrun's world size)")
+    p.add_argument("--cp-split", choices=["interleave", "contiguous", "zigzag"], default="interleave",
+                   help="how a chunk's tokens are dealt to the ranks (default interleave: token i to rank i %% cp)")
     p.set_defaults(func=_cmd_prefill)
 
 
@@ -133,11 +140,30 @@ def _progress_bar(total_tokens: int, enabled: bool):
 
 
 def _cmd_prefill(args) -> int:
+    """One rank, ``--cp N`` ranks spawned here, or this rank of a torchrun group."""
+    import torch.multiprocessing as mp
+
+    from glm_dsa.cp import launch, launched_by_torchrun
+
+    if args.cp is not None and args.cp < 1:
+        raise SystemExit(f"error: --cp {args.cp} must be ≥ 1")
+    if launched_by_torchrun() or (args.cp or 1) == 1:
+        return _run_prefill(args)
+    try:
+        launch(_run_prefill, args.cp, args.device, (args,))
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        print(f"glm-dsa prefill: error: a rank failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_prefill(args) -> int:
     import math
 
     import torch
     from safetensors.torch import load_file, save_file
 
+    from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
     from glm_dsa.indexer import logits_budget_bytes
     from glm_dsa.layer import DSAForCausalLM
     from glm_dsa.prefill import PrefillEngine
@@ -146,6 +172,13 @@ def _cmd_prefill(args) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    cp = None
+    if launched_by_torchrun():
+        device = init_from_env(device)
+        cp = CPGroup(args.cp_split)
+        if args.cp not in (None, cp.size):
+            raise SystemExit(f"error: --cp {args.cp} but torchrun started {cp.size} ranks")
+    quiet = cp is not None and cp.rank != 0  # only rank 0 reports
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     dtype = getattr(torch, dtype_name)
     if args.weights:
@@ -188,11 +221,13 @@ def _cmd_prefill(args) -> int:
     if prefix_ids is not None and prefix_ids.numel():
         num_pages += math.ceil(prefix_ids.numel() / page)
     engine = PrefillEngine(model, num_pages=num_pages, kv_dtype=args.kv_dtype,
-                           chunked_prefill_size=args.chunk, budget_bytes=budget, timing=True)
+                           chunked_prefill_size=args.chunk, budget_bytes=budget, timing=True, cp=cp)
     if prefix_ids is not None and prefix_ids.numel() >= page:
         engine.add_request(prefix_ids)
         engine.run()
         warm = set(engine.finished)
+        if cp is not None:
+            cp.reset_counters()
     else:
         warm = set()
     rids = [engine.add_request(p.to(torch.int64)) for p in prompts]
@@ -201,7 +236,7 @@ def _cmd_prefill(args) -> int:
         len(prompts) * (args.prefix // page * page) if warm else 0
     )
     peak_pages = [0]
-    bar = _progress_bar(total, not (args.no_progress or args.json))
+    bar = _progress_bar(total, not (args.no_progress or args.json or quiet))
 
     def on_step(record) -> None:
         peak_pages[0] = max(peak_pages[0], engine.allocator.num_pages - engine.allocator.num_free)
@@ -210,7 +245,7 @@ def _cmd_prefill(args) -> int:
     engine.timeline.clear()
     written_before = dict(engine.cache.bytes_written)
     engine.run(on_step)
-    if not (args.no_progress or args.json):
+    if not (args.no_progress or args.json or quiet):
         sys.stderr.write("\n")
     written = {k: engine.cache.bytes_written[k] - written_before[k] for k in written_before}
     results = [engine.finished[r] for r in rids]
@@ -250,6 +285,10 @@ def _cmd_prefill(args) -> int:
         "steps": steps,
         "cache": usage,
     }
+    if cp is not None:
+        report["context_parallel"] = {"cp": cp.size, "split": cp.split, "ranks": cp.stats()}
+    if quiet:
+        return 0
     if args.save_outputs:
         out = {}
         for i, r in enumerate(results):
@@ -287,6 +326,17 @@ def _cmd_prefill(args) -> int:
         ["main KV bytes written", f"{usage['bytes_written_main_kv']:,}"],
         ["index-K bytes written", f"{usage['bytes_written_index_k']:,}"],
     ]))
+    if cp is not None:
+        print()
+        ops = ("index_k_allgather", "latent_allgather", "cp_boundary_gather")
+        print(_table(
+            f"context parallel: {cp.size} ranks, {cp.split} split (bytes: whole chunks gathered / this rank's padded share)",
+            ["rank", "indexer pairs", "index-K gathered", "latent gathered", "hidden gathered", "bytes sent"],
+            [[str(r["rank"]), f"{r['indexer_pairs']:,}",
+              *(f"{r['comm'][op]['bytes']:,}" for op in ops),
+              f"{sum(r['comm'][op]['local_bytes'] for op in ops):,}"]
+             for r in report["context_parallel"]["ranks"]],
+        ))
     return 0
 
 
@@ -314,6 +364,67 @@ def _plot_steps(timeline, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _cmd_golden(args) -> int:
+    from glm_dsa.golden import write_golden
+
+    manifest = write_golden(args.out, seed=args.seed)
+    cases: dict[str, int] = {}
+    for case in manifest["cases"]:
+        cases[case["contract"]] = cases.get(case["contract"], 0) + 1
+    rows = [[name, str(cases[info["contract"]]), f"{info['bytes']:,}"]
+            for name, info in manifest["files"].items()]
+    total = sum(info["bytes"] for info in manifest["files"].values())
+    print(_table(f"golden vectors, seed {args.seed}, in {args.out}", ["file", "cases", "bytes"], rows))
+    print(f"{len(manifest['cases'])} cases, {total:,} bytes; metrics and tolerances in "
+          f"{args.out}/manifest.json")
+    return 0
+
+
+def _add_golden(sub) -> None:
+    p = sub.add_parser(
+        "golden",
+        help="write golden vectors (inputs + expected outputs) of every kernel contract",
+        description="Write one safetensors file per glm_dsa.oracle contract (GLM-5.3 and "
+        "DeepSeek-V3.2 shapes, edge cases) and manifest.json naming each output's metric and "
+        "tolerance. Same seed, same bytes.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if absent)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.set_defaults(func=_cmd_golden)
+
+
+def _cmd_compare(args) -> int:
+    import os
+
+    from safetensors.torch import load_file
+
+    from glm_dsa.golden import compare, format_report
+
+    if not os.path.isfile(args.candidate):
+        raise ValueError(f"candidate file {args.candidate} not found")
+    try:
+        candidate = load_file(args.candidate)
+    except Exception as e:  # safetensors raises its own error type for a malformed file
+        raise ValueError(f"{args.candidate} is not a readable safetensors file: {e}") from e
+    report = compare(args.golden, candidate)
+    print(format_report(report))
+    return 0 if report.passed else 1
+
+
+def _add_compare(sub) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="check a kernel's outputs against golden vectors (exit status 1 on any failure)",
+        description="Compare each tensor of a safetensors file, named like a golden output "
+        "(e.g. fp8_mqa_logits.glm.logits), with the metric the manifest names for it; print "
+        "PASS/FAIL per tensor with the metric's value. Exit status 0 if all pass, 1 otherwise.",
+    )
+    p.add_argument("--golden", required=True, metavar="DIR", help="directory written by glm-dsa golden")
+    p.add_argument("--candidate", required=True, metavar="FILE.safetensors",
+                   help="the kernel's outputs, named <contract>.<case>.<output>")
+    p.set_defaults(func=_cmd_compare)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glm-dsa",
@@ -322,6 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_ledger(subparsers)
     _add_prefill(subparsers)
+    _add_golden(subparsers)
+    _add_compare(subparsers)
     return parser
 
 

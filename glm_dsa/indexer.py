@@ -25,6 +25,8 @@ is the logits being returned plus one tile.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -36,6 +38,9 @@ from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
 from glm_dsa.norm import LayerNorm
 from glm_dsa.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from glm_dsa.cp import CPChunk
 
 __all__ = [
     "TILE_BYTES",
@@ -681,6 +686,7 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
         index_k_pages: Tensor,
         budget_bytes: int,
+        cp: CPChunk | None = None,
     ) -> Tensor:
         """Top-k context rows of every query token of a ragged batch.
 
@@ -693,14 +699,20 @@ class Indexer(nn.Module):
             x: ``[n, hidden]``; ``q_latent``: ``[n, q_lora_rank]``; ``batch``: the step metadata.
             index_k_pages: uint8 ``[num_pages, page_size * (D + 4)]``, updated in place.
             budget_bytes: bytes the float32 logits may take at once.
+            cp: context parallel (None: one rank). ``x`` and ``batch`` are then this rank's
+                rows; the chunk's unquantized keys are gathered from every rank and stored at
+                the whole chunk's slots, so every rank holds the full index-K cache.
 
         Returns:
             int32 ``[n, index_topk]``, request-relative (relative to ``batch.ks``), ``-1`` pad.
         """
         cfg = self.config
         k = self.project_k(x, batch.positions)
+        out_slots = batch.out_slots
+        if cp is not None:
+            k, out_slots = cp.gather(k, "index_k_allgather"), cp.out_slots
         k_fp8, k_scale = act_quant(k, self.head_dim, cfg.scale_fmt)  # scale [n, 1]
-        index_k_store(index_k_pages, batch.out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
+        index_k_store(index_k_pages, out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
         ctx_fp8, ctx_scale = index_k_load(
             index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size
         )

@@ -9,7 +9,9 @@ maps one to one onto a ``glm_moe_dsa`` checkpoint.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +23,9 @@ from glm_dsa.indexer import Indexer
 from glm_dsa.mla import MLA
 from glm_dsa.moe import MLP, MoE
 from glm_dsa.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from glm_dsa.cp import CPChunk
 
 __all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes"]
 
@@ -57,8 +62,6 @@ class _Timer:
             self._t = now
 
     def _now(self) -> float:
-        import time
-
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
@@ -91,6 +94,7 @@ class DecoderLayer(nn.Module):
         budget_bytes: int,
         row_mask: torch.Tensor | None = None,
         times: LayerTimes | None = None,
+        cp: CPChunk | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the layer on the batch's query tokens.
 
@@ -102,6 +106,9 @@ class DecoderLayer(nn.Module):
                 (required on shared layers, ignored on full ones).
             budget_bytes: memory budget for indexer logits rows and the sparse-attention gather.
             row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
+            cp: context parallel (None: one rank). ``x`` and ``batch`` are then this rank's
+                rows; the chunk's latent rows and index keys are gathered from every rank and
+                written at the whole chunk's slots (``glm_dsa.cp``).
         Returns:
             ``(out [n, hidden], topk)``: the topk this layer used, for the next shared layer.
         """
@@ -109,13 +116,16 @@ class DecoderLayer(nn.Module):
         timer.start()
         h_in = self.input_layernorm(x)
         proj = self.self_attn.project(h_in, batch.positions)
-        cache.write_mla(self.layer_idx, batch.out_slots, proj.kv_latent)
+        kv_latent, out_slots = proj.kv_latent, batch.out_slots
+        if cp is not None:  # every rank stores the whole chunk's rows
+            kv_latent, out_slots = cp.gather(kv_latent, "latent_allgather"), cp.out_slots
+        cache.write_mla(self.layer_idx, out_slots, kv_latent)
         timer.stop("projections")
         if self.is_full:
             topk = self.self_attn.indexer(
-                h_in, proj.q_latent, batch, cache.index_k[self.layer_idx], budget_bytes
+                h_in, proj.q_latent, batch, cache.index_k[self.layer_idx], budget_bytes, cp
             )
-            cache.record_index_k_write(batch.num_tokens)
+            cache.record_index_k_write(out_slots.numel())
             timer.stop("indexer")
         elif topk is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
@@ -152,9 +162,11 @@ class DSAModel(nn.Module):
         budget_bytes: int,
         row_mask: torch.Tensor | None = None,
         times: LayerTimes | None = None,
+        cp: CPChunk | None = None,
     ) -> torch.Tensor:
         """``inputs``: int64 token ids ``[n]`` or hidden states ``[n, hidden]``; returns the last
-        layer's output ``[n, hidden]`` before the final norm."""
+        layer's output ``[n, hidden]`` before the final norm. ``cp``: see ``DecoderLayer``;
+        ``glm_dsa.cp.CPGroup.forward`` runs a context-parallel step through here."""
         if inputs.dtype == torch.int64:
             x = self.embed_tokens(inputs)
         elif inputs.is_floating_point() and inputs.dim() == 2:
@@ -166,7 +178,7 @@ class DSAModel(nn.Module):
             )
         topk = None
         for layer in self.layers:
-            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times)
+            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times, cp)
         return x
 
 

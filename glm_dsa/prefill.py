@@ -17,13 +17,16 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache, PageAllocator
 from glm_dsa.layer import DSAForCausalLM, LayerTimes
+
+if TYPE_CHECKING:
+    from glm_dsa.cp import CPGroup
 
 __all__ = ["Request", "StepRecord", "PrefixCache", "PrefillEngine", "plan_step"]
 
@@ -139,6 +142,9 @@ class PrefillEngine:
         prefix_caching: reuse whole-page prefixes of finished requests.
         compute_logits: compute each request's last-position logits with ``lm_head``.
         timing: synchronize and record per-component seconds in each ``StepRecord``.
+        cp: context parallel (None: one rank). Every rank of the group builds the same engine
+            and adds the same requests; each step then runs split over the ranks
+            (``glm_dsa.cp``), and every rank ends with the same outputs and caches.
     """
 
     def __init__(
@@ -151,6 +157,7 @@ class PrefillEngine:
         prefix_caching: bool = True,
         compute_logits: bool = True,
         timing: bool = False,
+        cp: CPGroup | None = None,
     ) -> None:
         cfg = model.config
         if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
@@ -168,6 +175,7 @@ class PrefillEngine:
         self.budget_bytes = budget_bytes
         self.compute_logits = compute_logits
         self.timing = timing
+        self.cp = cp
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -229,7 +237,10 @@ class PrefillEngine:
         times = LayerTimes() if self.timing else None
         t0 = time.perf_counter()
         with torch.no_grad():
-            hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times)
+            if self.cp is None:
+                hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times)
+            else:
+                hidden = self.cp.forward(self.model.model, ids, batch, cache, self.budget_bytes, times)
             last_rows = []
             for i, (req, e) in enumerate(plan):
                 q0 = int(batch.cu_seqlens_q[i])

@@ -1,0 +1,327 @@
+"""Context-parallel prefill on ``torch.distributed``: each rank scores its own share of a chunk.
+
+A prefill step (one chunk of ``n`` query tokens, possibly from several requests) is dealt to the
+``cp`` ranks of a process group (CONVENTIONS §13):
+
+* **Split.** ``"interleave"`` (SGLang's round-robin, the default) gives token ``i`` of the chunk
+  to rank ``i % cp``, so every rank gets an even share of short and long causal rows;
+  ``"contiguous"`` and ``"zigzag"`` are there for the load-balance comparison. Positions, ``ks``
+  and ``ke`` travel with the tokens. Ranks are padded with zero rows to ``ceil(n / cp)``; a
+  padded row has the empty context ``[0, 0)`` (it scores and attends to nothing) and is kept out
+  of MoE routing, so it stays exactly zero through the stack.
+* **Gathers.** Per layer, the chunk's latent rows ``[c | k_pe]`` and, per full layer, its index
+  keys (after RoPE and Hadamard, before quantization) are all-gathered, so every rank writes the
+  whole chunk into its own caches and holds the full context. Queries, logits rows, top-k and
+  attention outputs stay local. After the last layer the hidden states are gathered once and
+  put back in chunk order.
+* **Same answer as one rank.** Every rank runs the same deterministic scheduling
+  (``PrefillEngine`` with the same requests), so all ranks agree on every step's batch. Each
+  token's values are computed by the same functions as on one rank; only the number of rows in
+  each GEMM differs, which can change the last bit of a float32 result (see ``tests/test_cp.py``
+  for what that does to FP8 / bf16 roundings and near-tied top-k choices).
+
+The MHA one-shot form (a batch whose longest context is ≤ ``min(dense_attn_kv_len_threshold,
+index_topk)``) stays on under CP. SGLang turns it off because its varlen kernel wants each
+request's queries contiguous; ``dense_causal_mha`` takes any rows with their own ``[ks, ke)``.
+
+Counters (per rank, for checks against ``glm_dsa.ledger``): ``CPGroup.comm[op]`` counts the
+collectives, the bytes of the whole gathered chunk (the ledger's ``bytes_each``) and this rank's
+padded share (its ``local_bytes_each``); ``CPGroup.indexer_pairs`` counts the (query, key) pairs
+this rank's indexer scores, summed over full layers and steps.
+
+Launch: ``launch(fn, nprocs, ...)`` spawns the ranks on one host (gloo on CPU, NCCL on CUDA);
+under ``torchrun``, ``init_from_env()`` joins the group torchrun set up.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor
+
+from glm_dsa.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from glm_dsa.cache import KVCache
+    from glm_dsa.layer import DSAModel, LayerTimes
+
+__all__ = [
+    "CP_SPLITS",
+    "COMM_OPS",
+    "split_rows",
+    "CommCount",
+    "CPChunk",
+    "CPGroup",
+    "backend_for",
+    "launched_by_torchrun",
+    "init_from_env",
+    "launch",
+]
+
+CP_SPLITS = ("interleave", "contiguous", "zigzag")
+# The gathers, named as the ledger's rows (glm_dsa.ledger.cp_comm_bytes_per_chunk).
+COMM_OPS = ("index_k_allgather", "latent_allgather", "cp_boundary_gather")
+
+
+def split_rows(n: int, cp: int, split: str = "interleave") -> list[Tensor]:
+    """The chunk-relative rows each of ``cp`` ranks runs, int64 ascending, in rank order.
+
+    ``"interleave"``: token ``i`` on rank ``i % cp``. ``"contiguous"``: ``cp`` consecutive blocks.
+    ``"zigzag"``: ``2 cp`` consecutive blocks, rank ``r`` taking blocks ``r`` and ``2 cp - 1 - r``.
+    Blocks hold ``n // blocks`` tokens, the first ``n % blocks`` one more (as
+    ``glm_dsa.ledger.cp_rank_positions``). Every rank holds at most ``ceil(n / cp)`` rows; with
+    ``n < cp`` some hold none.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be a positive number of tokens")
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"cp={cp!r} must be a positive number of ranks")
+    if split not in CP_SPLITS:
+        raise ValueError(f"split={split!r}: choose one of {CP_SPLITS}")
+    if split == "interleave":
+        return [torch.arange(min(r, n), n, cp) for r in range(cp)]  # r ≥ n: no token
+    blocks = cp if split == "contiguous" else 2 * cp
+    sizes = [n // blocks + (1 if b < n % blocks else 0) for b in range(blocks)]
+    starts = [sum(sizes[:b]) for b in range(blocks)]
+    block = [torch.arange(starts[b], starts[b] + sizes[b]) for b in range(blocks)]
+    if split == "contiguous":
+        return block
+    return [torch.cat([block[r], block[2 * cp - 1 - r]]) for r in range(cp)]
+
+
+@dataclass
+class CommCount:
+    """One kind of gather, summed over a run: ``collectives`` calls, ``bytes`` of the whole
+    chunks gathered (unpadded, the ledger's ``bytes_each``), ``local_bytes`` this rank sent
+    (its padded share, the ledger's ``local_bytes_each``)."""
+
+    collectives: int = 0
+    bytes: int = 0
+    local_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class CPChunk:
+    """One step as one rank runs it.
+
+    Attributes:
+        group: the rank's ``CPGroup`` (communication and counters).
+        batch: the local ragged batch, ``L = ceil(n / cp)`` rows: this rank's tokens in chunk
+            order, then padding rows (position 0, context ``[0, 0)``, ``out_slots`` -1). Its
+            ``kv_slots``, ``cu_seqlens_k`` and request lengths are the whole step's.
+        rows: int64 ``[m]``, the chunk-relative rows of this rank's tokens, ascending (``m ≤ L``).
+        row_mask: bool ``[L]``, False on padding rows.
+        out_slots: int64 ``[n]``, the whole chunk's cache slots, where the gathered rows go.
+        order: int64 ``[n]``, for each chunk row its row in the gathered ``[cp * L]`` buffer.
+    """
+
+    group: CPGroup
+    batch: ForwardBatch
+    rows: Tensor
+    row_mask: Tensor
+    out_slots: Tensor
+    order: Tensor
+
+    def gather(self, local: Tensor, op: str) -> Tensor:
+        """All ranks' ``local [L, ...]`` rows → the chunk's ``[n, ...]``, in chunk order."""
+        return self.group.all_gather_rows(local, self.order, op)
+
+
+def _local_batch(batch: ForwardBatch, rows: Tensor, padded: int) -> ForwardBatch:
+    """``batch`` restricted to ``rows`` (chunk-relative, ascending), padded to ``padded`` rows."""
+    dev = batch.positions.device
+    rows = rows.to(dev)
+    pad = padded - rows.numel()
+
+    def take(t: Tensor, fill: int) -> Tensor:
+        return torch.cat([t[rows], t.new_full((pad,), fill)])
+
+    # Request r's local rows are those of its chunk rows [cu_q[r], cu_q[r+1]) this rank holds.
+    cu_q = torch.searchsorted(rows, batch.cu_seqlens_q)
+    return ForwardBatch(
+        positions=take(batch.positions, 0),
+        out_slots=take(batch.out_slots, -1),
+        kv_slots=batch.kv_slots,
+        ks=take(batch.ks, 0),
+        ke=take(batch.ke, 0),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=batch.cu_seqlens_k,
+        prefix_lens=batch.prefix_lens,
+        extend_lens=batch.extend_lens,
+    )
+
+
+class CPGroup:
+    """This rank's view of a process group running one prefill together, with its counters.
+
+    Args:
+        split: one of ``CP_SPLITS``.
+        group: a ``torch.distributed`` process group (None: the default group, which must be
+            initialized).
+
+    Attributes:
+        rank, size: this rank and the number of ranks (the CP degree).
+        comm: ``{op: CommCount}`` for each of ``COMM_OPS``.
+        indexer_pairs: (query, key) pairs this rank's indexer scored, over full layers and steps.
+    """
+
+    def __init__(self, split: str = "interleave", group: Any = None) -> None:
+        if split not in CP_SPLITS:
+            raise ValueError(f"split={split!r}: choose one of {CP_SPLITS}")
+        if not dist.is_initialized():
+            raise ValueError(
+                "torch.distributed is not initialized: launch the ranks with glm_dsa.cp.launch, "
+                "torchrun (then glm_dsa.cp.init_from_env) or init_process_group"
+            )
+        self.split, self.group = split, group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero ``comm`` and ``indexer_pairs`` (e.g. after a warm-up run)."""
+        self.comm = {op: CommCount() for op in COMM_OPS}
+        self.indexer_pairs = 0
+
+    def chunk(self, batch: ForwardBatch) -> CPChunk:
+        """This rank's share of the step ``batch`` (same on every rank: no communication)."""
+        n = batch.num_tokens
+        per_rank = split_rows(n, self.size, self.split)
+        padded = -(-n // self.size)
+        order = torch.empty(n, dtype=torch.int64)
+        for r, rows in enumerate(per_rank):
+            order[rows] = r * padded + torch.arange(rows.numel())
+        mine = per_rank[self.rank]
+        dev = batch.positions.device
+        return CPChunk(
+            group=self,
+            batch=_local_batch(batch, mine, padded),
+            rows=mine.to(dev),
+            row_mask=torch.arange(padded, device=dev) < mine.numel(),
+            out_slots=batch.out_slots,
+            order=order.to(dev),
+        )
+
+    def all_gather_rows(self, local: Tensor, order: Tensor, op: str) -> Tensor:
+        """Gather every rank's ``local [L, ...]`` (same shape on all ranks) and return the rows
+        ``order [n]`` of the ``[cp * L, ...]`` result; counts the traffic under ``op``."""
+        if op not in self.comm:
+            raise ValueError(f"op={op!r}: choose one of {COMM_OPS}")
+        local = local.contiguous()
+        gathered = local.new_empty((self.size * local.shape[0], *local.shape[1:]))
+        dist.all_gather(list(gathered.chunk(self.size)), local, group=self.group)
+        row_bytes = math.prod(local.shape[1:]) * local.element_size()
+        count = self.comm[op]
+        count.collectives += 1
+        count.bytes += order.numel() * row_bytes
+        count.local_bytes += local.shape[0] * row_bytes
+        return gathered[order]
+
+    def forward(
+        self,
+        model: DSAModel,
+        ids: Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        budget_bytes: int,
+        times: LayerTimes | None = None,
+    ) -> Tensor:
+        """Run ``model`` on this rank's share of the step; returns the whole chunk's last-layer
+        output ``[n, hidden]`` in chunk order (``DSAModel.forward`` of one rank, split).
+
+        Args:
+            ids: int64 ``[n]``, the step's token ids (the same on every rank).
+            batch: the step's metadata (the same on every rank).
+        """
+        if ids.dtype != torch.int64 or ids.shape != (batch.num_tokens,):
+            raise ValueError(
+                f"ids must be int64 [{batch.num_tokens}] (one per query token of the batch), got "
+                f"{ids.dtype} {tuple(ids.shape)}"
+            )
+        chunk = self.chunk(batch)
+        x = model.embed_tokens(ids[chunk.rows])
+        x = torch.cat([x, x.new_zeros(chunk.batch.num_tokens - x.shape[0], x.shape[1])])
+        out = model(x, chunk.batch, cache, budget_bytes, chunk.row_mask, times, cp=chunk)
+        # What indexer_topk scores: row m against [ks[m], ke[m]); padding rows score nothing.
+        full_layers = sum(1 for layer in model.layers if layer.is_full)
+        self.indexer_pairs += full_layers * int((chunk.batch.ke - chunk.batch.ks).sum())
+        return chunk.gather(out, "cp_boundary_gather")
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Every rank's counters, in rank order (a collective: every rank must call it)."""
+        mine = {
+            "rank": self.rank,
+            "indexer_pairs": self.indexer_pairs,
+            "comm": {op: vars(c).copy() for op, c in self.comm.items()},
+        }
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, mine, group=self.group)
+        return out
+
+
+# ----------------------------------------------------------------------------- launching
+def backend_for(device: torch.device | str) -> str:
+    """``"nccl"`` for CUDA devices, ``"gloo"`` otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    """True when the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``) is set."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def init_from_env(device: torch.device | str) -> torch.device:
+    """Join the process group torchrun set up; returns this rank's device.
+
+    On CUDA each rank takes ``cuda:LOCAL_RANK``; on CPU the ranks share the cores.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(device))
+    return device
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, device: str,
+                args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs))
+    if torch.device(device).type == "cpu":
+        # The ranks share the host's cores; oversubscribing them only slows every rank down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
+    init_from_env(device)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], nprocs: int, device: torch.device | str = "cpu",
+           args: tuple = ()) -> None:
+    """Run ``fn(*args)`` on ``nprocs`` new processes forming one group (gloo on CPU, NCCL on
+    CUDA with rank ``r`` on ``cuda:r``), rendezvous on a free loopback port; returns when all
+    are done and raises if one failed. ``fn`` must be importable (a module-level function)."""
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs={nprocs!r} must be a positive number of ranks")
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.device_count() < nprocs:
+        raise ValueError(
+            f"{nprocs} ranks need {nprocs} CUDA devices, torch sees {torch.cuda.device_count()}"
+        )
+    mp.spawn(_rank_entry, args=(fn, nprocs, _free_loopback_port(), str(device), args),
+             nprocs=nprocs, join=True)

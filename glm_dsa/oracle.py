@@ -1,0 +1,627 @@
+"""Kernel-shaped reference functions: one per upstream kernel contract.
+
+A kernel author calls these with the kernel's own arguments (names, shapes, dtypes and
+conventions of the upstream function named in each docstring) and compares the result with
+the kernel's own metric (``calc_diff`` for DeepGEMM, ``check_allclose`` for FlashMLA, a set
+comparison for top-k, bitwise for byte formats). Each function is a thin adapter: it reshapes
+or reinterprets the arguments and picks a convention, then calls the pure functions the model
+itself runs (``glm_dsa.fp8``, ``hadamard``, ``kv_format``, ``indexer``, ``mla``), so there is
+one definition of every formula.
+
+Outputs are float32 "truth" (float64 for float64 inputs) where the kernel would round to bf16.
+Where upstream conventions changed between versions, the version is an explicit argument
+(``lse_base``, ``lonely_lse``, ``scale_fmt``, ``base``, ``pad``); the snapshots are those of
+``anchor-kernel-apis.md``: DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261 (newest);
+FlashMLA c28eca9 (Sep 2025), 9241ae3 (newest); tile-ai/tilelang a35008a; fast-hadamard-transform
+e7706fa; DeepSeek-V3.2-Exp 3b99a53; SGLang and vLLM unpinned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm_dsa import fp8, hadamard, indexer, mla
+from glm_dsa.kv_format import (
+    index_k_page_bytes,
+    index_k_store,
+    mla_kv_dequantize,
+    mla_kv_quantize,
+    mla_kv_row_bytes,
+)
+
+__all__ = [
+    "hadamard_transform",
+    "act_quant",
+    "kv_cache_cast_to_fp8",
+    "fp8_mqa_logits",
+    "fp8_paged_mqa_logits",
+    "topk_per_row",
+    "topk_transform_ragged",
+    "topk_transform_paged",
+    "quantize_k_cache",
+    "dequantize_k_cache",
+    "flash_mla_sparse_fwd",
+    "flash_mla_sparse_decode",
+    "calc_diff",
+    "AllcloseResult",
+    "check_allclose",
+]
+
+# FlashMLA V32_FP8Sparse: a 576-dim latent row = 512 quantized NoPE dims + 64 bf16 RoPE dims.
+MLA_NOPE_DIM = 512
+MLA_ROPE_DIM = 64
+MLA_DIM = MLA_NOPE_DIM + MLA_ROPE_DIM
+MLA_ROW_BYTES = mla_kv_row_bytes(MLA_NOPE_DIM, MLA_ROPE_DIM, "fp8")  # 656
+
+# FlashMLA kernelkit: rel_err = |ans - ref| / (|ref| + 1e-6).
+_REL_ERR_FLOOR = 1e-6
+# FlashMLA kernelkit: cos_diff is 0 when the reference is (nearly) all zero.
+_COS_REF_FLOOR = 1e-12
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _shape(t) -> str:
+    return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+
+
+# ------------------------------------------------------------------------- numerics
+def hadamard_transform(x: Tensor, scale: float = 1.0) -> Tensor:
+    """``fast_hadamard_transform.hadamard_transform(x, scale)`` (fast-hadamard-transform e7706fa).
+
+    ``(H @ x) * scale`` over the last dim in Sylvester order, ``H[i, j] = (-1)**popcount(i & j)``,
+    unnormalized unless ``scale`` normalizes it (the V3.2 / GLM indexer uses ``128**-0.5``).
+    As upstream, a last dim that is not a power of two is zero-padded to the next one and the
+    result truncated back. Computed in float32 (float64 for float64 input), returned in
+    ``x.dtype``; the same contract as ``sgl_kernel.hadamard_transform``.
+
+    x: ``[..., dim]`` floating. Returns ``[..., dim]`` in ``x.dtype``.
+    """
+    _need(isinstance(x, Tensor) and x.dim() >= 1, f"x must be a tensor [..., dim], got {_shape(x)}")
+    d = x.shape[-1]
+    _need(d >= 1, "x has an empty last dim; there is nothing to transform")
+    padded = 1 << (d - 1).bit_length()
+    if padded == d:
+        return hadamard.hadamard_transform(x, scale)
+    return hadamard.hadamard_transform(F.pad(x, (0, padded - d)), scale)[..., :d]
+
+
+def act_quant(x: Tensor, block_size: int = 128, scale_fmt: str | None = None) -> tuple[Tensor, Tensor]:
+    """``act_quant(x, block_size, scale_fmt)`` of DeepSeek-V3.2-Exp ``inference/kernel.py`` (3b99a53).
+
+    Per block of ``block_size`` along the last dim: ``amax = max(|x|, 1e-4)``,
+    ``s = amax / 448`` (``scale_fmt=None``) or ``2**ceil(log2(amax / 448))`` (``"ue8m0"``),
+    ``x_fp8 = clamp(x / s, ±448)`` rounded to e4m3. The quotient is taken in float32 (float64
+    for float64 input) with the float32 ``s`` that is returned.
+
+    x: ``[..., d]`` floating, ``d % block_size == 0``, finite.
+    Returns ``(x_fp8 [..., d] float8_e4m3fn, scale [..., d // block_size] float32)``.
+    """
+    return fp8.act_quant(x, block_size, scale_fmt)
+
+
+# ------------------------------------------------------------------------- index-K cache
+def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
+    """``kv_cache_cast_to_fp8(x)`` of DeepGEMM ``tests/test_attention.py`` (80ceeb2 … 54e2261).
+
+    Quantizes index keys per token (one block of ``head_dim``) with DeepGEMM's test recipe,
+    ``sf = max(amax, 1e-4) / 448`` as float32 (no ue8m0 rounding), and lays each block of
+    ``block_size`` tokens out as DeepGEMM's paged index-K cache: the ``block_size × head_dim``
+    e4m3 bytes (token t at ``t * head_dim``) then the ``block_size`` float32 scales (token t at
+    ``block_size * head_dim + 4 t``); 8448 bytes per 64 × 128 block.
+
+    The payload is ``x / sf`` rounded to e4m3 (``act_quant``, as the V3/V3.2 ``act_quant``
+    kernels divide). DeepGEMM's test helper multiplies by the float32 reciprocal ``1 / sf``
+    instead; the scale bytes are identical, and about 5e-4 of the payload bytes of random bf16
+    keys round to the neighbouring e4m3 value.
+
+    k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 in DeepGEMM's test).
+    Returns uint8 ``[num_blocks, block_size, 1, head_dim + 4]`` (the fp8_paged_mqa_logits cache).
+    """
+    _need(
+        isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] == 1,
+        f"k must be [num_blocks, block_size, 1, head_dim] (one KV head), got {_shape(k)}",
+    )
+    num_blocks, block_size, _, head_dim = k.shape
+    _need(num_blocks >= 1 and block_size >= 1, f"k has no tokens: shape {_shape(k)}")
+    k_fp8, k_scale = fp8.act_quant(k.reshape(num_blocks * block_size, head_dim), head_dim, None)
+    pages = torch.zeros(
+        (num_blocks, index_k_page_bytes(block_size, head_dim)), dtype=torch.uint8, device=k.device
+    )
+    slots = torch.arange(num_blocks * block_size, device=k.device)
+    index_k_store(pages, slots, k_fp8, k_scale[:, 0], block_size)
+    return pages.view(num_blocks, block_size, 1, head_dim + 4)
+
+
+# ------------------------------------------------------------------------- indexer logits
+def fp8_mqa_logits(
+    q: Tensor,
+    kv: tuple[Tensor, Tensor],
+    weights: Tensor,
+    cu_seqlen_ks: Tensor,
+    cu_seqlen_ke: Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+) -> Tensor:
+    """``deep_gemm.fp8_mqa_logits`` with the Nov-2025 (38f8ef7) signature; newest (54e2261) keeps it.
+
+    ``out[i, j] = kv[1][j] * sum_h weights[i, h] * relu(q[i, h] · kv[0][j])`` for
+    ``j ∈ [ks[i], ke[i])``, each dot product exact, the rest in float32 (the DeepGEMM README
+    formula; its newest test's "simulated" reference on the dequantized inputs).
+
+    Args:
+        q: ``[S, H, D]`` float8_e4m3fn (no q scale: it is folded into ``weights``).
+        kv: ``(k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)``.
+        weights: ``[S, H]`` float32.
+        cu_seqlen_ks, cu_seqlen_ke: int32 ``[S]``, row i's keys ``[ks[i], ke[i])``.
+        clean_logits: ``-inf`` outside ``[ks, ke)``. Upstream leaves those entries as garbage
+            when False; here they hold the unmasked formula (0 outside the computed span).
+        max_seqlen_k: 0 for the ``[S, S_kv]`` output. ``> 0`` selects the compressed output
+            ``[S, max_seqlen_k]`` with ``out[i, j] ↔ key ks[i] + j``; as upstream it requires
+            ``clean_logits=False`` and every ``ke - ks ≤ max_seqlen_k``; entries
+            ``j ≥ ke[i] - ks[i]`` are unspecified upstream and ``-inf`` here.
+
+    Returns:
+        float32 ``[S, S_kv]``, or ``[S, max_seqlen_k]`` in compressed mode.
+    """
+    _need(
+        isinstance(kv, (tuple, list)) and len(kv) == 2,
+        "kv must be the pair (k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)",
+    )
+    _need(
+        isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) and max_seqlen_k >= 0,
+        f"max_seqlen_k={max_seqlen_k!r} must be a non-negative int",
+    )
+    k_fp8, k_scale = kv
+    if max_seqlen_k == 0:
+        return indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+    _need(
+        not clean_logits,
+        "fp8_mqa_logits with max_seqlen_k > 0 (compressed logits) requires clean_logits=False, "
+        "as in DeepGEMM",
+    )
+    full = indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, True)
+    lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
+    if lens.numel():
+        longest = int(lens.max())
+        _need(
+            longest <= max_seqlen_k,
+            f"a row has ke - ks = {longest} keys, more than max_seqlen_k={max_seqlen_k}; pass "
+            "max_seqlen_k = max(ke - ks)",
+        )
+    col = torch.arange(max_seqlen_k, device=full.device)
+    rows, cols = (col[None, :] < lens[:, None]).nonzero(as_tuple=True)
+    out = torch.full((full.shape[0], max_seqlen_k), -math.inf, dtype=full.dtype, device=full.device)
+    out[rows, cols] = full[rows, cu_seqlen_ks.long()[rows] + cols]
+    return out
+
+
+def fp8_paged_mqa_logits(
+    q: Tensor,
+    kv_cache: Tensor,
+    weights: Tensor,
+    context_lens: Tensor,
+    block_table: Tensor,
+    max_context_len: int,
+    clean_logits: bool = True,
+) -> Tensor:
+    """``deep_gemm.fp8_paged_mqa_logits`` with the Nov-2025 (38f8ef7) semantics.
+
+    Upstream also takes ``schedule_meta`` (from ``get_paged_mqa_logits_metadata``) between
+    ``block_table`` and ``max_context_len``: it only balances load across SMs, so it is not an
+    argument here. Upstream's default is ``clean_logits=False`` and the newest version accepts
+    only 2-D ``context_lens`` (which it never cleans); this oracle accepts both and cleans on
+    request.
+
+    Args:
+        q: ``[B, next_n, H, D]`` float8_e4m3fn.
+        kv_cache: uint8 ``[num_blocks, block_size, 1, D + 4]``: per block the
+            ``block_size × D`` e4m3 bytes then ``block_size`` float32 scales
+            (``kv_cache_cast_to_fp8``); any block stride.
+        weights: ``[B * next_n, H]`` float32.
+        context_lens: int32 ``[B]``: row ``(b, j)`` sees positions ``0 … ctx_b − next_n + j``;
+            or int32 ``[B, next_n]``: row ``(b, j)`` sees positions ``< context_lens[b, j]``.
+        block_table: int32 ``[B, max_blocks]``, the physical block of each logical block.
+        max_context_len: output width in tokens.
+        clean_logits: ``-inf`` outside each row's positions (else unspecified upstream; here
+            the unmasked formula inside the request's context, 0 beyond).
+
+    Returns:
+        float32 ``[B * next_n, max_context_len]``.
+    """
+    _need(
+        isinstance(q, Tensor) and q.dim() == 4,
+        f"q must be [B, next_n, H, D] float8_e4m3fn, got {_shape(q)}",
+    )
+    head_dim = q.shape[3]
+    _need(
+        isinstance(kv_cache, Tensor)
+        and kv_cache.dtype == torch.uint8
+        and kv_cache.dim() == 4
+        and kv_cache.shape[2] == 1
+        and kv_cache.shape[3] == head_dim + 4,
+        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {head_dim + 4}], got "
+        f"{getattr(kv_cache, 'dtype', None)} {_shape(kv_cache)}",
+    )
+    num_blocks, block_size = kv_cache.shape[:2]
+    # A block's bytes in row-major [block_size, D + 4] order are the page layout itself.
+    pages = kv_cache.reshape(num_blocks, block_size * (head_dim + 4))
+    return indexer.paged_mqa_logits(
+        q, pages, weights, context_lens, block_table, max_context_len, clean_logits, block_size
+    )
+
+
+# ------------------------------------------------------------------------- top-k
+def topk_per_row(
+    logits: Tensor,
+    row_starts: Tensor,
+    row_ends: Tensor,
+    topk: int,
+    base: str = "relative",
+    pad: int = -1,
+) -> Tensor:
+    """Top-k columns of each row within ``[row_starts[r], row_ends[r])``.
+
+    Mirrors SGLang ``sgl_kernel.fast_topk_v2`` and vLLM ``top_k_per_row_prefill`` /
+    ``top_k_per_row_decode`` (``base="relative"``, ``pad=-1``) and TileLang a35008a
+    ``examples/deepseek_v32/topk_selector.py`` ``tl_topk`` (``base="absolute"``, ``pad=0``).
+    Kernels order their output freely and break ties arbitrarily, so compare as sets per row
+    (equal-valued swaps allowed); this oracle's order is canonical: a row with
+    ``len = end − start ≤ topk`` gives all its columns in index order (scores not read),
+    otherwise the ``topk`` best by score descending, index ascending on ties. Entries outside a
+    row's range are never read.
+
+    Args:
+        logits: ``[R, N]`` float32.
+        row_starts, row_ends: int32 ``[R]``, ``0 ≤ start ≤ end ≤ N``.
+        topk: indices per row.
+        base: ``"relative"`` (index − row_start) or ``"absolute"`` (column index).
+        pad: value of the ``topk − min(topk, len)`` unused entries at the end of each row.
+
+    Returns:
+        int32 ``[R, topk]``.
+    """
+    _need(base in ("relative", "absolute"), f"base={base!r} must be 'relative' or 'absolute'")
+    _need(isinstance(pad, int) and not isinstance(pad, bool), f"pad={pad!r} must be an int")
+    rel = indexer.topk_per_row(logits, row_starts, row_ends, topk)
+    out = rel.long()
+    if base == "absolute":
+        out = out + row_starts.long()[:, None]
+    return torch.where(rel >= 0, out, pad).to(torch.int32)
+
+
+def topk_transform_ragged(indices: Tensor, offsets: Tensor) -> Tensor:
+    """Request-relative top-k → rows of the concatenated prefill KV; ``-1`` stays ``-1``.
+
+    The transform of SGLang ``fast_topk_transform_ragged_fused`` (``topk_indices_offset``):
+    ``indices[r, i] + offsets[r]``; the result indexes the ``kv`` fed to
+    ``flash_mla_sparse_fwd``.
+
+    indices: int32 ``[R, topk]`` (−1 padding); offsets: int32 ``[R]``. Returns int32 ``[R, topk]``.
+    """
+    return indexer.topk_to_ragged(indices, offsets)
+
+
+def topk_transform_paged(indices: Tensor, page_table: Tensor, page_size: int = 64) -> Tensor:
+    """Request-relative top-k → physical KV-cache slots; ``-1`` stays ``-1``.
+
+    ``page_table[r, i // page_size] * page_size + i % page_size``: vLLM
+    ``triton_convert_req_index_to_global_index`` (``page_size=64``), FlashMLA
+    ``tests/quant.py`` ``abs_indices2indices_in_kvcache`` (its ``block_size``), and the
+    transform of SGLang ``fast_topk_transform_fused`` (``page_table_size_1``: ``page_size=1``).
+
+    indices: int32 ``[R, topk]`` (−1 padding); page_table: int32 ``[R, max_pages]`` (the row's
+    request's pages). Returns int32 ``[R, topk]``, the ``indices`` of ``flash_mla_sparse_decode``.
+    """
+    return indexer.topk_to_paged(indices, page_table, page_size)
+
+
+# ------------------------------------------------------------------------- FP8 MLA cache
+def _as_bytes(t: Tensor, name: str) -> Tensor:
+    """uint8 view of a 1-byte tensor: FlashMLA accepts the 656-byte cache as fp8, int8 or uint8."""
+    _need(
+        isinstance(t, Tensor) and t.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn),
+        f"{name} must be uint8, int8 or float8_e4m3fn bytes, got {getattr(t, 'dtype', type(t).__name__)}",
+    )
+    return t.view(torch.uint8)
+
+
+def quantize_k_cache(kv: Tensor, scale_fmt: str | None = "ue8m0") -> Tensor:
+    """FlashMLA ``tests/quant.py`` ``quantize_k_cache(k, FP8KVCacheLayout.V32_FP8Sparse)``.
+
+    Per token 656 bytes: the 512 NoPE values as e4m3 in 4 tiles of 128, then the 4 float32 tile
+    scales, then the 64 RoPE values as bf16, unquantized. Tile scale: newest FlashMLA (9241ae3,
+    ``scale_fmt="ue8m0"``) ``s = 2**ceil(log2(max(amax / 448, 1e-4)))``; Sep 2025 (c28eca9)
+    used the raw ``amax / 448`` (``scale_fmt=None``; here floored at ``1e-4 / 448`` so an
+    all-zero tile does not divide by zero). Payload ``x / s`` rounded to e4m3.
+
+    kv: bfloat16 ``[num_blocks, block_size, 1, 576]`` (FlashMLA writes the RoPE part in the
+    input's dtype, so only bf16 input gives the 656-byte layout).
+    Returns uint8 ``[num_blocks, block_size, 1, 656]`` (FlashMLA returns the same bytes typed
+    float8_e4m3fn; its kernels accept either).
+    """
+    _need(
+        isinstance(kv, Tensor) and kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == MLA_DIM,
+        f"kv must be [num_blocks, block_size, 1, {MLA_DIM}], got {_shape(kv)}",
+    )
+    _need(
+        kv.dtype == torch.bfloat16,
+        f"kv must be bfloat16 for the 656-byte layout (its RoPE part is stored as bf16), got "
+        f"{kv.dtype}",
+    )
+    num_blocks, block_size = kv.shape[:2]
+    rows = kv.reshape(num_blocks * block_size, MLA_DIM)
+    packed = mla_kv_quantize(rows[:, :MLA_NOPE_DIM], rows[:, MLA_NOPE_DIM:], scale_fmt)
+    return packed.view(num_blocks, block_size, 1, MLA_ROW_BYTES)
+
+
+def dequantize_k_cache(k_cache: Tensor) -> Tensor:
+    """FlashMLA ``tests/quant.py`` ``dequantize_k_cache(k_cache, FP8KVCacheLayout.V32_FP8Sparse)``.
+
+    NoPE: ``e4m3 * tile scale`` in float32, rounded once to bf16; RoPE: the stored bf16 values.
+    With power-of-two (ue8m0) scales this equals the decode kernel's ``bf16(fp8) * bf16(scale)``.
+
+    k_cache: ``[num_blocks, block_size, 1, 656]`` uint8 / int8 / float8_e4m3fn bytes.
+    Returns bfloat16 ``[num_blocks, block_size, 1, 576]``.
+    """
+    raw = _as_bytes(k_cache, "k_cache")
+    _need(
+        raw.dim() == 4 and raw.shape[2] == 1 and raw.shape[3] == MLA_ROW_BYTES,
+        f"k_cache must be [num_blocks, block_size, 1, {MLA_ROW_BYTES}], got {_shape(raw)}",
+    )
+    num_blocks, block_size = raw.shape[:2]
+    rows = raw.reshape(num_blocks * block_size, MLA_ROW_BYTES)
+    latent = mla_kv_dequantize(rows, MLA_NOPE_DIM, MLA_ROPE_DIM).to(torch.bfloat16)
+    return latent.view(num_blocks, block_size, 1, MLA_DIM)
+
+
+# ------------------------------------------------------------------------- sparse MLA
+def flash_mla_sparse_fwd(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Tensor | None = None,
+    topk_length: Tensor | None = None,
+    lse_base: str = "e",
+    lonely_lse: str = "+inf",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``flash_mla.flash_mla_sparse_fwd`` (sparse prefill), newest FlashMLA (9241ae3) by default.
+
+    ``P = (q · kv[idx]) * sm_scale``, ``-inf`` where ``idx < 0``, ``idx ≥ s_kv`` or the column
+    is ``≥ topk_length[row]``; ``max_logits = max P``, ``lse = logsumexp P``,
+    ``out = exp(P − logaddexp(lse, attn_sink)) @ kv[idx, :d_v]`` (FlashMLA ``tests/ref.py``).
+    A row with no valid index: ``out = 0``, ``max_logits = −inf``, ``lse = +inf``.
+    The September-2025 kernel (c28eca9) is ``lse_base="2", lonely_lse="-inf"``: ``max_logits``
+    and ``lse`` of ``P · log2(e)`` in base 2, and ``lse = −inf`` for a lonely row (the README
+    still documents base 2). ``attn_sink`` and ``topk_length`` appeared after Sep 2025.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` (bf16 upstream; 576 = 512 latent + 64 RoPE).
+        kv: ``[s_kv, 1, d_qk]``; values are ``kv[..., :d_v]``.
+        indices: int32 ``[s_q, 1, topk]``, rows of ``kv``.
+        sm_scale: the MLA softmax scale (not ``d_qk**-0.5``).
+        d_v: value width (512).
+        attn_sink: optional float32 ``[h_q]``; topk_length: optional int32 ``[s_q]``.
+        lse_base: ``"e"`` (newest) or ``"2"`` (Sep 2025); lonely_lse: ``"+inf"`` or ``"-inf"``.
+
+    Returns:
+        ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])`` in float32 (float64
+        for float64 inputs); upstream returns ``out`` in bf16.
+    """
+    return mla.sparse_mla_fwd(
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse
+    )
+
+
+def flash_mla_sparse_decode(
+    q: Tensor,
+    k_cache: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: Tensor | None = None,
+    attn_sink: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``is_fp8_kvcache=True``,
+    ``indices`` given), newest FlashMLA (9241ae3); FlashMLA ``tests/ref.py``
+    ``ref_sparse_attn_decode``.
+
+    Attention is computed on the dequantized cache (``dequantize_k_cache``), which isolates a
+    kernel's error from the quantization error, as FlashMLA's test does. ``indices`` are
+    physical slots ``block * block_size + offset`` (``topk_transform_paged``). Only ``-1`` is
+    invalid (and columns ``≥ topk_length[b]``, which are not read); any other value outside
+    ``[0, num_blocks * block_size)`` is a ValueError (the kernel would read out of bounds).
+    ``attn_sink`` scales the output by ``exp(lse) / (exp(lse) + exp(sink))`` and is not part of
+    the returned ``lse``. A row with no valid index: ``out = 0``, ``lse = +inf``. The block
+    table, cache lengths and scheduler metadata of the upstream call do not affect the sparse
+    result, so they are not arguments.
+
+    Args:
+        q: ``[b, s_q, h_q, 576]`` (bf16 upstream).
+        k_cache: ``[num_blocks, block_size, 1, 656]`` bytes (``quantize_k_cache``).
+        indices: int32 ``[b, s_q, topk]`` physical slots, ``-1`` padding.
+        sm_scale: the MLA softmax scale.
+        d_v: value width (512).
+        topk_length: optional int32 ``[b]``, leading index columns used per batch entry.
+        attn_sink: optional float32 ``[h_q]``.
+
+    Returns:
+        ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float32 (float64 for float64 q);
+        natural-log ``lse``; upstream returns ``out`` in bf16.
+    """
+    _need(
+        isinstance(q, Tensor) and q.dim() == 4 and q.shape[3] == MLA_DIM,
+        f"q must be [b, s_q, h_q, {MLA_DIM}], got {_shape(q)}",
+    )
+    b, s_q, h_q, _ = q.shape
+    kv = dequantize_k_cache(k_cache)
+    num_slots = kv.shape[0] * kv.shape[1]
+    _need(
+        isinstance(indices, Tensor)
+        and indices.dtype == torch.int32
+        and indices.dim() == 3
+        and indices.shape[:2] == (b, s_q),
+        f"indices must be int32 [b={b}, s_q={s_q}, topk], got {getattr(indices, 'dtype', None)} "
+        f"{_shape(indices)}",
+    )
+    topk = indices.shape[2]
+    read = torch.ones_like(indices, dtype=torch.bool)
+    row_lengths = None
+    if topk_length is not None:
+        _need(
+            isinstance(topk_length, Tensor)
+            and topk_length.dtype == torch.int32
+            and topk_length.shape == (b,),
+            f"topk_length must be int32 [b={b}] (one length per batch entry), got "
+            f"{getattr(topk_length, 'dtype', None)} {_shape(topk_length)}",
+        )
+        column = torch.arange(topk, device=indices.device)
+        read = (column[None, None, :] < topk_length[:, None, None]).expand(b, s_q, topk)
+        row_lengths = topk_length.repeat_interleave(s_q)
+    bad = read & (indices != -1) & ((indices < 0) | (indices >= num_slots))
+    if bool(bad.any()):
+        pos = tuple(int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"indices{list(pos)} = {int(indices[pos])} is neither -1 nor a slot of the "
+            f"{num_slots}-slot cache; mark unused entries with -1"
+        )
+    out, _, lse = mla.sparse_mla_fwd(
+        q.reshape(b * s_q, h_q, MLA_DIM),
+        kv.reshape(num_slots, 1, MLA_DIM),
+        indices.reshape(b * s_q, 1, topk),
+        sm_scale,
+        d_v,
+        attn_sink,
+        row_lengths,
+    )
+    return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
+
+
+# ------------------------------------------------------------------------- metrics
+def _check_pair(x: Tensor, y: Tensor, what: str) -> None:
+    _need(
+        isinstance(x, Tensor) and isinstance(y, Tensor),
+        f"{what} compares two tensors, got {type(x).__name__} and {type(y).__name__}",
+    )
+    _need(x.shape == y.shape, f"{what}: shapes differ, {tuple(x.shape)} vs {tuple(y.shape)}")
+
+
+def calc_diff(x: Tensor, y: Tensor) -> float:
+    """DeepGEMM ``deep_gemm.testing.calc_diff``: ``1 − 2 Σxy / Σ(x² + y²)`` in float64.
+
+    0 for identical tensors; about half the mean squared relative error for small errors.
+    Upstream tests zero the ``-inf`` mask in both tensors first (after checking the masks are
+    equal); so must the caller: non-finite input is a ValueError. Two all-zero tensors give 0
+    (upstream: NaN).
+    """
+    _check_pair(x, y, "calc_diff")
+    x64, y64 = x.double(), y.double()
+    _need(
+        bool(torch.isfinite(x64).all() and torch.isfinite(y64).all()),
+        "calc_diff needs finite tensors: check the -inf masks are equal, then zero the masked "
+        "entries in both (as DeepGEMM's tests do)",
+    )
+    denominator = float((x64 * x64 + y64 * y64).sum())
+    if denominator == 0.0:
+        return 0.0
+    return 1.0 - 2.0 * float((x64 * y64).sum()) / denominator
+
+
+@dataclass(frozen=True)
+class AllcloseResult:
+    """Outcome of ``check_allclose``; ``passed`` is the verdict, the rest says why.
+
+    Attributes:
+        passed: every element within tolerance, special values in the same places, and
+            ``|cos_diff| ≤ cos_diff_tol``.
+        cos_diff: ``1 − 2 Σ ans·ref / Σ(ans² + ref²)`` after zeroing ±inf/NaN (0 when
+            ``Σ ref² < 1e-12``).
+        max_abs_err, max_rel_err: largest ``|ans − ref|`` and ``|ans − ref| / (|ref| + 1e-6)``.
+        num_failed: elements with ``abs_err ≥ abs_tol`` and ``rel_err ≥ rel_tol``.
+        anomaly: first mismatch of +inf / −inf / NaN positions, as text; None if they match.
+        first_failure: index of the first element (row-major) that fails either test; None.
+    """
+
+    passed: bool
+    cos_diff: float
+    max_abs_err: float
+    max_rel_err: float
+    num_failed: int
+    anomaly: str | None
+    first_failure: tuple[int, ...] | None
+
+
+def _first_index(mask: Tensor) -> tuple[int, ...] | None:
+    hits = mask.nonzero()
+    return tuple(int(v) for v in hits[0]) if hits.shape[0] else None
+
+
+def check_allclose(
+    ans: Tensor, ref: Tensor, abs_tol: float, rel_tol: float, cos_diff_tol: float
+) -> AllcloseResult:
+    """FlashMLA ``tests/kernelkit/compare.py`` ``check_is_allclose`` (9241ae3), as a result.
+
+    +inf, −inf and NaN must sit at the same positions in ``ans`` and ``ref``; they are then
+    zeroed. An element passes if ``|ans − ref| < abs_tol`` or
+    ``|ans − ref| / (|ref| + 1e-6) < rel_tol``; the tensors pass if every element does and
+    ``|cos_diff| ≤ cos_diff_tol``. Computed in float64 (upstream: float32 errors, float64
+    cos_diff); ``ans`` and ``ref`` may differ in dtype (upstream requires one dtype).
+
+    FlashMLA's tolerances: sparse prefill ``out`` 8e-4 / 3.01/128 / 7e-6, ``max_logits`` and
+    ``lse`` 1e-6 / 2.01/65536 / 1e-7; sparse decode ``out`` 1e-3 / 2.01/128 / 5e-6, ``lse``
+    1e-6 / 8.01/65536 / 1e-7.
+    """
+    _check_pair(ans, ref, "check_allclose")
+    for name, tol in (("abs_tol", abs_tol), ("rel_tol", rel_tol), ("cos_diff_tol", cos_diff_tol)):
+        _need(
+            isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0,
+            f"{name}={tol!r} must be a finite non-negative number",
+        )
+    a, r = ans.double().clone(), ref.double().clone()
+    anomaly, first_anomaly = None, None
+    for label, is_special in (
+        ("+inf", lambda t: torch.isposinf(t)),
+        ("-inf", lambda t: torch.isneginf(t)),
+        ("NaN", lambda t: torch.isnan(t)),
+    ):
+        a_mask, r_mask = is_special(a), is_special(r)
+        mismatch = a_mask ^ r_mask
+        if anomaly is None and bool(mismatch.any()):
+            first_anomaly = _first_index(mismatch)
+            anomaly = (
+                f"{label} at {int(a_mask.sum())} positions in ans, {int(r_mask.sum())} in ref; "
+                f"first difference at {first_anomaly}"
+            )
+        a.masked_fill_(a_mask, 0.0)
+        r.masked_fill_(r_mask, 0.0)
+    abs_err = (a - r).abs()
+    rel_err = abs_err / (r.abs() + _REL_ERR_FLOOR)
+    failed = (abs_err >= abs_tol) & (rel_err >= rel_tol)
+    ref_sq = float((r * r).sum())
+    cos_diff = 0.0 if ref_sq < _COS_REF_FLOOR else 1.0 - 2.0 * float((a * r).sum()) / (
+        ref_sq + float((a * a).sum())
+    )
+    first_failure = _first_index(failed)
+    if first_anomaly is not None and (first_failure is None or first_anomaly < first_failure):
+        first_failure = first_anomaly
+    num_failed = int(failed.sum())
+    empty = abs_err.numel() == 0
+    return AllcloseResult(
+        passed=anomaly is None and num_failed == 0 and abs(cos_diff) <= cos_diff_tol,
+        cos_diff=cos_diff,
+        max_abs_err=0.0 if empty else float(abs_err.max()),
+        max_rel_err=0.0 if empty else float(rel_err.max()),
+        num_failed=num_failed,
+        anomaly=anomaly,
+        first_failure=first_failure,
+    )
