@@ -291,9 +291,13 @@ def _run_prefill(args) -> int:
         return 0
     if args.save_outputs:
         out = {}
+        # Tokens served from the prefix cache were computed by the warm-up request (same tokens,
+        # same positions): their rows come from it, so `hidden` covers every token of the prompt.
+        warm_hidden = torch.cat(engine.finished[min(warm)].hidden) if warm else None
         for i, r in enumerate(results):
             out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
-            out[f"request.{i}.hidden"] = torch.cat(r.hidden).float().contiguous()
+            rows = ([warm_hidden[: r.cached_len]] if r.cached_len else []) + r.hidden
+            out[f"request.{i}.hidden"] = torch.cat(rows).float().contiguous()
             if r.logits is not None:
                 out[f"request.{i}.logits"] = r.logits.float().contiguous()
         save_file(out, args.save_outputs)
@@ -356,6 +360,7 @@ def _plot_steps(timeline, path: str) -> None:
         ax.bar(steps, vals, bottom=bottom, label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.plot(steps, [s.seconds for s in timeline], "k.-", label="step total")
+    ax.set_xticks(steps)
     ax.set_xlabel("step (chunk)")
     ax.set_ylabel("seconds")
     ax.set_title("per-step prefill cost")
