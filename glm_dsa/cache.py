@@ -93,7 +93,6 @@ class KVCache:
         num_pages: int,
         kv_dtype: str = "fp8",
         device: torch.device | str = "cpu",
-        layers: Iterable[int] | None = None,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype!r}: choose one of {KV_DTYPES}")
@@ -104,7 +103,7 @@ class KVCache:
         self.page_size = config.page_size
         self.kv_dtype = kv_dtype
         self.device = torch.device(device)
-        self.layers = tuple(range(config.num_hidden_layers) if layers is None else layers)
+        self.layers = tuple(range(config.num_hidden_layers))
         width = config.kv_latent_dim
         self.mla: dict[int, torch.Tensor] = {}
         self.index_k: dict[int, torch.Tensor] = {}

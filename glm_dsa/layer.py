@@ -39,10 +39,6 @@ class LayerTimes:
     attention: float = 0.0
     moe: float = 0.0
 
-    def add(self, other: "LayerTimes") -> None:
-        for k in ("projections", "indexer", "attention", "moe"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
-
 
 class _Timer:
     """Accumulates wall time per component; synchronizes CUDA so the split is real."""

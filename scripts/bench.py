@@ -77,7 +77,6 @@ def ceilings() -> dict:
 
 def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
     from glm_dsa.moe import MoE
-    from glm_dsa.weights import init_weights  # noqa: F401  (weights are random here)
 
     cfg = GLM
     moe = MoE(cfg).to(device="cuda", dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from formats import E4M3, bf16_bits, encode_e4m3, f32, smallest_pow2_at_least
 from glm_dsa.kv_format import (
     index_k_load,
     index_k_page_bytes,
@@ -27,42 +28,6 @@ from glm_dsa.kv_format import (
 )
 
 POISON = 0xA5
-
-
-def e4m3_table() -> np.ndarray:
-    """float64 value of each e4m3fn code: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits."""
-    values = np.empty(256)
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        exponent, mantissa = (code >> 3) & 0xF, code & 0x7
-        if exponent == 0xF and mantissa == 0x7:
-            values[code] = np.nan
-        elif exponent == 0:
-            values[code] = sign * mantissa * 2.0**-9
-        else:
-            values[code] = sign * (1 + mantissa / 8) * 2.0 ** (exponent - 7)
-    return values
-
-
-E4M3 = e4m3_table()
-E4M3_NONNEG = E4M3[:0x7F]
-
-
-def encode_e4m3(v: np.ndarray) -> np.ndarray:
-    """Nearest e4m3 code of float64 values with |v| <= 448, ties to even."""
-    a = np.abs(v)
-    hi = np.clip(np.searchsorted(E4M3_NONNEG, a), 0, 0x7E)
-    lo = np.clip(hi - 1, 0, 0x7E)
-    d_lo, d_hi = a - E4M3_NONNEG[lo], E4M3_NONNEG[hi] - a
-    code = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
-    return (code | (np.signbit(v).astype(np.int64) << 7)).astype(np.uint8)
-
-
-def bf16_bits(v: np.ndarray) -> np.ndarray:
-    """float32 values -> bf16 bit patterns, round to nearest even on the dropped 16 bits."""
-    bits = np.asarray(v, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
 
 
 def bf16_round(v: float) -> float:
@@ -84,19 +49,6 @@ def bf16_bits_of(t: torch.Tensor) -> np.ndarray:
 
 def bf16_value(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def smallest_pow2_at_least(s: float) -> float:
-    k = 0
-    while 2.0**k < s:
-        k += 1
-    while 2.0 ** (k - 1) >= s:
-        k -= 1
-    return 2.0**k
-
-
-def f32(v: float) -> float:
-    return struct.unpack("<f", struct.pack("<f", v))[0]
 
 
 # ------------------------------------------------------------------ index-K pages

@@ -17,6 +17,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from formats import E4M3, bf16_bits, encode_e4m3
 from glm_dsa import oracle
 
 NEG_INF, POS_INF = float("-inf"), float("inf")
@@ -24,45 +25,6 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- helpers
-def e4m3_table() -> np.ndarray:
-    """float64 value of each of the 256 E4M3 (fn) codes; NaN for 0x7F / 0xFF."""
-    values = np.empty(256)
-    for code in range(256):
-        sign = -1.0 if code & 0x80 else 1.0
-        exp, man = (code >> 3) & 0xF, code & 0x7
-        if exp == 0xF and man == 0x7:
-            values[code] = np.nan
-        elif exp == 0:
-            values[code] = sign * man / 8 * 2.0**-6
-        else:
-            values[code] = sign * (1 + man / 8) * 2.0 ** (exp - 7)
-    return values
-
-
-E4M3 = e4m3_table()
-_POS_CODES = np.arange(127)  # 0x00 … 0x7E: non-negative finite values, increasing
-_POS_VALUES = E4M3[:127]
-
-
-def round_e4m3(x: np.ndarray) -> np.ndarray:
-    """uint8 codes of float64 values |x| ≤ 448, rounded to nearest, ties to the even code."""
-    x = np.asarray(x, dtype=np.float64)
-    mag = np.abs(x)
-    hi = np.clip(np.searchsorted(_POS_VALUES, mag), 0, 126)
-    lo = np.clip(hi - 1, 0, 126)
-    d_lo, d_hi = mag - _POS_VALUES[lo], _POS_VALUES[hi] - mag
-    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (_POS_CODES[hi] % 2 == 0))
-    code = np.where(pick_hi, hi, lo).astype(np.uint8)
-    return np.where(np.signbit(x), code | 0x80, code).astype(np.uint8)  # -tiny → -0
-
-
-def bf16_bits(x32: np.ndarray) -> np.ndarray:
-    """uint16 bf16 bits of float32 values, round to nearest even on the float32 bits."""
-    bits = np.asarray(x32, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
-
-
 def f32(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 
@@ -85,7 +47,7 @@ def quantize_block(x64: np.ndarray, ue8m0: bool, floor_on_scale: bool = False):
     if ue8m0:
         s = ceil_pow2(s)
     q = f32(x64 / s)  # the float32 quotient (IEEE: rounding the float64 quotient is the same)
-    return round_e4m3(np.clip(q.astype(np.float64), -448, 448)), np.float32(s)
+    return encode_e4m3(np.clip(q.astype(np.float64), -448, 448)), np.float32(s)
 
 
 def t_bytes(t: torch.Tensor) -> np.ndarray:
@@ -208,7 +170,7 @@ def test_kv_cache_cast_to_fp8_differs_from_deepgemms_reciprocal_only_by_one_code
     got = oracle.kv_cache_cast_to_fp8(k).numpy().reshape(40, -1)
     x = k.float().numpy().reshape(-1, 128)
     sf = f32(np.maximum(np.abs(x).max(axis=1, keepdims=True), f32(1e-4))) / f32(448.0)
-    deepgemm = round_e4m3((x * (f32(1.0) / sf)).astype(np.float64))  # x * (1/sf) in float32
+    deepgemm = encode_e4m3((x * (f32(1.0) / sf)).astype(np.float64))  # x * (1/sf) in float32
     ours = got[:, : 64 * 128].reshape(-1, 128)
     assert np.array_equal(got[:, 64 * 128 :].reshape(-1).view(np.float32), sf.reshape(-1))
     differ = ours != deepgemm
@@ -296,7 +258,7 @@ def test_fp8_paged_mqa_logits_equals_a_float64_loop_over_the_block_table(block_s
     blocks = [-(-n // block_size) for n in longest]
     num_blocks = sum(blocks) + 2
     # The cache, assembled by hand from e4m3 codes and float32 scales.
-    codes = round_e4m3(np.clip(torch.randn(num_blocks * block_size, D, generator=g).numpy() * 100,
+    codes = encode_e4m3(np.clip(torch.randn(num_blocks * block_size, D, generator=g).numpy() * 100,
                                -448, 448))
     scales = np.abs(torch.randn(num_blocks * block_size, generator=g).numpy()).astype(np.float32)
     pages = index_k_pages_by_hand(codes, scales, block_size)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from formats import E4M3
 from glm_dsa.config import PRESETS, from_hf_config
 from glm_dsa.layer import DSAForCausalLM
 from glm_dsa.prefill import PrefillEngine
@@ -80,22 +81,11 @@ def test_regenerating_the_stubs_gives_identical_bytes(tmp_path):
             assert (tmp_path / name / f).read_bytes() == (STUB / name / f).read_bytes(), f"{name}/{f}"
 
 
-def _e4m3_value(byte: int) -> float:
-    """Decode one e4m3fn byte from the format definition (bias 7, no infinities)."""
-    sign = -1.0 if byte & 0x80 else 1.0
-    exp, man = (byte >> 3) & 0xF, byte & 0x7
-    if exp == 0xF and man == 0x7:
-        return float("nan")
-    if exp == 0:
-        return sign * man / 8 * 2.0**-6
-    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
-
-
 def test_fp8_stub_dequantizes_block_by_block():
     stored = load_file(STUB / "small-fp8" / "model.safetensors")
     model = load_checkpoint(STUB / "small-fp8", dtype=torch.float64)
     params = model.state_dict()
-    table = np.array([_e4m3_value(b) for b in range(256)])
+    table = E4M3
     checked = 0
     for name in ("model.layers.0.self_attn.q_b_proj.weight", "model.layers.2.mlp.experts.3.up_proj.weight",
                  "model.layers.0.self_attn.indexer.wq_b.weight"):
