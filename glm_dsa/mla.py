@@ -50,14 +50,54 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
+def split_bf16x3(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """float32 ``a`` → bf16 ``(a1, a2, a3)`` with ``a1 + a2 + a3 == a`` exactly.
+
+    ``a1`` is ``a`` rounded to bf16's 8 significant bits, ``a2`` the rounded remainder, ``a3``
+    what is left: 3 × 8 bits hold float32's 24 (round-to-nearest leaves each remainder within
+    half a unit of the previous part, so nothing is lost), and bf16 has float32's exponent
+    range. Exact unless a remainder falls below bf16's normal range (|a| < 2**-110 or so).
+    """
+    if a.dtype != torch.float32:
+        raise ValueError(f"split_bf16x3 takes float32, got {a.dtype}")
+    a1 = a.to(torch.bfloat16)
+    rest = a - a1.float()
+    a2 = rest.to(torch.bfloat16)
+    a3 = rest.sub_(a2.float()).to(torch.bfloat16)
+    return a1, a2, a3
+
+
+def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` (batched) accumulated in float32 or wider, as a float32 GEMM of the values would.
+
+    ``a``: ``[batch, m, k]`` bf16, float32 or float64; ``b``: ``[batch, k, n]``. The result is in
+    ``promote_types(a, b, float32)``. On CUDA, for bf16 ``b`` and bf16 or float32 ``a``, it runs
+    on bf16 tensor cores with float32 output: a float32 ``a`` is split exactly into three bf16
+    parts (``split_bf16x3``) whose products are summed. A product of two bf16 values is exact in
+    float32, so the result is the float32 GEMM's up to summation order, not a bf16 GEMM's
+    (which would round ``a``). Elsewhere it is a plain GEMM in the promoted dtype.
+    """
+    cdt = _compute_dtype(a.dtype, b.dtype)
+    if a.is_cuda and b.dtype == torch.bfloat16 and cdt == torch.float32:
+        if a.dtype == torch.bfloat16:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        parts = split_bf16x3(a.float())
+        out = torch.bmm(parts[0], b, out_dtype=torch.float32)
+        for part in parts[1:]:
+            out += torch.bmm(part, b, out_dtype=torch.float32)
+        return out
+    return torch.bmm(a.to(cdt), b.to(cdt))
+
+
 def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
                     kv_dtype: torch.dtype, dtype: torch.dtype, budget_bytes: int | None) -> int:
     """Query rows whose temporaries fit ``budget_bytes``.
 
-    Per row: the gathered ``[topk, d_qk]`` keys in the cache's dtype and again in the compute
-    dtype, the ``[heads, topk]`` scores with the two temporaries ``logsumexp`` makes of them,
-    three ``[topk]`` index tensors (int64), and the row's query, full-width output and output
-    in the compute dtype.
+    Per row: the gathered ``[topk, d_qk]`` keys in the cache's dtype and, at most, again in the
+    compute dtype (``_bmm_f32`` off the tensor-core path), the ``[heads, topk]`` scores with the
+    two temporaries ``logsumexp`` makes of them, the probabilities' bf16 split (3 × 2 bytes
+    plus a float32 remainder), three ``[topk]`` index tensors (int64), and the row's query (and
+    its split), full-width output and output in the compute dtype.
     """
     if budget_bytes is None:
         return max(1, num_rows)
@@ -65,8 +105,10 @@ def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
     per_row = (
         topk * d_qk * (kv_dtype.itemsize + c)
         + 3 * heads * topk * c
+        + heads * topk * (3 * 2 + 4)
         + 3 * topk * 8
         + heads * (2 * d_qk + d_v) * c
+        + heads * d_qk * (3 * 2 + 4)
     )
     return max(1, budget_bytes // per_row)
 
@@ -180,11 +222,12 @@ def sparse_mla_fwd(
         valid = (idx >= 0) & (idx < s_kv)
         if topk_length is not None:
             valid &= column[None, :] < topk_length[r0:r1, None]
-        keys = kv_rows[torch.where(valid, idx, 0)].to(cdt)          # [r, topk, d_qk]
+        # Gathered in the cache's dtype: _bmm_f32 takes bf16 rows as they are.
+        keys = kv_rows[torch.where(valid, idx, 0)]                  # [r, topk, d_qk]
         # Zeroed so that whatever row 0 holds (a NaN-poisoned slot, say) cannot leak into a row
         # through an invalid index: 0 * NaN would survive the -inf mask.
         keys.masked_fill_(~valid[..., None], 0)
-        scores = torch.bmm(q[r0:r1].to(cdt), keys.transpose(1, 2))  # [r, h, topk]
+        scores = _bmm_f32(q[r0:r1], keys.transpose(1, 2))          # [r, h, topk]
         scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
         chunk_max = scores.amax(dim=-1)                             # [r, h]
         chunk_lse = torch.logsumexp(scores, dim=-1)                 # -inf on lonely rows
@@ -195,7 +238,7 @@ def sparse_mla_fwd(
         probs = scores.sub_(norm[..., None]).exp_()
         # Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more FLOPs but no
         # contiguous copy of the [rows, topk, d_v] values, which would double the gather.
-        out[r0:r1] = torch.bmm(probs, keys)[..., :d_v]
+        out[r0:r1] = _bmm_f32(probs, keys)[..., :d_v]
         lonely = ~valid.any(dim=-1, keepdim=True).expand(-1, h)
         if lonely_lse == "+inf":
             chunk_lse = chunk_lse.masked_fill(lonely, math.inf)
@@ -413,8 +456,10 @@ class MLA(nn.Module):
                 f"topk_indices must be int32 [n={n}, topk], got {topk_indices.dtype} "
                 f"{tuple(topk_indices.shape)}"
             )
-        w = self._kv_b_weight(cdt)
-        w_uk, w_uv = w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+        # In the weight's own dtype: _bmm_f32 multiplies bf16 weights on tensor cores exactly.
+        w = self._kv_b_weight(self.kv_b_proj.weight.dtype)
+        w_uk = w[:, : c.qk_nope_head_dim]                                      # [H, nope, kv_lora]
+        w_uv_t = w[:, c.qk_nope_head_dim :].transpose(1, 2)                    # [H, kv_lora, v]
         s_kv, kv = kv_context.shape[0], kv_context[:, None, :]                # [S_kv, 1, 576]
         act = proj.q_latent.dtype
         out = torch.empty((n, c.hidden_size), dtype=act, device=kv_context.device)
@@ -424,7 +469,7 @@ class MLA(nn.Module):
                                c.num_attention_heads, kv_context.dtype, cdt, budget_bytes)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            q_abs = torch.einsum("nhd,hdc->nhc", proj.q_nope[r0:r1].to(cdt), w_uk)   # [r, H, kv_lora]
+            q_abs = _bmm_f32(proj.q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [r, H, kv_lora]
             query = torch.cat([q_abs, proj.q_pe[r0:r1].to(cdt)], dim=-1)            # [r, H, 576]
             rel = topk_indices[r0:r1]
             ks, ke = batch.ks[r0:r1, None], batch.ke[r0:r1, None]
@@ -433,7 +478,7 @@ class MLA(nn.Module):
             o_lat, _, _ = sparse_mla_fwd(
                 query, kv, ragged[:, None, :], c.softmax_scale, d_v=c.kv_lora_rank
             )                                                                       # [r, H, kv_lora]
-            o = torch.einsum("nhc,hvc->nhv", o_lat, w_uv)                          # [r, H, v]
+            o = _bmm_f32(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)           # [r, H, v]
             out[r0:r1] = self.o_proj(o.reshape(r1 - r0, -1).to(act))
             del q_abs, query, rel, inside, ragged, o_lat, o
         return out
