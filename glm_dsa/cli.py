@@ -297,7 +297,7 @@ def _run_prefill(args) -> int:
         for i, r in enumerate(results):
             out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
             rows = ([warm_hidden[: r.cached_len]] if r.cached_len else []) + r.hidden
-            out[f"request.{i}.hidden"] = torch.cat(rows).float().contiguous()
+            out[f"request.{i}.hidden"] = torch.cat(rows).float().cpu().contiguous()
             if r.logits is not None:
                 out[f"request.{i}.logits"] = r.logits.float().contiguous()
         save_file(out, args.save_outputs)

@@ -2,9 +2,11 @@
 
 The checkpoint names are shared (``glm_dsa.weights`` reads and writes them), but transformers
 5.x keeps each MoE layer's experts fused in two 3-D parameters: ``mlp.experts.gate_up_proj
-[E, 2I, H]`` (gate rows, then up rows) and ``mlp.experts.down_proj [E, H, I]``.
-``hf_state_dict`` does that fusion; every other tensor keeps its name and value. transformers
-is not a dependency of glm-dsa: only ``hf_model`` imports it.
+[E, 2I, H]`` (gate rows, then up rows) and ``mlp.experts.down_proj [E, H, I]``. glm-dsa's
+``moe.Experts`` holds exactly those parameters (its state dict translates them to the
+per-expert checkpoint names), so ``hf_model`` hands the model's parameters over as they are;
+``hf_state_dict`` also fuses a checkpoint-named state dict. transformers is not a dependency
+of glm-dsa: only ``hf_model`` imports it.
 
 HF differs from glm-dsa on purpose in ways a comparison must account for (see
 ``docs/performance.md``): its indexer is unquantized bf16/fp32 without the Hadamard rotation,
@@ -28,16 +30,19 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 
 
 def hf_state_dict(state: dict[str, Tensor], config: DSAConfig) -> dict[str, Tensor]:
-    """glm-dsa (checkpoint-named) state dict → the state dict of transformers' ``GlmMoeDsaModel``.
+    """glm-dsa state dict → the state dict of transformers' ``GlmMoeDsaModel``.
 
     Args:
-        state: ``DSAForCausalLM.state_dict()``-style tensors (``model.`` prefix, ``lm_head``).
+        state: ``DSAForCausalLM.state_dict()``-style tensors (``model.`` prefix, ``lm_head``),
+            each MoE layer's experts under the per-expert checkpoint names or already stacked
+            (``DSAForCausalLM.named_parameters()``: ``mlp.experts.gate_up_proj`` / ``down_proj``).
         config: the model's config (expert count per MoE layer).
 
     Returns:
         Names without the ``model.`` prefix (``GlmMoeDsaModel`` is the decoder stack); each MoE
-        layer's experts fused into ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``;
-        ``lm_head`` dropped. Fused tensors are new; the others are the given tensors.
+        layer's per-expert tensors fused into ``mlp.experts.gate_up_proj`` /
+        ``mlp.experts.down_proj``; ``lm_head`` dropped. Fused tensors are new; the others,
+        stacked ones included, are the given tensors.
 
     Raises:
         ValueError: an MoE layer whose experts are not all present.
@@ -73,8 +78,8 @@ def hf_model(
     """transformers' ``GlmMoeDsaModel`` holding ``model``'s config and weights.
 
     ``model`` is a ``DSAForCausalLM``. The HF modules are built on the meta device and then
-    take ``model``'s tensors (shared, not copied; dtypes and device kept, so the router bias
-    stays float32 as HF keeps it), except the fused experts, which are new tensors. Requires
+    take ``model``'s parameters, the stacked experts included (shared, not copied; dtypes and
+    device kept, so the router bias stays float32 as HF keeps it). Requires
     transformers ≥ 5 (``pip install transformers``); raises ImportError otherwise.
 
     ``attn_implementation``: ``"sdpa"`` (HF's default) or ``"eager"``; ``experts_implementation``:
@@ -89,7 +94,8 @@ def hf_model(
     param = next(model.parameters())
     with torch.device("meta"):
         hf = GlmMoeDsaModel(hf_config)
-    state = hf_state_dict(model.state_dict(), config)
+    # named_parameters, not state_dict: its names for the experts are transformers' own.
+    state = hf_state_dict(dict(model.named_parameters()), config)
     hf.load_state_dict(state, strict=True, assign=True)
     # Buffers that are not in the state dict (RoPE tables) are rebuilt on the real device.
     with torch.device(param.device):

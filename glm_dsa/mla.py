@@ -197,8 +197,10 @@ def sparse_mla_fwd(
         ``(out [s_q, h, d_v], max_logits [s_q, h], lse [s_q, h])`` in the compute dtype
         (``promote_types(q.dtype, kv.dtype, float32)``), where ``P = (q · kv[idx]) * sm_scale`` with
         ``-inf`` at invalid positions, ``max_logits = max P``, ``lse = logsumexp P`` and
-        ``out = exp(P - lse) @ kv[idx, :d_v]``. A row with no valid index gives ``out = 0``,
-        ``max_logits = -inf`` and ``lse`` per ``lonely_lse``.
+        ``out = exp(P - lse) @ kv[idx, :d_v]`` (computed as FlashMLA does: ``exp(P - max)`` times
+        the values, divided by its row sum). A row with no valid index gives ``out = 0``,
+        ``max_logits = -inf`` and ``lse`` per ``lonely_lse``. Besides the chunk budget, a call
+        holds one copy of ``kv`` with a zero row appended (what invalid indices read).
     """
     _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
                          budget_bytes)
@@ -212,7 +214,10 @@ def sparse_mla_fwd(
     out = torch.empty((s_q, h, d_v), dtype=cdt, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=cdt, device=q.device)
     lse = torch.empty((s_q, h), dtype=cdt, device=q.device)
-    kv_rows = kv[:, 0, :]                                           # [s_kv, d_qk]
+    # Invalid indices read an appended zero row, so whatever a real row holds (a NaN-poisoned
+    # slot, say) cannot leak into a row through an index it does not use: 0 * NaN would survive
+    # the -inf mask.
+    kv_rows = torch.cat([kv[:, 0, :], kv.new_zeros(1, d_qk)])     # [s_kv + 1, d_qk]
     column = torch.arange(topk, device=q.device)
     sink = None if attn_sink is None else attn_sink.to(cdt)
 
@@ -223,29 +228,28 @@ def sparse_mla_fwd(
         if topk_length is not None:
             valid &= column[None, :] < topk_length[r0:r1, None]
         # Gathered in the cache's dtype: _bmm_f32 takes bf16 rows as they are.
-        keys = kv_rows[torch.where(valid, idx, 0)]                  # [r, topk, d_qk]
-        # Zeroed so that whatever row 0 holds (a NaN-poisoned slot, say) cannot leak into a row
-        # through an invalid index: 0 * NaN would survive the -inf mask.
-        keys.masked_fill_(~valid[..., None], 0)
+        keys = kv_rows[torch.where(valid, idx, s_kv)]               # [r, topk, d_qk]
         scores = _bmm_f32(q[r0:r1], keys.transpose(1, 2))          # [r, h, topk]
         scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
-        chunk_max = scores.amax(dim=-1)                             # [r, h]
-        chunk_lse = torch.logsumexp(scores, dim=-1)                 # -inf on lonely rows
-        norm = chunk_lse if sink is None else torch.logaddexp(chunk_lse, sink)
-        # A row with nothing to normalise (no valid key, no sink) gets weights
-        # exp(-inf - inf) = 0 rather than exp(-inf + inf) = NaN.
-        norm = norm.masked_fill(norm == -math.inf, math.inf)
-        probs = scores.sub_(norm[..., None]).exp_()
-        # Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more FLOPs but no
-        # contiguous copy of the [rows, topk, d_v] values, which would double the gather.
-        out[r0:r1] = _bmm_f32(probs, keys)[..., :d_v]
+        chunk_max = scores.amax(dim=-1)                             # [r, h], -inf on lonely rows
+        # exp(P - max) ≤ 1. Lonely rows subtract 0 rather than -inf: weights 0, not NaN.
+        shift = chunk_max.masked_fill(chunk_max == -math.inf, 0.0)
+        weights = scores.sub_(shift[..., None]).exp_()              # [r, h, topk]
+        total = weights.sum(dim=-1)                                 # [r, h], ≥ 1 unless lonely
+        chunk_lse = shift + total.log()                             # -inf on lonely rows
+        denom = total if sink is None else total + torch.exp(sink - shift)
+        denom.masked_fill_(denom == 0, 1.0)                         # lonely, no sink: out = 0 / 1
+        # Normalised after the value GEMM, as FlashMLA does: [r, h, d_v] divisions, not
+        # [r, h, topk]. Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more
+        # FLOPs but no contiguous copy of the [rows, topk, d_v] values.
+        out[r0:r1] = _bmm_f32(weights, keys)[..., :d_v].div_(denom[..., None])
         lonely = ~valid.any(dim=-1, keepdim=True).expand(-1, h)
         if lonely_lse == "+inf":
             chunk_lse = chunk_lse.masked_fill(lonely, math.inf)
         max_logits[r0:r1] = chunk_max
         lse[r0:r1] = chunk_lse
         # Free this chunk's temporaries before the next gather, or two chunks' coexist at peak.
-        del idx, valid, keys, scores, probs, chunk_max, chunk_lse, norm, lonely
+        del idx, valid, keys, scores, weights, chunk_max, shift, total, chunk_lse, denom, lonely
 
     if lse_base == "2":
         max_logits.mul_(_LOG2E)

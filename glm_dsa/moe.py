@@ -1,10 +1,12 @@
 """noaux_tc mixture of experts: sigmoid router with a selection-only bias, routed experts run
-grouped by expert, a shared expert, and the dense MLP of the first layers (CONVENTIONS §8).
+as grouped GEMMs, a shared expert, and the dense MLP of the first layers (CONVENTIONS §8).
 
 Weight names follow the Hugging Face checkpoints under ``model.layers.{i}.mlp.``:
 ``gate.weight``, ``gate.e_score_correction_bias``, ``experts.{e}.{gate,up,down}_proj.weight``,
 ``shared_experts.{gate,up,down}_proj.weight``; a dense layer's ``MLP`` owns
-``{gate,up,down}_proj.weight`` directly.
+``{gate,up,down}_proj.weight`` directly. The routed experts are stored stacked, as transformers
+5.x keeps them (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``), and
+their state dict translates to and from the per-expert checkpoint names.
 
 "Compute dtype" is ``torch.promote_types(x.dtype, torch.float32)``: float32 for bf16/fp32
 activations (the DeepSeek/HF convention ``x.float() @ gate.weight.float().T``), float64 for
@@ -19,10 +21,13 @@ from torch import Tensor, nn
 
 from glm_dsa.config import DSAConfig
 
-__all__ = ["route", "MLP", "MoEGate", "MoE"]
+__all__ = ["route", "MLP", "experts_grouped_mm", "experts_loop", "Experts", "MoEGate", "MoE"]
 
 # Keeps an all-zero score row from dividing by zero; the value HF and vLLM use.
 _NORM_EPS = 1e-20
+
+# The dtypes F.grouped_mm accepts (float64 raises); other dtypes run the experts in a loop.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -167,6 +172,205 @@ class MLP(nn.Module):
         return self.down_proj(h.to(x.dtype))
 
 
+def _swiglu(gate_up: Tensor, dtype: torch.dtype) -> Tensor:
+    """``gate_up: [m, 2I]`` (gate columns, then up) → ``silu(gate) * up: [m, I]``, formed in the
+    compute dtype and rounded once to ``dtype`` (DeepSeek's ``Expert``, as in ``MLP``)."""
+    cd = _compute_dtype(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate.to(cd)) * up.to(cd)).to(dtype)
+
+
+def _check_experts(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> None:
+    """``x: [m, H]``, ``gate_up_proj: [E, 2I, H]`` and ``down_proj: [E, H, I]``, one dtype."""
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[1] % 2:
+        raise ValueError(
+            f"gate_up_proj must be [E, 2I, H], got shape {tuple(gate_up_proj.shape)}"
+        )
+    num_experts, two_i, hidden = gate_up_proj.shape
+    if down_proj.shape != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"down_proj must be [E, H, I] = {[num_experts, hidden, two_i // 2]} to match "
+            f"gate_up_proj {tuple(gate_up_proj.shape)}, got {tuple(down_proj.shape)}"
+        )
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be [m, {hidden}], got shape {tuple(x.shape)}")
+    if not x.dtype == gate_up_proj.dtype == down_proj.dtype:
+        raise ValueError(
+            f"x, gate_up_proj and down_proj must share one dtype, got {x.dtype}, "
+            f"{gate_up_proj.dtype} and {down_proj.dtype}; cast the weights or the activations"
+        )
+
+
+def experts_grouped_mm(
+    x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, offsets: Tensor
+) -> Tensor:
+    """Every routed expert's SwiGLU on its own rows, as two grouped GEMMs (``F.grouped_mm``).
+
+    ``x: [m, H]`` rows grouped by expert: expert ``e`` owns rows ``offsets[e-1]:offsets[e]``
+    (from 0 for ``e = 0``); ``offsets: [E]`` int32 on ``x``'s device, non-decreasing, ending at
+    ``m`` (it stays on the device: no host synchronisation). ``gate_up_proj: [E, 2I, H]``,
+    ``down_proj: [E, H, I]``, all in ``x.dtype``, which must be one of ``GROUPED_MM_DTYPES``.
+
+    Row ``r`` of expert ``e`` gets ``down_e · swiglu(gate_up_e · x_r)``: the GEMM outputs in
+    ``x.dtype``, ``silu(gate) * up`` in the compute dtype rounded once to ``x.dtype``, exactly
+    ``experts_loop``'s formula. Returns ``[m, H]`` in ``x.dtype``.
+
+    On CUDA, torch's fused kernel takes bf16 on sm90/sm100 (H100/H200, B200); other dtypes and
+    GPUs run torch's fallback, which copies ``offsets`` to the host and loops over the experts.
+    """
+    _check_experts(x, gate_up_proj, down_proj)
+    if x.dtype not in GROUPED_MM_DTYPES:
+        raise ValueError(
+            f"F.grouped_mm takes {GROUPED_MM_DTYPES}, got {x.dtype}; use experts_loop"
+        )
+    if offsets.shape != (gate_up_proj.shape[0],) or offsets.dtype != torch.int32:
+        raise ValueError(
+            f"offsets must be int32 of shape [{gate_up_proj.shape[0]}] (one end row per "
+            f"expert), got shape {tuple(offsets.shape)} dtype {offsets.dtype}"
+        )
+    # grouped_mm multiplies by mat_b [E, K, N]: the transposed views of the [E, N, K] weights.
+    gate_up = F.grouped_mm(x, gate_up_proj.transpose(1, 2), offs=offsets)  # [m, 2I]
+    return F.grouped_mm(_swiglu(gate_up, x.dtype), down_proj.transpose(1, 2), offs=offsets)
+
+
+def experts_loop(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, counts: list[int]) -> Tensor:
+    """``experts_grouped_mm``'s result for any float dtype (float64 included), one expert at a
+    time: ``counts[e]`` rows of ``x: [m, H]`` (grouped by expert, ``sum(counts) == m``) per
+    expert ``e``. Weights and result as in ``experts_grouped_mm``; returns ``[m, H]``."""
+    _check_experts(x, gate_up_proj, down_proj)
+    if len(counts) != gate_up_proj.shape[0] or sum(counts) != x.shape[0] or min(counts) < 0:
+        raise ValueError(
+            f"counts must give a row count ≥ 0 for each of the {gate_up_proj.shape[0]} experts "
+            f"summing to the {x.shape[0]} rows of x, got {len(counts)} counts summing to "
+            f"{sum(counts)}"
+        )
+    out = torch.empty_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+            out[rows] = _swiglu(x[rows] @ gate_up_proj[e].T, x.dtype) @ down_proj[e].T
+            start += count
+    return out
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_STACKED = ("gate_up_proj", "down_proj")
+
+
+class Experts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked in transformers 5.x's layout.
+
+    ``gate_up_proj: [E, 2I, H]``: rows ``:I`` of ``gate_up_proj[e]`` are expert ``e``'s
+    ``gate_proj.weight``, rows ``I:`` its ``up_proj.weight``; ``down_proj: [E, H, I]``.
+
+    The state dict keeps the checkpoint names instead, ``{e}.gate_proj.weight``,
+    ``{e}.up_proj.weight``, ``{e}.down_proj.weight`` for ``e = 0 .. E-1`` in that order, whose
+    values are views of the stacked parameters (so ``state_dict(keep_vars=True)`` yields views,
+    not ``Parameter`` objects). ``load_state_dict`` takes those names and copies each tensor
+    into its rows, naming absent ones as missing; a state dict with none of them may hold the
+    stacked names instead. Assigning (``assign=True``) per-expert tensors is refused: a slice
+    of a parameter cannot be replaced by another tensor.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # nn.Linear's initialisation of each expert's weights: U(±1/sqrt(fan_in)).
+        nn.init.uniform_(self.gate_up_proj, -hidden_size ** -0.5, hidden_size ** -0.5)
+        nn.init.uniform_(self.down_proj, -intermediate_size ** -0.5, intermediate_size ** -0.5)
+        self.register_state_dict_post_hook(_save_per_expert)
+        self.register_load_state_dict_pre_hook(_load_per_expert)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def weights(self, e: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Expert ``e``'s ``(gate_proj [I, H], up_proj [I, H], down_proj [H, I])`` weights, as
+        views of the stacked parameters."""
+        i = self.intermediate_size
+        return self.gate_up_proj[e, :i], self.gate_up_proj[e, i:], self.down_proj[e]
+
+    def forward(self, x: Tensor, counts: list[int], offsets: Tensor) -> Tensor:
+        """``x: [m, H]`` rows grouped by expert, ``counts[e]`` rows for expert ``e`` (host
+        ints) ending at ``offsets[e]`` (int32, on ``x``'s device) → ``[m, H]`` in ``x.dtype``:
+        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES``, ``experts_loop`` otherwise."""
+        if x.dtype in GROUPED_MM_DTYPES:
+            return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets)
+        return experts_loop(x, self.gate_up_proj, self.down_proj, counts)
+
+
+def _checkpoint_names(experts: Experts, prefix: str) -> list[tuple[str, Tensor]]:
+    """``(checkpoint name, view of the stacked parameter)`` in checkpoint order."""
+    return [
+        (f"{prefix}{e}.{proj}.weight", view)
+        for e in range(experts.num_experts)
+        for proj, view in zip(_PROJECTIONS, experts.weights(e))
+    ]
+
+
+def _save_per_expert(experts: Experts, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook: the stacked entries become per-expert views, in place. They were
+    the last two entries written (the module has no children), so the order is kept."""
+    gate_up, down = (state_dict.pop(prefix + name) for name in _STACKED)
+    i = experts.intermediate_size
+    for e in range(gate_up.shape[0]):
+        state_dict[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :i]
+        state_dict[f"{prefix}{e}.up_proj.weight"] = gate_up[e, i:]
+        state_dict[f"{prefix}{e}.down_proj.weight"] = down[e]
+
+
+def _load_per_expert(
+    experts: Experts,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load-state-dict pre-hook: copy the per-expert tensors into the stacked parameters and
+    take their names out of ``state_dict``, so that torch neither reports them as unexpected
+    nor the stacked names as missing."""
+    with torch.no_grad():
+        named = _checkpoint_names(experts, prefix)
+    given = [name for name, _ in named if name in state_dict]
+    stacked = [prefix + name for name in _STACKED if prefix + name in state_dict]
+    if not given and stacked:
+        return  # transformers' stacked names load as the parameters they are
+    if given and stacked:
+        error_msgs.append(f"{prefix}: holds both per-expert and stacked expert tensors; give one")
+        return
+    if given and local_metadata.get("assign_to_params_buffers", False):
+        error_msgs.append(
+            f"{prefix}: per-expert tensors fill slices of the stacked parameters and cannot be "
+            f"assigned; load them without assign=True"
+        )
+        return
+    with torch.no_grad():
+        for name, view in named:
+            if name not in state_dict:
+                missing_keys.append(name)
+                continue
+            t = state_dict.pop(name)
+            if t.shape != view.shape:
+                error_msgs.append(
+                    f"size mismatch for {name}: copying a param with shape {tuple(t.shape)} "
+                    f"from checkpoint, the shape in current model is {tuple(view.shape)}."
+                )
+                continue
+            view.copy_(t)
+    # Already in place: the stacked entries are the parameters themselves (a no-op copy).
+    state_dict[prefix + "gate_up_proj"] = experts.gate_up_proj
+    state_dict[prefix + "down_proj"] = experts.down_proj
+
+
 class MoEGate(nn.Module):
     """The router's weights: ``weight: [E, hidden]`` and ``e_score_correction_bias: [E]``.
 
@@ -210,21 +414,25 @@ class MoEGate(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus the shared expert: ``out = sum_j w_j * expert_{id_j}(x) + shared(x)``.
 
-    Routed experts run grouped: the (row, slot) pairs are sorted by expert and each active
-    expert runs its three GEMMs once on its rows, in ``x.dtype``. Each row's weighted outputs
-    are summed in the compute dtype in ascending expert order (DeepSeek's loop, so the result
-    is deterministic and backend-independent), the shared expert is added with weight 1, and
-    the sum is cast to ``x.dtype``. Memory beyond the weights: ``[n * top_k, hidden]`` expert
-    outputs in ``x.dtype`` plus ``[n, hidden]`` temporaries.
+    Routed experts run grouped: the (row, slot) pairs are sorted by expert and ``Experts`` runs
+    the GEMMs of all experts at once on their rows (``experts_grouped_mm``; float64 loops over
+    the experts, ``experts_loop``, with the same formula), in ``x.dtype``. Each row's weighted
+    outputs are summed in the compute dtype in ascending expert order (DeepSeek's loop, so the
+    result is deterministic and backend-independent), the shared expert is added with weight
+    1, and the sum is cast to ``x.dtype``. Memory beyond the weights, with ``P = n * top_k``
+    pairs and ``I = moe_intermediate_size``: the pairs' gathered inputs and expert outputs
+    ``[P, hidden]`` each in ``x.dtype`` (the outputs twice over while masked pairs get their
+    zero rows appended), the gate/up GEMM output ``[P, 2I]`` in ``x.dtype`` and SwiGLU
+    temporaries ``[P, I]`` in the compute dtype (per expert when looping), plus ``[n, hidden]``
+    temporaries.
     """
 
     def __init__(self, config: DSAConfig):
         super().__init__()
         self.config = config
         self.gate = MoEGate(config)
-        self.experts = nn.ModuleList(
-            MLP(config.hidden_size, config.moe_intermediate_size)
-            for _ in range(config.n_routed_experts)
+        self.experts = Experts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         )
         self.shared_experts = (
             MLP(config.hidden_size, config.n_shared_experts * config.moe_intermediate_size)
@@ -241,7 +449,7 @@ class MoE(nn.Module):
         Reads the counts to the host once; no per-token or per-expert synchronisation.
         """
         _check_rows(x, self.config.hidden_size, row_mask)
-        expert_dtype = self.experts[0].gate_proj.weight.dtype
+        expert_dtype = self.experts.gate_up_proj.dtype
         if x.dtype != expert_dtype:
             raise ValueError(
                 f"x is {x.dtype} but the experts are {expert_dtype}; cast one to the other"
@@ -258,17 +466,17 @@ class MoE(nn.Module):
         experts = torch.arange(num_experts + 1, device=x.device)
         expert_counts = torch.searchsorted(sorted_keys, experts).diff()  # [E]
         counts = expert_counts.tolist()  # the one host sync
-        rows = order // top_k  # [P] row of each pair, in sorted order
+        routed = sum(counts)
+        rows = order[:routed] // top_k  # [routed] row of each routed pair, in sorted order
 
-        expert_out = x.new_empty(n * top_k, hidden)  # [P, hidden], sorted order
-        # Masked pairs read the tail below; zeros keep uninitialised memory (NaN) out of `out`.
-        expert_out[sum(counts) :].zero_()
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                chosen = rows[start : start + count]
-                expert_out[start : start + count] = self.experts[e](x[chosen])
-                start += count
+        if routed:
+            offsets = expert_counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
+            expert_out = self.experts(x[rows], counts, offsets)  # [routed, hidden], sorted order
+        else:
+            expert_out = x.new_empty(0, hidden)
+        if routed < n * top_k:
+            # Masked pairs read these zero rows (with weight 0), never uninitialised memory.
+            expert_out = torch.cat([expert_out, expert_out.new_zeros(n * top_k - routed, hidden)])
 
         # Each row's outputs are summed in ascending expert order (DeepSeek's loop order): a
         # row's positions in the sorted order ascend with its experts.

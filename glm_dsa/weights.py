@@ -161,11 +161,9 @@ def load_state_dict(model: DSAForCausalLM, tensors: dict[str, torch.Tensor], str
                 problems[name] = "scale without an FP8 weight"
     if problems:
         raise CheckpointError(problems)
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        params.update(dict(model.named_buffers()))
-        for name, t in loaded.items():
-            params[name].copy_(t)
+    # Every name, shape and dtype is checked above; torch's loader copies each tensor into its
+    # parameter, the routed experts' per-expert names into their stacked parameters included.
+    model.load_state_dict(loaded, strict=False)
 
 
 def save_checkpoint(model: DSAForCausalLM, directory: str | os.PathLike, fp8: bool = False) -> None:
@@ -204,13 +202,15 @@ def init_weights(model: DSAForCausalLM, seed: int = 0) -> DSAForCausalLM:
 
     Linear weights ~ N(0, 1/fan_in) so activations stay O(1) through the stack; norm weights
     1 ± 0.1 and LayerNorm biases ± 0.1 so that a dropped norm weight or bias changes the output;
-    the router correction bias ~ N(0, 0.1²) so that it changes selections. Parameters are
-    visited in state-dict order, so equal seeds give equal weights on the same device type.
+    the router correction bias ~ N(0, 0.1²) so that it changes selections. Tensors are
+    visited in state-dict order, each drawn at its checkpoint shape (a routed expert's
+    ``[I, H]`` or ``[H, I]`` projection, filled through its view of the stacked parameters),
+    so equal seeds give equal weights on the same device type.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in model.state_dict(keep_vars=True).items():
             noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
             if name.endswith("e_score_correction_bias"):
                 value = 0.1 * noise

@@ -1,24 +1,29 @@
-"""One H200 run: the ceilings, then GLM-5.3 components and a full-size chunked prefill.
+"""One H200 run: the ceilings, then GLM-5.3 components, a full-size chunked prefill, and
+Hugging Face transformers' ``glm_moe_dsa`` layer on the same weights.
 
-    python scripts/bench.py --out DIR [--parts ceilings,moe,indexer,mla,prefill] [--prefill-tokens 131072]
+    python scripts/bench.py --out DIR [--parts moe,indexer,mla,prefill,hf]
+        [--prefill-tokens 32768,131072] [--hf-tokens 2048,8192,16384,24576] [--profile]
 
-Every figure is measured in this run; each is printed beside the floor it is compared with
-(ledger FLOPs at the measured ceilings). Writes DIR/bench.json and DIR/bench.md.
+The ceilings are always measured first. Every figure is measured in this run; each is printed
+beside the floor it is compared with (ledger FLOPs at the measured ceilings). Writes
+DIR/bench.json (and DIR/profile_*.txt with ``--profile``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import time
 
 import torch
+from torch import Tensor
 
-from glm_dsa.config import PRESETS
-from glm_dsa.indexer import indexer_topk, logits_budget_bytes
-from glm_dsa.ledger import layer_flops_per_token, op_flops, sparse_mla_keys
+from glm_dsa.config import PRESETS, DSAConfig
+from glm_dsa.indexer import indexer_topk, logits_budget_bytes, max_logit_rows, mqa_logits, topk_per_row
+from glm_dsa.ledger import op_flops, sparse_mla_keys
 from glm_dsa.mla import sparse_mla_fwd
 
 GLM = PRESETS["glm-5.3"]
@@ -113,6 +118,17 @@ def bench_indexer(ceil: dict, queries: int, keys: int) -> dict:
     seconds, before, peak = _peak(lambda: indexer_topk(q_fp8, w, k_fp8, k_scale, ks, ke, cfg.index_topk, budget))
     pairs = queries * prefix + queries * (queries + 1) // 2
     flops = pairs * 2 * H * D
+    # The logits / top-k split, on the last row chunk (the widest): the same calls indexer_topk
+    # makes, timed apart.
+    rows = max_logit_rows(queries, keys, budget)
+    r0, hi = queries - rows, keys
+    starts = ks[r0:]
+    ends = ke[r0:]
+    logits_s = _timed(lambda: mqa_logits(q_fp8[r0:], k_fp8[:hi], k_scale[:hi], w[r0:], starts, ends,
+                                         clean_logits=False), warmup=1, reps=2)
+    logits = mqa_logits(q_fp8[r0:], k_fp8[:hi], k_scale[:hi], w[r0:], starts, ends, clean_logits=False)
+    topk_s = _timed(lambda: topk_per_row(logits, starts, ends, cfg.index_topk), warmup=1, reps=2)
+    del logits
     out_bytes = queries * cfg.index_topk * 4
     return {
         "queries": queries, "keys": keys, "budget_gb": budget / GB, "inputs_gb": inputs / GB,
@@ -120,6 +136,7 @@ def bench_indexer(ceil: dict, queries: int, keys: int) -> dict:
         "limit_gb": 1.1 * (inputs + budget) / GB, "topk_out_gb": out_bytes / GB,
         "seconds": seconds, "tflops": flops / seconds / 1e12,
         "floor_seconds_fp8": flops / ceil["fp8_flops_per_s"],
+        "last_chunk_rows": rows, "last_chunk_logits_seconds": logits_s, "last_chunk_topk_seconds": topk_s,
     }
 
 
@@ -168,26 +185,200 @@ def bench_prefill(ceil: dict, tokens: int, chunk: int = 32768) -> dict:
          "indexer": s.indexer, "attention": s.attention, "moe": s.moe, "projections": s.projections}
         for s in engine.timeline
     ]
-    # Floor: the ledger's per-token FLOPs (sparse MLA over the keys each position really has)
-    # at the bf16 rate, plus the indexer's causal pairs at the fp8 rate.
-    f = {op.op: op.flops_per_token for op in op_flops(cfg)}
-    dense_ops = layer_flops_per_token(cfg, full=True, moe=True, with_router=True) - f["sparse_mla"]
-    mla = f["sparse_mla"] // cfg.index_topk * sparse_mla_keys(cfg, 0, tokens)
-    idx_flops = (tokens * (tokens + 1) // 2) * 2 * cfg.index_n_heads * cfg.index_head_dim
-    floor = (tokens * dense_ops + mla) / ceil["bf16_flops_per_s"] + idx_flops / ceil["fp8_flops_per_s"]
+    flops = component_flops(cfg, tokens)
+    totals = {k: sum(s[k] for s in steps) for k in flops}
+    floors = {k: flops[k][0] / ceil["bf16_flops_per_s"] + flops[k][1] / ceil["fp8_flops_per_s"] for k in flops}
     return {
         "tokens": tokens, "chunk": chunk, "wall_seconds": wall, "peak_gb": torch.cuda.max_memory_allocated() / GB,
-        "floor_seconds": floor, "steps": steps,
-        "totals": {k: sum(s[k] for s in steps) for k in ("indexer", "attention", "moe", "projections")},
+        "floor_seconds": sum(floors.values()), "steps": steps, "totals": totals,
+        "component_tflops": {k: (flops[k][0] + flops[k][1]) / totals[k] / 1e12 for k in flops},
+        "component_floor_seconds": floors, "component_flops": flops
     }
+
+
+def component_flops(cfg: DSAConfig, tokens: int) -> dict[str, tuple[int, int]]:
+    """Ledger FLOPs of one full MoE layer over a ``tokens``-long prompt, per timed component:
+    ``(bf16 FLOPs, fp8 FLOPs)``. The split follows ``DecoderLayer``'s timers: projections = the
+    q/kv down and q up projections; indexer = its projections (bf16) and the ``(query, key)``
+    logits (fp8, the causal pairs); attention = absorption, sparse MLA over the keys each
+    position really has, ``o_proj``; moe = router, routed and shared experts."""
+    f = {op.op: op.flops_per_token for op in op_flops(cfg)}
+    pairs = tokens * (tokens + 1) // 2
+    mla = f["sparse_mla"] // cfg.index_topk * sparse_mla_keys(cfg, 0, tokens)
+    return {
+        "projections": (tokens * (f["a_proj"] + f["q_up"]), 0),
+        "indexer": (tokens * (f["index_k"] + f["index_q"] + f["index_gate"]),
+                    pairs * 2 * cfg.index_n_heads * cfg.index_head_dim),
+        "attention": (tokens * (f["q_absorb"] + f["out_absorb"] + f["o_proj"]) + mla, 0),
+        "moe": (tokens * (f["router_gate"] + f["moe_experts"] + f["shared_experts"]), 0),
+    }
+
+
+def _overlap(a: Tensor, b: Tensor, n_keys: Tensor, topk: int, block: int = 1024) -> tuple[float, int]:
+    """Mean ``|A_i ∩ B_i| / topk`` over the rows with more than ``topk`` keys, and their count.
+
+    a, b: int ``[S, topk]`` token indices of one request (rows with more than ``topk`` keys hold
+    no padding); n_keys: ``[S]`` keys each row may choose from.
+    """
+    rows = (n_keys > topk).nonzero().flatten()
+    if rows.numel() == 0:
+        return 1.0, 0
+    width = int(n_keys.max())
+    total = 0
+    for i in range(0, rows.numel(), block):
+        r = rows[i : i + block]
+        chosen = torch.zeros(r.numel(), width, dtype=torch.bool, device=a.device)
+        chosen.scatter_(1, a[r].long(), True)
+        total += int(chosen.gather(1, b[r].long()).sum())
+    return total / (rows.numel() * topk), rows.numel()
+
+
+def _param_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@contextlib.contextmanager
+def _index_topk(model: torch.nn.Module, hf: torch.nn.Module | None, topk: int):
+    """Run ``model`` (and ``hf``) with ``index_topk = topk``: the weights do not depend on it."""
+    configs = {m: m.config for m in model.modules() if isinstance(getattr(m, "config", None), DSAConfig)}
+    hf_indexers = [m for m in hf.modules() if hasattr(m, "index_topk")] if hf is not None else []
+    old_hf = [m.index_topk for m in hf_indexers]
+    try:
+        for m, c in configs.items():
+            m.config = c.replace(index_topk=topk)
+        for m in hf_indexers:
+            m.index_topk = topk
+        yield
+    finally:
+        for m, c in configs.items():
+            m.config = c
+        for m, k in zip(hf_indexers, old_hf):
+            m.index_topk = k
+
+
+def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: int = 32768):
+    """One chunked prefill of ``ids``: (seconds, peak bytes, hidden [L, hidden] on the GPU, engine)."""
+    from glm_dsa.prefill import PrefillEngine
+
+    budget = logits_budget_bytes(torch.device("cuda"), 0.8)
+    pages = -(-ids.numel() // model.config.page_size)
+    engine = PrefillEngine(model, pages, kv_dtype, chunk, budget, prefix_caching=False,
+                           compute_logits=False, timing=timing)
+    rid = engine.add_request(ids)
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    engine.run()
+    _sync()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated(), engine.output_hidden(rid), engine
+
+
+def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
+    """glm-dsa's chunked prefill against transformers' ``GlmMoeDsaModel`` (one full-width MoE layer
+    with the indexer, bf16, sdpa) on the same weights, at each length in ``lengths``.
+
+    Both run from token ids to the final-normed hidden states. ``rms_norm_eps`` is 1e-6 here so
+    that HF's latent norms (fixed at 1e-6) compute the same function as ours.
+    """
+    from glm_dsa.hf import hf_model
+    from glm_dsa.layer import DSAForCausalLM
+    from glm_dsa.oracle import calc_diff
+    from glm_dsa.weights import init_weights
+
+    cfg = GLM.replace(name="glm-5.3-one-layer", num_hidden_layers=1, first_k_dense_replace=0,
+                      rms_norm_eps=1e-6)
+    model = init_weights(DSAForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16), 0).eval()
+    hf = hf_model(model)
+    # The two models share every weight tensor (glm-dsa's experts are stored in HF's fused
+    # layout); each peak below is the memory a call adds, plus that model's own weights.
+    ours_w, hf_w = _param_bytes(model), _param_bytes(hf)
+    print(f"hf: weights ours {ours_w / GB:.1f} GB, HF {hf_w / GB:.1f} GB (shared)", flush=True)
+    captured: dict[str, Tensor] = {}
+    model.model.layers[0].self_attn.indexer.register_forward_hook(
+        lambda m, a, out: captured.__setitem__("ours", out))
+    hf.layers[0].self_attn.indexer.register_forward_hook(
+        lambda m, a, out: captured.__setitem__("hf", out[0]))  # [B=1, S, topk] -> [S, topk]
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        row: dict = {"tokens": n}
+        captured.clear()
+        with torch.no_grad():
+            _run_ours(model, ids, "fp8")  # warm-up
+            base = torch.cuda.memory_allocated()
+            runs = [_run_ours(model, ids, "fp8") for _ in range(2)]
+            row["ours_seconds"] = min(r[0] for r in runs)
+            row["ours_peak_gb"] = (max(r[1] for r in runs) - base + ours_w) / GB
+            ours_hidden = model.model.norm(runs[0][2])
+            ours_topk = captured.get("ours")
+            engine = _run_ours(model, ids, "fp8", timing=True)[3]
+            s = engine.timeline[0]
+            row["ours_components"] = {k: getattr(s, k) for k in ("projections", "indexer", "attention", "moe")}
+            if profile:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as prof
+
+                with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                    _run_ours(model, ids, "fp8")
+                with open(os.path.join(out_dir, f"profile_{n}.txt"), "w") as f:
+                    for shapes in (False, True):
+                        f.write(p.key_averages(group_by_input_shape=shapes).table(
+                            sort_by="cuda_time_total", row_limit=40, max_name_column_width=90,
+                            max_shapes_column_width=120))
+            del runs, engine
+            torch.cuda.empty_cache()
+            dev_ids = ids.cuda()[None]
+            try:
+                hf(input_ids=dev_ids)  # warm-up
+                _sync()
+                times = []
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    hf_hidden = hf(input_ids=dev_ids).last_hidden_state[0]
+                    _sync()
+                    times.append(time.perf_counter() - t0)
+                row["hf_seconds"] = min(times)
+                row["hf_peak_gb"] = (torch.cuda.max_memory_allocated() - base + hf_w) / GB
+                row["speedup_vs_hf"] = row["hf_seconds"] / row["ours_seconds"]
+                if n > cfg.index_topk:
+                    positions = torch.arange(n, device="cuda")
+                    row["topk_overlap"], row["overlap_rows"] = _overlap(
+                        ours_topk, captured["hf"], positions + 1, cfg.index_topk)
+                else:
+                    row["calc_diff_fp8_kv"] = calc_diff(ours_hidden.float(), hf_hidden.float())
+                del hf_hidden
+            except torch.cuda.OutOfMemoryError as e:
+                row["hf_error"] = str(e).split("\n")[0][:300]
+            torch.cuda.empty_cache()
+        print("hf", json.dumps(row), flush=True)
+        rows.append(row)
+    # Same function check: with index_topk >= length both attend over every earlier key; a bf16
+    # KV cache leaves bf16 rounding as the only difference (HF also rounds in bf16 throughout).
+    for n in (2048, 8192):
+        ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad(), _index_topk(model, hf, max(n, cfg.index_topk)):
+            ours = model.model.norm(_run_ours(model, ids, "bf16")[2]).float()
+            theirs = hf(input_ids=ids.cuda()[None]).last_hidden_state[0].float()
+        eq = {"tokens": n, "index_topk": max(n, cfg.index_topk), "calc_diff": calc_diff(ours, theirs),
+              "max_abs_diff": float((ours - theirs).abs().max()), "max_abs": float(theirs.abs().max())}
+        print("hf-equal", json.dumps(eq), flush=True)
+        rows.append({"equality": eq})
+        torch.cuda.empty_cache()
+    del hf, model
+    torch.cuda.empty_cache()
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--parts", default="ceilings,moe,indexer,mla,prefill")
-    ap.add_argument("--prefill-tokens", default="131072")
+    ap.add_argument("--parts", default="moe,indexer,mla,prefill,hf")
+    ap.add_argument("--prefill-tokens", default="32768,131072")
     ap.add_argument("--indexer-keys", default="131072,1048576")
+    ap.add_argument("--hf-tokens", default="2048,8192,16384,24576")
+    ap.add_argument("--profile", action="store_true", help="profile glm-dsa at each --hf-tokens length")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     res: dict = {
@@ -229,6 +420,9 @@ def main() -> int:
                 print("  step", json.dumps(s), flush=True)
             save()
             torch.cuda.empty_cache()
+    if "hf" in parts:
+        res["hf"] = bench_vs_hf([int(n) for n in args.hf_tokens.split(",")], args.out, args.profile)
+        save()
     return 0
 
 

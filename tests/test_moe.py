@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glm_dsa.config import get_config
-from glm_dsa.moe import MLP, MoE, route
+from glm_dsa.moe import MLP, Experts, MoE, experts_grouped_mm, experts_loop, route
 
 SCALE = 2.5
 
@@ -59,12 +59,24 @@ def ref_route(x, gate_weight, bias, top_k, n_group, topk_group, norm_topk_prob, 
     return ids, weights
 
 
-def ref_mlp(row, mlp):
-    wg, wu, wd = (p.detach().double().numpy() for p in (mlp.gate_proj.weight,
-                                                       mlp.up_proj.weight, mlp.down_proj.weight))
+def ref_swiglu(row, wg, wu, wd):
+    """down(silu(gate row) * up row) in float64 numpy."""
+    wg, wu, wd = (p.detach().double().numpy() for p in (wg, wu, wd))
     g = wg @ row
     u = wu @ row
     return wd @ (g / (1.0 + np.exp(-g)) * u)
+
+
+def ref_mlp(row, mlp):
+    return ref_swiglu(row, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+
+def expert_weights(moe, e):
+    """Expert e's (gate [I, H], up [I, H], down [H, I]) read from the stacked parameters by
+    transformers' layout: gate_up_proj[e] is the gate rows, then the up rows."""
+    i = moe.config.moe_intermediate_size
+    gate_up, down = moe.experts.gate_up_proj[e], moe.experts.down_proj[e]
+    return gate_up[:i], gate_up[i:], down
 
 
 def ref_moe(x, moe, row_mask):
@@ -81,7 +93,7 @@ def ref_moe(x, moe, row_mask):
         if not row_mask[t]:
             continue
         for e, w in zip(ids[t], weights[t]):
-            out[t] += w * ref_mlp(row, moe.experts[e])
+            out[t] += w * ref_swiglu(row, *expert_weights(moe, e))
             counts[e] += 1
         if moe.shared_experts is not None:
             out[t] += ref_mlp(row, moe.shared_experts)
@@ -364,7 +376,11 @@ def test_routed_outputs_are_summed_in_deepseek_loop_order(dtype):
         for e in range(GROUPED.n_routed_experts):
             rows, slots = torch.where(ids == e)
             if len(rows):
-                y[rows] += moe.experts[e](x[rows]).float() * weights[rows, slots, None]
+                wg, wu, wd = expert_weights(moe, e)
+                gate_up = x[rows] @ torch.cat([wg, wu]).T  # one GEMM, as in the module
+                gate, up = gate_up[:, :16].float(), gate_up[:, 16:].float()
+                h = (torch.nn.functional.silu(gate) * up).to(dtype)
+                y[rows] += (h @ wd.T).float() * weights[rows, slots, None]
         expected = (y + moe.shared_experts(x).float()).to(dtype)
     assert torch.equal(out, expected)
 
@@ -397,6 +413,183 @@ def test_weight_names_follow_hugging_face():
     assert moe.gate.weight.shape == (16, 32)
     assert set(MLP(32, 64).state_dict()) == {"gate_proj.weight", "up_proj.weight",
                                              "down_proj.weight"}
+
+
+# ----------------------------------------------------------------- stacked experts
+def random_experts(num_experts, hidden, inter, counts, seed, dtype):
+    """Rows grouped by expert and stacked weights of O(1)-output scale."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(counts), hidden, generator=g).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden ** -0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=g) * inter ** -0.5).to(dtype)
+    return x, gate_up, down
+
+
+def ref_experts(x, gate_up, down, counts):
+    """Row by row in float64 numpy: row r of expert e gets down_e silu(gate_e r) * (up_e r)."""
+    inter = down.shape[2]
+    out, start = [], 0
+    for e, count in enumerate(counts):
+        for row in x[start : start + count].double().numpy():
+            out.append(ref_swiglu(row, gate_up[e, :inter], gate_up[e, inter:], down[e]))
+        start += count
+    return np.array(out).reshape(x.shape)
+
+
+expert_cases = st.integers(1, 8).flatmap(
+    lambda num_experts: st.tuples(
+        st.just(num_experts),
+        st.sampled_from([8, 16, 24, 48]),
+        st.sampled_from([8, 16, 40]),
+        st.lists(st.integers(0, 9), min_size=num_experts, max_size=num_experts),
+    )
+)
+
+
+@given(case=expert_cases, dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_grouped_experts_equal_the_expert_loop_bit_for_bit_on_the_cpu(case, dtype, seed):
+    # Exact, not close: on the CPU torch runs grouped_mm as one GEMM per expert over the same
+    # rows and weights as the loop's, and both share the SwiGLU. (CUDA's bf16 grouped kernel
+    # is a different GEMM: see the cuda test.)
+    num_experts, hidden, inter, counts = case
+    x, gate_up, down = random_experts(num_experts, hidden, inter, counts, seed, dtype)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    grouped = experts_grouped_mm(x, gate_up, down, offsets)
+    looped = experts_loop(x, gate_up, down, counts)
+    assert grouped.dtype == looped.dtype == dtype and grouped.shape == x.shape
+    assert torch.equal(grouped, looped)
+    if sum(counts):
+        # Against float64: one bf16 rounding of the inputs' products and of the output
+        # (2^-8 each) or float32's (2^-24) times the GEMM lengths, with margin.
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-5
+        assert rel_err(grouped.double().numpy(), ref_experts(x, gate_up, down, counts)) <= tol
+
+
+@given(case=expert_cases, seed=st.integers(0, 2**16))
+def test_float64_expert_loop_matches_the_float64_formula(case, seed):
+    num_experts, hidden, inter, counts = case
+    x, gate_up, down = random_experts(num_experts, hidden, inter, counts, seed, torch.float64)
+    out = experts_loop(x, gate_up, down, counts)
+    if sum(counts):
+        assert rel_err(out.numpy(), ref_experts(x, gate_up, down, counts)) <= 1e-12
+
+
+@given(
+    config=st.sampled_from([GLM_LIKE, GROUPED, TWO_SHARED]),
+    n=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_moe_through_grouped_mm_is_close_to_float64_loop(config, n, seed):
+    moe = random_moe(config, seed, dtype=torch.float32)
+    x = torch.randn(n, config.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
+    row_mask = torch.arange(n) % 3 != 1
+    with torch.no_grad():
+        out, counts = moe(x, row_mask)
+    ref_out, ref_counts, _ = ref_moe(x, moe, row_mask.tolist())
+    assert out.dtype == torch.float32 and counts.tolist() == ref_counts
+    # float32 rounding (2^-24) through GEMMs of length ≤ 32 and a sum of ≤ 5 terms stays
+    # below ~2e-6 relative; a wrong expert, weight or layout is off by O(1).
+    assert rel_err(out.numpy(), ref_out) <= 1e-5
+    assert not out[~row_mask].any()
+
+
+def test_experts_state_dict_lists_each_expert_in_checkpoint_order():
+    config = TWO_SHARED.replace(n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                topk_group=1)
+    expected = [
+        "gate.weight", "gate.e_score_correction_bias",
+        "experts.0.gate_proj.weight", "experts.0.up_proj.weight", "experts.0.down_proj.weight",
+        "experts.1.gate_proj.weight", "experts.1.up_proj.weight", "experts.1.down_proj.weight",
+        "experts.2.gate_proj.weight", "experts.2.up_proj.weight", "experts.2.down_proj.weight",
+        "experts.3.gate_proj.weight", "experts.3.up_proj.weight", "experts.3.down_proj.weight",
+        "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    ]
+    moe = MoE(config)
+    assert list(moe.state_dict()) == expected
+    assert list(moe.state_dict(keep_vars=True)) == expected
+    shapes = {k: tuple(v.shape) for k, v in moe.state_dict().items()}
+    assert shapes["experts.3.gate_proj.weight"] == shapes["experts.3.up_proj.weight"] == (16, 32)
+    assert shapes["experts.3.down_proj.weight"] == (32, 16)
+    assert [name for name, _ in moe.named_parameters()][2:4] == [
+        "experts.gate_up_proj", "experts.down_proj"]
+
+
+def test_per_expert_tensors_load_into_transformers_layout_and_read_back():
+    num_experts, hidden, inter = 3, 8, 4
+    experts = Experts(num_experts, hidden, inter).double()
+    values = {}
+    for e in range(num_experts):
+        for k, (proj, shape) in enumerate([("gate_proj", (inter, hidden)),
+                                           ("up_proj", (inter, hidden)),
+                                           ("down_proj", (hidden, inter))]):
+            # Distinct per expert, projection and element, so any misplaced block shows.
+            values[f"{e}.{proj}.weight"] = (
+                100.0 * e + 10.0 * k + np.arange(np.prod(shape)).reshape(shape) / 100.0
+            )
+    experts.load_state_dict({k: torch.from_numpy(v) for k, v in values.items()})
+
+    gate_up, down = experts.gate_up_proj.detach().numpy(), experts.down_proj.detach().numpy()
+    for e in range(num_experts):
+        expected_gate_up = np.concatenate([values[f"{e}.gate_proj.weight"],
+                                           values[f"{e}.up_proj.weight"]])
+        assert np.array_equal(gate_up[e], expected_gate_up)
+        assert np.array_equal(down[e], values[f"{e}.down_proj.weight"])
+    state = experts.state_dict()
+    assert list(state) == list(values)
+    for name, t in state.items():
+        assert np.array_equal(t.numpy(), values[name]), name
+        assert t.untyped_storage().data_ptr() in (
+            experts.gate_up_proj.untyped_storage().data_ptr(),
+            experts.down_proj.untyped_storage().data_ptr(),
+        ), f"{name} is a copy, not a view"
+    gate, up, down_e = experts.weights(2)
+    assert np.array_equal(up.detach().numpy(), values["2.up_proj.weight"])
+    assert np.array_equal(down_e.detach().numpy(), values["2.down_proj.weight"])
+
+
+def test_missing_or_misshapen_expert_tensors_are_named():
+    experts = Experts(2, 8, 4)
+    state = {k: v.clone() + 1.0 for k, v in experts.state_dict().items()}
+    before = experts.down_proj[1].detach().clone()
+    del state["1.down_proj.weight"]
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\).*"1\.down_proj\.weight"'):
+        experts.load_state_dict(state)
+    result = experts.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["1.down_proj.weight"] and result.unexpected_keys == []
+    assert torch.equal(experts.down_proj[1], before)
+    assert torch.equal(experts.gate_up_proj[1, 4:], state["1.up_proj.weight"])
+
+    state["1.down_proj.weight"] = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match=r"size mismatch for 1\.down_proj\.weight"):
+        experts.load_state_dict(state)
+
+
+def test_stacked_names_load_but_not_mixed_with_per_expert_names_or_by_assignment():
+    source, target = Experts(2, 8, 4), Experts(2, 8, 4)
+    stacked = {name: p.detach() for name, p in source.named_parameters()}
+    target.load_state_dict(stacked)
+    assert torch.equal(target.gate_up_proj, source.gate_up_proj)
+    with pytest.raises(RuntimeError, match="both per-expert and stacked"):
+        target.load_state_dict({**stacked, **source.state_dict()})
+    with pytest.raises(RuntimeError, match="assign"):
+        target.load_state_dict(source.state_dict(), assign=True)
+
+
+def test_expert_functions_reject_bad_input():
+    x, gate_up, down = random_experts(2, 8, 4, [1, 2], 0, torch.float32)
+    offsets = torch.tensor([1, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="experts_loop"):
+        experts_grouped_mm(x.double(), gate_up.double(), down.double(), offsets)
+    with pytest.raises(ValueError, match="int32"):
+        experts_grouped_mm(x, gate_up, down, offsets.long())
+    with pytest.raises(ValueError, match="one dtype"):
+        experts_grouped_mm(x, gate_up.bfloat16(), down, offsets)
+    with pytest.raises(ValueError, match="down_proj"):
+        experts_loop(x, gate_up, down.transpose(1, 2), [1, 2])
+    with pytest.raises(ValueError, match="counts"):
+        experts_loop(x, gate_up, down, [2, 2])
 
 
 # ----------------------------------------------------------------- validation
@@ -439,6 +632,21 @@ def test_route_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):
         route(args["x"], args["gate_weight"], args["bias"], args["top_k"], args["n_group"],
               args["topk_group"], True, SCALE)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_grouped_experts_are_close_to_the_expert_loop(dtype):
+    # Not bitwise: CUDA's bf16 grouped GEMM (CUTLASS) sums in another order than cuBLAS.
+    # Both accumulate in float32 and round once to the output dtype, so they differ by about
+    # one rounding of the output: DeepGEMM's calc_diff of 2^-16 for bf16, 1e-10 for float32.
+    counts = [0, 37, 5, 0, 128, 1, 64, 9]
+    x, gate_up, down = (t.cuda() for t in random_experts(8, 256, 128, counts, 0, dtype))
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    a = experts_grouped_mm(x, gate_up, down, offsets).double()
+    b = experts_loop(x, gate_up, down, counts).double()
+    diff = 1 - 2 * (a * b).sum() / (a * a + b * b).sum()
+    assert diff.item() < (2.0 ** -16 if dtype == torch.bfloat16 else 1e-10)
 
 
 @pytest.mark.cuda

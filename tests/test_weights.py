@@ -128,8 +128,12 @@ def _tensors():
          "model.layers.0.self_attn.q_b_proj.weight", "scale"),
         (lambda t: t.__setitem__("model.layers.3.self_attn.indexer.wk.weight", torch.zeros(128, 128, dtype=torch.bfloat16)),
          "model.layers.3.self_attn.indexer.wk.weight", "unexpected"),
+        (lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"), "model.layers.1.mlp.experts.3.up_proj.weight", "missing"),
+        (lambda t: t.__setitem__("model.layers.2.mlp.experts.7.down_proj.weight", torch.zeros(64, 128, dtype=torch.bfloat16)),
+         "model.layers.2.mlp.experts.7.down_proj.weight", "shape"),
     ],
-    ids=["missing", "extra", "shape", "dtype", "bias-dtype", "fp8-without-scale", "indexer-on-shared-layer"],
+    ids=["missing", "extra", "shape", "dtype", "bias-dtype", "fp8-without-scale", "indexer-on-shared-layer",
+         "missing-expert", "expert-shape"],
 )
 def test_each_bad_checkpoint_names_the_key(corrupt, key, message):
     tensors = _tensors()
@@ -139,6 +143,37 @@ def test_each_bad_checkpoint_names_the_key(corrupt, key, message):
         load_state_dict(model, tensors)
     assert key in err.value.problems and message in err.value.problems[key]
     assert key in str(err.value)
+
+
+def test_per_expert_checkpoint_tensors_fill_the_stacked_experts():
+    stored = _tensors()
+    model = DSAForCausalLM(PRESETS["tiny"]).to(torch.bfloat16)
+    load_state_dict(model, stored)
+    inter = PRESETS["tiny"].moe_intermediate_size
+    for layer in (1, 2, 3):
+        experts = model.model.layers[layer].mlp.experts
+        for e in range(PRESETS["tiny"].n_routed_experts):
+            name = f"model.layers.{layer}.mlp.experts.{e}."
+            # transformers' layout: gate rows, then up rows; down as stored.
+            assert torch.equal(experts.gate_up_proj[e, :inter], stored[name + "gate_proj.weight"])
+            assert torch.equal(experts.gate_up_proj[e, inter:], stored[name + "up_proj.weight"])
+            assert torch.equal(experts.down_proj[e], stored[name + "down_proj.weight"])
+
+
+def test_hf_state_dict_fuses_checkpoint_names_into_the_stacked_parameters():
+    from glm_dsa.hf import hf_state_dict
+
+    model = _tiny(seed=4)
+    config = model.config
+    from_checkpoint = hf_state_dict(model.state_dict(), config)
+    from_parameters = hf_state_dict(dict(model.named_parameters()), config)
+    assert sorted(from_checkpoint) == sorted(from_parameters)
+    for name, t in from_checkpoint.items():
+        assert torch.equal(t, from_parameters[name]), name
+    stored = _tiny(seed=4).state_dict()
+    gate_up = from_checkpoint["layers.1.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (8, 2 * 64, 128)
+    assert torch.equal(gate_up[5, 64:], stored["model.layers.1.mlp.experts.5.up_proj.weight"])
 
 
 def test_every_problem_is_reported_at_once_and_the_mtp_layer_is_ignored():
