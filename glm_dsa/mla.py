@@ -61,9 +61,10 @@ def split_bf16x3(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if a.dtype != torch.float32:
         raise ValueError(f"split_bf16x3 takes float32, got {a.dtype}")
     a1 = a.to(torch.bfloat16)
-    rest = a - a1.float()
+    # Mixed float32 - bf16 arithmetic promotes in the kernel: no float32 copies of the parts.
+    rest = a - a1
     a2 = rest.to(torch.bfloat16)
-    a3 = rest.sub_(a2.float()).to(torch.bfloat16)
+    a3 = rest.sub_(a2).to(torch.bfloat16)
     return a1, a2, a3
 
 
@@ -199,8 +200,7 @@ def sparse_mla_fwd(
         ``-inf`` at invalid positions, ``max_logits = max P``, ``lse = logsumexp P`` and
         ``out = exp(P - lse) @ kv[idx, :d_v]`` (computed as FlashMLA does: ``exp(P - max)`` times
         the values, divided by its row sum). A row with no valid index gives ``out = 0``,
-        ``max_logits = -inf`` and ``lse`` per ``lonely_lse``. Besides the chunk budget, a call
-        holds one copy of ``kv`` with a zero row appended (what invalid indices read).
+        ``max_logits = -inf`` and ``lse`` per ``lonely_lse``.
     """
     _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
                          budget_bytes)
@@ -214,10 +214,11 @@ def sparse_mla_fwd(
     out = torch.empty((s_q, h, d_v), dtype=cdt, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=cdt, device=q.device)
     lse = torch.empty((s_q, h), dtype=cdt, device=q.device)
-    # Invalid indices read an appended zero row, so whatever a real row holds (a NaN-poisoned
-    # slot, say) cannot leak into a row through an index it does not use: 0 * NaN would survive
-    # the -inf mask.
-    kv_rows = torch.cat([kv[:, 0, :], kv.new_zeros(1, d_qk)])     # [s_kv + 1, d_qk]
+    # Invalid indices read row 0 with weight 0. That is harmless unless row 0 is non-finite (a
+    # NaN-poisoned slot, say): 0 * NaN would survive the -inf mask, so then their rows are zeroed.
+    # An empty kv makes every index invalid: they read a zero row.
+    kv_rows = kv[:, 0, :] if s_kv else kv.new_zeros(1, d_qk)        # [s_kv, d_qk]
+    row0_finite = bool(torch.isfinite(kv_rows[0]).all())
     column = torch.arange(topk, device=q.device)
     sink = None if attn_sink is None else attn_sink.to(cdt)
 
@@ -228,7 +229,9 @@ def sparse_mla_fwd(
         if topk_length is not None:
             valid &= column[None, :] < topk_length[r0:r1, None]
         # Gathered in the cache's dtype: _bmm_f32 takes bf16 rows as they are.
-        keys = kv_rows[torch.where(valid, idx, s_kv)]               # [r, topk, d_qk]
+        keys = kv_rows[torch.where(valid, idx, 0)]                  # [r, topk, d_qk]
+        if not row0_finite:
+            keys.masked_fill_(~valid[..., None], 0)
         scores = _bmm_f32(q[r0:r1], keys.transpose(1, 2))          # [r, h, topk]
         scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
         chunk_max = scores.amax(dim=-1)                             # [r, h], -inf on lonely rows

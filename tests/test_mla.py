@@ -26,7 +26,7 @@ from glm_dsa.kv_format import (
     mla_kv_quantize,
     mla_kv_unpack_bf16,
 )
-from glm_dsa.mla import MLA, dense_causal_mha, sparse_mla_fwd
+from glm_dsa.mla import MLA, dense_causal_mha, sparse_mla_fwd, split_bf16x3
 
 INT_MIN, INT_MAX = -(2**31), 2**31 - 1
 TINY = get_config("tiny")
@@ -681,6 +681,35 @@ def test_forward_rejects_mismatched_context_and_indices():
         case.mla.project(case.x_ctx, case.ctx_positions.int())
 
 
+def test_sparse_mla_fwd_over_an_empty_kv_gives_lonely_rows():
+    q = torch.randn(3, 2, 8, dtype=torch.float64)
+    indices = torch.tensor([[[-1, 0, 5]]] * 3, dtype=torch.int32)
+    out, max_logits, lse = sparse_mla_fwd(q, torch.zeros(0, 1, 8, dtype=torch.float64), indices, 0.5, d_v=4)
+    assert torch.equal(out, torch.zeros(3, 2, 4, dtype=torch.float64))
+    assert bool((max_logits == -math.inf).all()) and bool((lse == math.inf).all())
+
+
+# ------------------------------------------------------------------------------ tests: bf16x3 split
+
+
+@given(seed=st.integers(0, 2**31 - 1), spread=st.integers(0, 100))
+@settings(max_examples=25)
+def test_split_bf16x3_parts_are_bf16_and_sum_exactly_to_the_float32_input(seed, spread):
+    gen = torch.Generator().manual_seed(seed)
+    exponents = torch.randint(-spread, spread + 1, (4096,), generator=gen).double()
+    a = (torch.randn(4096, generator=gen, dtype=torch.float64) * torch.exp2(exponents)).float()
+    a[:3] = torch.tensor([0.0, -0.0, 1.0 + 2.0**-23])  # zeros and a full 24-bit significand
+    parts = split_bf16x3(a)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    total = sum(p.double() for p in parts)  # float64 sum of three bf16 values: exact
+    assert torch.equal(total, a.double())
+
+
+def test_split_bf16x3_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="float32"):
+        split_bf16x3(torch.ones(3, dtype=torch.float64))
+
+
 # ------------------------------------------------------------------------------ tests: CUDA
 
 
@@ -734,3 +763,18 @@ def test_mla_on_cuda_with_glm_attention_shapes_equals_dense_attention(dtype, tol
     mha = mla.forward_mha(proj, kv_context, batch)
     assert rel_err(absorbed.cpu(), expected) <= tol
     assert rel_err(mha.cpu(), expected) <= tol
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("a_dtype", [torch.bfloat16, torch.float32])
+def test_tensor_core_bmm_has_float32_accuracy(a_dtype):
+    """_bmm_f32 on bf16 tensor cores (a float32 left operand split in three) against the float64
+    product of the same values: float32 accumulation error only, far below bf16 rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(8, 64, 2048, generator=gen, device="cuda").to(a_dtype)
+    b = torch.randn(8, 2048, 576, generator=gen, device="cuda").bfloat16()
+    got = mla_module._bmm_f32(a, b)
+    assert got.dtype == torch.float32
+    exact = torch.bmm(a.double(), b.double())
+    err = float((got.double() - exact).abs().max() / exact.abs().max())
+    assert err <= 1e-5, f"relative error {err:.2e}"
