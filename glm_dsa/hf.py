@@ -80,7 +80,7 @@ def hf_model(
     ``model`` is a ``DSAForCausalLM``. The HF modules are built on the meta device and then
     take ``model``'s parameters, the stacked experts included (shared, not copied; dtypes and
     device kept, so the router bias stays float32 as HF keeps it). Requires
-    transformers ≥ 5 (``pip install transformers``); raises ImportError otherwise.
+    transformers ≥ 5.17 (``pip install -e ".[hf]"``); raises ImportError otherwise.
 
     ``attn_implementation``: ``"sdpa"`` (HF's default) or ``"eager"``; ``experts_implementation``:
     ``"grouped_mm"`` (HF's default; float32/bf16 only) or ``"eager"`` (a loop, any dtype).

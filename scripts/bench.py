@@ -84,7 +84,9 @@ def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
     from glm_dsa.moe import MoE
 
     cfg = GLM
-    moe = MoE(cfg).to(device="cuda", dtype=torch.bfloat16)
+    with torch.device("meta"):
+        moe = MoE(cfg).to(torch.bfloat16)
+    moe = moe.to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for p in moe.parameters():
@@ -163,37 +165,61 @@ def bench_mla(ceil: dict, queries: int = 32768, keys: int = 131072) -> dict:
     }
 
 
-def bench_prefill(ceil: dict, tokens: int, chunk: int = 32768) -> dict:
+def _one_layer_model(**changes) -> torch.nn.Module:
+    """One full-width GLM-5.3 layer (full indexer, MoE) in bf16 on the GPU, ``init_weights`` seed 0.
+
+    Built on the meta device and filled on the GPU: initialising the 5.4e9 parameters on the
+    host first costs about a minute per model.
+    """
     from glm_dsa.layer import DSAForCausalLM
-    from glm_dsa.prefill import PrefillEngine
     from glm_dsa.weights import init_weights
 
-    cfg = GLM.replace(name="glm-5.3-one-layer", num_hidden_layers=1, first_k_dense_replace=0)
-    model = init_weights(DSAForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16), 0).eval()
+    cfg = GLM.replace(name="glm-5.3-one-layer", num_hidden_layers=1, first_k_dense_replace=0, **changes)
+    with torch.device("meta"):
+        model = DSAForCausalLM(cfg).to(torch.bfloat16)
+    return init_weights(model.to_empty(device="cuda"), 0).eval()
+
+
+def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768) -> None:
+    """Chunked prefill of one ``tokens``-long prompt; fills ``entry`` step by step and calls
+    ``save()`` after each step, so a run stopped by a time limit keeps its finished steps."""
+    from glm_dsa.prefill import PrefillEngine
+
+    model = _one_layer_model()
+    cfg = model.config
     budget = logits_budget_bytes(torch.device("cuda"), 0.8)
+    warm = PrefillEngine(model, 64, "fp8", chunk, budget, compute_logits=False)
+    warm.add_request(torch.arange(4096) % cfg.vocab_size)  # first-call set-up out of the timings
+    warm.run()
+    del warm
     pages = -(-tokens // cfg.page_size)
-    engine = PrefillEngine(model, pages, "fp8", chunk, budget, compute_logits=False, timing=True)
+    engine = PrefillEngine(model, pages, "fp8", chunk, budget, prefix_caching=False,
+                           compute_logits=False, timing=True)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     engine.add_request(ids)
+    flops = component_flops(cfg, tokens)
+    floors = {k: flops[k][0] / ceil["bf16_flops_per_s"] + flops[k][1] / ceil["fp8_flops_per_s"] for k in flops}
+    entry.update(tokens=tokens, chunk=chunk, steps=[], floor_seconds=sum(floors.values()),
+                 component_floor_seconds=floors, component_flops=flops)
+    _sync()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    engine.run(lambda s: print(f"  step {s.step} {s.chunks} {s.seconds:.2f} s (indexer {s.indexer:.2f}, "
-                               f"attention {s.attention:.2f}, moe {s.moe:.2f})", flush=True))
-    wall = time.perf_counter() - t0
-    steps = [
-        {"step": s.step, "start": s.chunks[0][1], "end": s.chunks[0][2], "seconds": s.seconds,
-         "indexer": s.indexer, "attention": s.attention, "moe": s.moe, "projections": s.projections}
-        for s in engine.timeline
-    ]
-    flops = component_flops(cfg, tokens)
+
+    def on_step(s) -> None:
+        entry["steps"].append(
+            {"step": s.step, "start": s.chunks[0][1], "end": s.chunks[0][2], "seconds": s.seconds,
+             "indexer": s.indexer, "attention": s.attention, "moe": s.moe, "projections": s.projections,
+             "peak_gb": torch.cuda.max_memory_allocated() / GB})
+        entry["wall_seconds"] = time.perf_counter() - t0
+        print("  step", json.dumps(entry["steps"][-1]), flush=True)
+        save()
+
+    engine.run(on_step)
+    steps = entry["steps"]
     totals = {k: sum(s[k] for s in steps) for k in flops}
-    floors = {k: flops[k][0] / ceil["bf16_flops_per_s"] + flops[k][1] / ceil["fp8_flops_per_s"] for k in flops}
-    return {
-        "tokens": tokens, "chunk": chunk, "wall_seconds": wall, "peak_gb": torch.cuda.max_memory_allocated() / GB,
-        "floor_seconds": sum(floors.values()), "steps": steps, "totals": totals,
-        "component_tflops": {k: (flops[k][0] + flops[k][1]) / totals[k] / 1e12 for k in flops},
-        "component_floor_seconds": floors, "component_flops": flops
-    }
+    entry.update(peak_gb=torch.cuda.max_memory_allocated() / GB, totals=totals,
+                 component_tflops={k: (flops[k][0] + flops[k][1]) / totals[k] / 1e12 for k in flops})
+    del engine, model
 
 
 def component_flops(cfg: DSAConfig, tokens: int) -> dict[str, tuple[int, int]]:
@@ -281,13 +307,10 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
     that HF's latent norms (fixed at 1e-6) compute the same function as ours.
     """
     from glm_dsa.hf import hf_model
-    from glm_dsa.layer import DSAForCausalLM
     from glm_dsa.oracle import calc_diff
-    from glm_dsa.weights import init_weights
 
-    cfg = GLM.replace(name="glm-5.3-one-layer", num_hidden_layers=1, first_k_dense_replace=0,
-                      rms_norm_eps=1e-6)
-    model = init_weights(DSAForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16), 0).eval()
+    model = _one_layer_model(rms_norm_eps=1e-6)
+    cfg = model.config
     hf = hf_model(model)
     # The two models share every weight tensor (glm-dsa's experts are stored in HF's fused
     # layout); each peak below is the memory a call adds, plus that model's own weights.
@@ -413,11 +436,10 @@ def main() -> int:
     if "prefill" in parts:
         res["prefill"] = []
         for tokens in map(int, args.prefill_tokens.split(",")):
-            r = bench_prefill(res["ceilings"], tokens)
-            res["prefill"].append(r)
-            print("prefill", json.dumps({k: v for k, v in r.items() if k != "steps"}), flush=True)
-            for s in r["steps"]:
-                print("  step", json.dumps(s), flush=True)
+            entry: dict = {}
+            res["prefill"].append(entry)
+            bench_prefill(res["ceilings"], tokens, entry, save)
+            print("prefill", json.dumps({k: v for k, v in entry.items() if k != "steps"}), flush=True)
             save()
             torch.cuda.empty_cache()
     if "hf" in parts:

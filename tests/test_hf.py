@@ -53,7 +53,7 @@ def test_hf_model_on_our_weights_computes_our_function_while_topk_covers_the_con
     """With index_topk ≥ length the top-k keeps every key, so HF (unquantized indexer, dense
     masked attention, expanded K/V) and glm-dsa (FP8 indexer, absorbed/MHA paths over a float64
     cache) compute one function. Both in float64; HF's float32 RoPE tables bound the agreement."""
-    pytest.importorskip("transformers", minversion="5.0")
+    pytest.importorskip("transformers", minversion="5.17")
     from glm_dsa.hf import hf_model
 
     cfg = TINY.replace(rms_norm_eps=1e-6)  # HF's latent norms are fixed at 1e-6
