@@ -17,7 +17,9 @@ tests prove it against an independent dense attention.
 
 Precision: attention math runs in ``torch.promote_types(dtype, float32)`` of its inputs (float32
 for bf16/fp32, float64 for float64), matching FlashMLA's float32 accumulation and letting float64
-tests reach ~1e-12.
+tests reach ~1e-12. On CUDA the products with bf16 operands (cache rows, bf16 weights) run on
+bf16 tensor cores with float32 output, a float32 operand split exactly into three bf16 parts
+(``split_bf16x3``), so they keep float32 accuracy at tensor-core speed.
 """
 
 from __future__ import annotations
