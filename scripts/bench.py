@@ -6,7 +6,8 @@ Hugging Face transformers' ``glm_moe_dsa`` layer on the same weights.
 
 The ceilings are always measured first. Every figure is measured in this run; each is printed
 beside the floor it is compared with (ledger FLOPs at the measured ceilings). Writes
-DIR/bench.json (and DIR/profile_*.txt with ``--profile``).
+DIR/bench.json and the same figures as Markdown tables in DIR/RESULTS.md after every
+measurement (and DIR/profile_*.txt with ``--profile``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import datetime
 import json
 import os
+import sys
 import time
 
 import torch
@@ -394,6 +396,80 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
     return rows
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+def render_markdown(res: dict) -> str:
+    """The run's tables in Markdown (what ``bench/RESULTS.md`` quotes), from ``bench.json``."""
+    out = [f"## {res['date']} — {res['gpu']}, torch {res['torch']}"
+           + (f", transformers {res['transformers']}" if res.get("transformers") else ""), ""]
+    if res.get("command"):
+        out += [f"`{res['command']}`", ""]
+    c = res["ceilings"]
+    out += ["| ceiling | measured |", "|---|---|",
+            f"| device-to-device copy (read + write) | {c['copy_bytes_per_s'] / 1e12:.2f} TB/s |",
+            f"| bf16 matmul 8192³ | {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s |",
+            f"| fp8 `torch._scaled_mm` 8192³ | {c['fp8_flops_per_s'] / 1e12:.0f} TFLOP/s |", ""]
+    rows = []
+    if "moe" in res:
+        m = res["moe"]
+        rows.append(f"| MoE layer | {m['tokens']:,} tokens | {_ms(m['seconds'])} | {m['tflops']:.0f} TFLOP/s "
+                    f"| {_ms(m['floor_seconds'])} | {m['seconds'] / m['floor_seconds']:.1f}× "
+                    f"| +{m['extra_peak_gb']:.2f} GB peak |")
+    for r in res.get("indexer", []):
+        rows.append(f"| indexer logits + top-k | {r['queries']:,} q × {r['keys']:,} keys | {_ms(r['seconds'])} "
+                    f"| {r['tflops']:.1f} TFLOP/s | {_ms(r['floor_seconds_fp8'])} "
+                    f"| {r['seconds'] / r['floor_seconds_fp8']:.0f}× | peak {r['peak_gb']:.2f} GB ≤ "
+                    f"{r['limit_gb']:.2f} GB; last chunk logits {_ms(r['last_chunk_logits_seconds'])}, "
+                    f"top-k {_ms(r['last_chunk_topk_seconds'])} |")
+    if "mla" in res:
+        m = res["mla"]
+        rows.append(f"| sparse MLA, top-{m['topk']} | {m['queries']:,} q over {m['keys']:,} keys "
+                    f"| {_ms(m['seconds'])} | {m['tflops']:.1f} TFLOP/s | {_ms(m['floor_seconds'])} "
+                    f"| {m['seconds'] / m['floor_seconds']:.0f}× | temporaries {m['temporaries_peak_gb']:.2f} GB "
+                    f"≤ budget {m['budget_gb']:.2f} GB |")
+    if rows:
+        out += ["| component | shape | time | rate | floor | × floor | memory |", "|---|---|---|---|---|---|---|",
+                *rows, ""]
+    prefill = [p for p in res.get("prefill", []) if p.get("steps")]
+    if prefill:
+        out += ["| tokens | steps | wall | projections | indexer | attention | MoE | peak | floor | × floor |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in prefill:
+            steps = p["steps"]
+            done = steps[-1]["end"]
+            sums = {k: sum(s[k] for s in steps) for k in ("projections", "indexer", "attention", "moe")}
+            peak = p.get("peak_gb", max((s.get("peak_gb", 0.0) for s in steps), default=0.0))
+            finished = done == p["tokens"]
+            ratio = f"{p['wall_seconds'] / p['floor_seconds']:.0f}×" if finished else "—"
+            out.append(f"| {p['tokens']:,} | {len(steps)}{'' if finished else f' (to {done:,})'} "
+                       f"| {_ms(p['wall_seconds'])} | " + " | ".join(_ms(sums[k]) for k in sums)
+                       + f" | {peak:.1f} GB | {_ms(p['floor_seconds'])} | {ratio} |")
+        out.append("")
+    hf = [r for r in res.get("hf", []) if "tokens" in r]
+    if hf:
+        out += ["| tokens | glm-dsa | HF | HF time / glm-dsa time | glm-dsa peak | HF peak | agreement |",
+                "|---|---|---|---|---|---|---|"]
+        for r in hf:
+            if "hf_seconds" in r:
+                theirs = (_ms(r["hf_seconds"]), f"{r['speedup_vs_hf']:.2f}", f"{r['hf_peak_gb']:.1f} GB")
+            else:
+                theirs = (f"failed: {r.get('hf_error', '')[:90]}", "—", "—")
+            agree = (f"top-k overlap {r['topk_overlap']:.1%} ({r['overlap_rows']:,} rows)" if "topk_overlap" in r
+                     else f"calc_diff {r['calc_diff_fp8_kv']:.1e} (FP8 KV)" if "calc_diff_fp8_kv" in r else "—")
+            out.append(f"| {r['tokens']:,} | {_ms(r['ours_seconds'])} | {theirs[0]} | {theirs[1]} "
+                       f"| {r['ours_peak_gb']:.1f} GB | {theirs[2]} | {agree} |")
+        for r in res["hf"]:
+            if "equality" in r:
+                e = r["equality"]
+                out.append(f"\nindex_topk {e['index_topk']:,} ≥ {e['tokens']:,} tokens, bf16 KV: calc_diff "
+                           f"{e['calc_diff']:.1e}, largest difference {e['max_abs_diff']:.3g} (values up to "
+                           f"{e['max_abs']:.3g}).")
+        out.append("")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -406,12 +482,18 @@ def main() -> int:
     parts = set(args.parts.split(","))
     res: dict = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
     }
+    if "hf" in parts:
+        import transformers
+
+        res["transformers"] = transformers.__version__
 
     def save() -> None:
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump(res, f, indent=2)
+        with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+            f.write(render_markdown(res))
 
     res["ceilings"] = ceilings()
     print("ceilings", json.dumps(res["ceilings"]), flush=True)

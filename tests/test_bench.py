@@ -53,3 +53,33 @@ def test_component_flops_partition_the_ledgers_layer_flops():
         pairs = tokens * (tokens + 1) // 2
         assert flops["indexer"][1] == pairs * 2 * cfg.index_n_heads * cfg.index_head_dim
         assert all(f8 == 0 for name, (_, f8) in flops.items() if name != "indexer")
+
+
+def test_markdown_tables_quote_the_json_figures_and_mark_an_unfinished_prefill():
+    res = {
+        "date": "2026-11-29", "gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "transformers": "5.17.0",
+        "command": "python scripts/bench.py --parts prefill,hf",
+        "ceilings": {"copy_bytes_per_s": 4.2e12, "bf16_flops_per_s": 7.8e14, "fp8_flops_per_s": 1.4e15},
+        "prefill": [
+            {"tokens": 65536, "floor_seconds": 0.1, "wall_seconds": 2.0, "peak_gb": 30.0,
+             "steps": [{"end": 32768, "projections": 0.1, "indexer": 0.5, "attention": 0.3, "moe": 0.05},
+                       {"end": 65536, "projections": 0.1, "indexer": 0.7, "attention": 0.3, "moe": 0.05}]},
+            {"tokens": 1048576, "floor_seconds": 3.0, "wall_seconds": 300.0,
+             "steps": [{"end": 32768, "projections": 0.1, "indexer": 0.5, "attention": 0.4, "moe": 0.07,
+                        "peak_gb": 41.5}]},
+        ],
+        "hf": [
+            {"tokens": 8192, "ours_seconds": 0.2, "ours_peak_gb": 27.6, "hf_seconds": 0.08,
+             "hf_peak_gb": 40.6, "speedup_vs_hf": 0.4, "topk_overlap": 0.984, "overlap_rows": 6144},
+            {"tokens": 24576, "ours_seconds": 0.63, "ours_peak_gb": 35.8, "hf_error": "CUDA out of memory."},
+            {"equality": {"tokens": 2048, "index_topk": 2048, "calc_diff": 5.5e-4, "max_abs_diff": 1.2,
+                          "max_abs": 5.9}},
+        ],
+    }
+    md = bench.render_markdown(res)
+    assert "torch 2.11.0+cu130, transformers 5.17.0" in md
+    assert "| 65,536 | 2 | 2.00 s | 200.0 ms | 1.20 s | 600.0 ms | 100.0 ms | 30.0 GB | 100.0 ms | 20× |" in md
+    assert "| 1,048,576 | 1 (to 32,768) | 300.00 s |" in md and "| 41.5 GB | 3.00 s | — |" in md
+    assert "| 8,192 | 200.0 ms | 80.0 ms | 0.40 | 27.6 GB | 40.6 GB | top-k overlap 98.4% (6,144 rows) |" in md
+    assert "| 24,576 | 630.0 ms | failed: CUDA out of memory. | — |" in md
+    assert "calc_diff 5.5e-04" in md
