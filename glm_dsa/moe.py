@@ -275,7 +275,6 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
@@ -293,8 +292,7 @@ class Experts(nn.Module):
     def weights(self, e: int) -> tuple[Tensor, Tensor, Tensor]:
         """Expert ``e``'s ``(gate_proj [I, H], up_proj [I, H], down_proj [H, I])`` weights, as
         views of the stacked parameters."""
-        i = self.intermediate_size
-        return self.gate_up_proj[e, :i], self.gate_up_proj[e, i:], self.down_proj[e]
+        return _expert_views(self.gate_up_proj, self.down_proj, e)
 
     def forward(self, x: Tensor, counts: list[int], offsets: Tensor) -> Tensor:
         """``x: [m, H]`` rows grouped by expert, ``counts[e]`` rows for expert ``e`` (host
@@ -305,12 +303,18 @@ class Experts(nn.Module):
         return experts_loop(x, self.gate_up_proj, self.down_proj, counts)
 
 
-def _checkpoint_names(experts: Experts, prefix: str) -> list[tuple[str, Tensor]]:
-    """``(checkpoint name, view of the stacked parameter)`` in checkpoint order."""
+def _expert_views(gate_up: Tensor, down: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Expert ``e``'s ``(gate_proj, up_proj, down_proj)`` as views of the stacked tensors."""
+    i = down.shape[2]
+    return gate_up[e, :i], gate_up[e, i:], down[e]
+
+
+def _checkpoint_names(gate_up: Tensor, down: Tensor, prefix: str) -> list[tuple[str, Tensor]]:
+    """``(checkpoint name, view of the stacked tensor)`` in checkpoint order."""
     return [
         (f"{prefix}{e}.{proj}.weight", view)
-        for e in range(experts.num_experts)
-        for proj, view in zip(_PROJECTIONS, experts.weights(e))
+        for e in range(gate_up.shape[0])
+        for proj, view in zip(_PROJECTIONS, _expert_views(gate_up, down, e))
     ]
 
 
@@ -318,11 +322,7 @@ def _save_per_expert(experts: Experts, state_dict: dict, prefix: str, local_meta
     """State-dict post-hook: the stacked entries become per-expert views, in place. They were
     the last two entries written (the module has no children), so the order is kept."""
     gate_up, down = (state_dict.pop(prefix + name) for name in _STACKED)
-    i = experts.intermediate_size
-    for e in range(gate_up.shape[0]):
-        state_dict[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :i]
-        state_dict[f"{prefix}{e}.up_proj.weight"] = gate_up[e, i:]
-        state_dict[f"{prefix}{e}.down_proj.weight"] = down[e]
+    state_dict.update(_checkpoint_names(gate_up, down, prefix))
 
 
 def _load_per_expert(
@@ -339,7 +339,7 @@ def _load_per_expert(
     take their names out of ``state_dict``, so that torch neither reports them as unexpected
     nor the stacked names as missing."""
     with torch.no_grad():
-        named = _checkpoint_names(experts, prefix)
+        named = _checkpoint_names(experts.gate_up_proj, experts.down_proj, prefix)
     given = [name for name, _ in named if name in state_dict]
     stacked = [prefix + name for name in _STACKED if prefix + name in state_dict]
     if not given and stacked:
