@@ -20,6 +20,11 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Without a GPU the Triton kernels (glm_dsa.kernels) run in Triton's CPU interpreter, which
+# reads this variable when triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

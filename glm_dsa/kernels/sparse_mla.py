@@ -1,0 +1,334 @@
+"""Sparse MLA prefill forward in Triton: FlashMLA's ``flash_mla_sparse_fwd`` on gathered rows.
+
+One program owns one query token and ``BLOCK_H`` of its heads. It keeps ``q`` on chip (shared
+memory, as the A operand of both QK^T GEMMs) and walks the token's ``topk`` indices in tiles of
+``BLOCK_K``: each tile gathers ``BLOCK_K`` rows of the latent cache (index -> row pointer), scores
+them as ``[h, d_v]·[d_v, BLOCK_K] + [h, d_tail]·[d_tail, BLOCK_K]`` (latent part, then RoPE
+part), and accumulates ``P·V`` where V is the first ``d_v`` columns of the same gathered rows (no
+second gather). Softmax is online, in base 2 with ``log2(e)`` folded into the scale.
+
+Two entry points share the kernel:
+
+- ``flash_mla_sparse_fwd(q, kv, indices, ...)``: bf16 or float32 ``kv [s_kv, 1, d_qk]``. A bf16
+  paged pool is read in place when ``indices`` are slot numbers: pass the pool viewed as
+  ``[num_slots, 1, 576]``; nothing is gathered or copied outside the kernel.
+- ``sparse_mla_fwd_fp8(q, kv_rows, indices, ...)``: the FP8 pool's 656-byte rows
+  (FlashMLA ``V32_FP8Sparse``: 512 e4m3 bytes, 4 float32 tile scales, 64 bf16 RoPE values;
+  ``glm_dsa.kv_format.mla_kv_quantize``), dequantized in the kernel as ``e4m3 * scale`` in
+  float32 rounded once to the compute dtype (bitwise ``oracle.dequantize_k_cache`` for bf16).
+
+Outputs follow the newest FlashMLA (``glm_dsa.oracle.flash_mla_sparse_fwd``): natural-log
+``max_logits`` and ``lse``; indices ``< 0`` or ``>= s_kv`` (slots) and columns
+``>= topk_length[row]`` are skipped (never read); a row with no valid index gives ``out = 0``,
+``max_logits = -inf``, ``lse = +inf``; ``attn_sink`` enters only the final normalisation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
+from glm_dsa.mla import _check_sparse_inputs
+
+__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+# Tiling, as data, for the H200 (sm_90, 227 KB shared memory per block) at GLM-5.3's shape
+# (h_q 64, d_qk 576, d_v 512, top-2048), after FlashMLA's / TileLang's 64 heads x 64 keys on two
+# warpgroups. q [64, 576] bf16 sits in shared memory (74 KB) beside 1-3 buffers of the key tile.
+# The [64, 512] float32 accumulator is 128 registers per thread at 8 warps (Triton gives each
+# warpgroup half of V's columns); 16 warps cap registers at 128 and make Triton compute QK^T four
+# times over, so they are not listed. Checked by compiling for sm_90 without a GPU (ptxas): every
+# config below compiles at that shape (255 registers, a few spilled); a 128-head block does not
+# fit. Each config costs one compile (a few seconds), so autotune finishes in one device call.
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bh, bk, w, s in (
+        (64, 64, 8, 1),
+        (64, 32, 8, 2),
+        (64, 32, 8, 3),
+        (64, 16, 8, 3),
+        (16, 32, 4, 2),  # small configs (h_q <= 16) only
+    )
+]
+# The interpreter (CPU CI) runs one small tile; its cost is per program, not per FLOP.
+_INTERPRET_CONFIGS = [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep the configs whose head block suits h_q: 16 for h_q <= 16, else 64 (h_q 128 runs
+    two head blocks per query, launched side by side so their gathers share L2)."""
+    wanted = 16 if named_args["h_q"] <= 16 else 64
+    kept = [c for c in configs if c.kwargs["BLOCK_H"] == wanted]
+    return kept or configs
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
+    """float32 ``x`` rounded to ``dtype`` (nearest even). Triton 3.6's interpreter truncates
+    float32 -> bf16, so there (``BY_HAND``) the rounding is done on the bits."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True).to(dtype) if BY_HAND else x.to(dtype)
+
+
+@triton.autotune(
+    configs=_INTERPRET_CONFIGS if _INTERPRET else _GPU_CONFIGS,
+    key=["h_q", "topk", "D_V", "D_TAIL", "KV_FP8", "HAS_LEN"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
+@triton.jit
+def _sparse_mla_fwd_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
+    s_kv, h_q, topk, scale_log2,
+    stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    KV_FP8: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATIC_TOPK: tl.constexpr,
+    ROUND_BY_HAND: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
+    # Head blocks of one query are neighbours in launch order: they gather the same rows.
+    num_hb = tl.cdiv(h_q, BLOCK_H)
+    pid = tl.program_id(0)
+    qi = (pid // num_hb).to(tl.int64)
+    offs_h = (pid % num_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < h_q
+    offs_v = tl.arange(0, BLOCK_DV)
+    v_mask = offs_v < D_V
+    offs_t = tl.arange(0, BLOCK_DT)
+    t_mask = offs_t < D_TAIL
+
+    q_rows = q_ptr + qi * stride_qs + offs_h[:, None] * stride_qh
+    q_nope = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
+    q_pe = tl.load(q_rows + D_V + offs_t[None, :], mask=h_mask[:, None] & t_mask[None, :],
+                   other=0.0)
+    kv_dtype = q_ptr.dtype.element_ty
+    q_nope = q_nope.to(DOT_DTYPE)
+    q_pe = q_pe.to(DOT_DTYPE)
+
+    n_cols = topk
+    if HAS_LEN:
+        n_cols = tl.minimum(tl.load(len_ptr + qi), topk)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of scaled logits, base 2
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    # Triton 3.6's interpreter cannot take a runtime loop bound under numpy >= 2.4; there the
+    # loop runs to topk and the `cols < n_cols` mask drops the rest.
+    for start in range(0, STATIC_TOPK if STATIC_TOPK > 0 else n_cols, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + qi * stride_is + cols, mask=cols < n_cols, other=-1)
+        valid = (idx >= 0) & (idx < s_kv)
+        rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_kv     # [BLOCK_K]
+        if KV_FP8:
+            # Row bytes: [0, D_V) e4m3 | D_V / 128 float32 tile scales | D_TAIL bf16 (RoPE).
+            NT: tl.constexpr = D_V // 128
+            k8 = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None], other=0)
+            scale = tl.load(
+                (rows + D_V).to(tl.pointer_type(tl.float32))[:, None]
+                + tl.arange(0, NT)[None, :],
+                mask=valid[:, None], other=0.0,
+            )                                                                  # [BLOCK_K, NT]
+            k_f32 = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            k_f32 = tl.reshape(k_f32, (BLOCK_K, NT, 128)) * scale[:, :, None]
+            k_nope = _round_to(tl.reshape(k_f32, (BLOCK_K, BLOCK_DV)), kv_dtype, ROUND_BY_HAND)
+            pe_ptr = (rows + D_V + 4 * NT).to(tl.pointer_type(tl.bfloat16))
+            k_pe = tl.load(pe_ptr[:, None] + offs_t[None, :],
+                           mask=valid[:, None] & t_mask[None, :], other=0.0).to(kv_dtype)
+        else:
+            k_nope = tl.load(rows[:, None] + offs_v[None, :],
+                             mask=valid[:, None] & v_mask[None, :], other=0.0)
+            k_pe = tl.load(rows[:, None] + D_V + offs_t[None, :],
+                           mask=valid[:, None] & t_mask[None, :], other=0.0)
+        k_nope = k_nope.to(DOT_DTYPE)
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
+        if D_TAIL > 0:
+            s = tl.dot(q_pe, tl.trans(k_pe.to(DOT_DTYPE)), s, input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))           # [BLOCK_H, BLOCK_K]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Until a row has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        # P is rounded to the cache dtype for the value GEMM, as FlashMLA does.
+        p = _round_to(p, kv_dtype, ROUND_BY_HAND).to(DOT_DTYPE)
+        acc = tl.dot(p, k_nope, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
+        denom += tl.exp2(sink * LOG2E - m_shift)
+    denom = tl.where(denom == 0.0, 1.0, denom)                # lonely row, no sink: out = 0 / 1
+    out = acc / denom[:, None]
+    out_rows = out_ptr + qi * stride_os + offs_h[:, None] * stride_oh
+    tl.store(out_rows + offs_v[None, :], _round_to(out, out_ptr.dtype.element_ty, ROUND_BY_HAND),
+             mask=h_mask[:, None] & v_mask[None, :])
+    lonely = l_i == 0.0
+    lse = tl.where(lonely, float("inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * LN2)
+    tl.store(max_ptr + qi * h_q + offs_h, m_i * LN2, mask=h_mask)
+    tl.store(lse_ptr + qi * h_q + offs_h, lse, mask=h_mask)
+
+
+def _check_kernel_inputs(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float) -> None:
+    if q.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be bfloat16 or float32, got {q.dtype}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale={sm_scale} must be finite")
+    if kv.device != q.device or indices.device != q.device:
+        raise ValueError(
+            f"q, kv and indices must be on one device, got {q.device}, {kv.device}, "
+            f"{indices.device}"
+        )
+    if q.stride(-1) != 1 or kv.stride(-1) != 1 or indices.stride(-1) != 1:
+        raise ValueError("q, kv and indices need a contiguous last dim; call .contiguous()")
+
+
+def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk_length, fp8):
+    s_q, h_q, d_qk = q.shape
+    topk = indices.shape[2]
+    d_tail = d_qk - d_v
+    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
+    max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    if s_q == 0:
+        return out, max_logits, lse
+    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
+    lengths = None if topk_length is None else topk_length.contiguous()
+    idx = indices[:, 0, :]
+    grid = lambda meta: (s_q * triton.cdiv(h_q, meta["BLOCK_H"]),)  # noqa: E731
+    _sparse_mla_fwd_kernel[grid](
+        q, kv_rows, idx, out, max_logits, lse,
+        sink if sink is not None else max_logits, lengths if lengths is not None else idx,
+        s_kv, h_q, topk, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
+        D_V=d_v, D_TAIL=d_tail,
+        BLOCK_DV=triton.next_power_of_2(d_v), BLOCK_DT=max(16, triton.next_power_of_2(d_tail)),
+        KV_FP8=fp8, HAS_SINK=sink is not None, HAS_LEN=lengths is not None,
+        # Triton 3.6's interpreter multiplies bf16 as raw integers: there the GEMMs take the
+        # (exact) float32 upcast of the bf16 operands. On the GPU the cast is a no-op.
+        DOT_DTYPE=tl.float32 if _INTERPRET or q.dtype == torch.float32 else tl.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        STATIC_TOPK=topk if _INTERPRET else 0,
+        ROUND_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16,
+    )
+    return out, max_logits, lse
+
+
+def flash_mla_sparse_fwd(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Tensor | None = None,
+    topk_length: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashMLA ``flash_mla_sparse_fwd`` (newest conventions) on a bf16 or float32 cache.
+
+    ``P = (q · kv[idx]) * sm_scale`` over the valid indices of each row; ``out = softmax(P)
+    @ kv[idx, :d_v]`` normalised by ``logaddexp(lse, attn_sink)`` when a sink is given.
+    For a paged bf16 pool ``[num_pages, page_size, 576]`` pass ``pool.view(-1, 1, 576)`` and
+    slot numbers as ``indices`` (``page_table[req, i // page_size] * page_size + i %
+    page_size``): the kernel reads the selected rows straight from the pool.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bfloat16 (float32 for small-config tests; GEMMs then in
+            IEEE float32). GLM-5.3: h_q 64, d_qk 576 = 512 latent + 64 RoPE.
+        kv: ``[s_kv, 1, d_qk]`` bfloat16 or float32, cast to q's dtype for the GEMMs; values
+            are ``kv[..., :d_v]``. Any row stride; the last dim contiguous.
+        indices: int32 ``[s_q, 1, topk]`` rows of kv; ``< 0`` or ``>= s_kv`` are skipped.
+        sm_scale: softmax scale of ``q · kv`` (the MLA scale, not ``d_qk**-0.5``).
+        d_v: value width (512); ``d_qk - d_v`` trailing dims take part in scores only.
+        attn_sink: optional float ``[h_q]`` logit of a value-less key per head.
+        topk_length: optional int32 ``[s_q]``: row r uses its first ``topk_length[r]`` columns.
+
+    Returns:
+        ``(out [s_q, h_q, d_v]`` in q's dtype, ``max_logits [s_q, h_q]`` float32,
+        ``lse [s_q, h_q]`` float32, natural log``)``. A row with no valid index: ``out = 0``,
+        ``max_logits = -inf``, ``lse = +inf``.
+    """
+    _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, "e", "+inf", None)
+    _check_kernel_inputs(q, kv, indices, sm_scale)
+    if kv.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"kv must be bfloat16 or float32, got {kv.dtype}; for the FP8 pool use "
+            "sparse_mla_fwd_fp8"
+        )
+    if kv.dtype != q.dtype:
+        raise ValueError(f"q ({q.dtype}) and kv ({kv.dtype}) must share a dtype")
+    return _launch(q, kv, kv.stride(0), kv.shape[0], indices, sm_scale, d_v, attn_sink,
+                   topk_length, fp8=False)
+
+
+def sparse_mla_fwd_fp8(
+    q: Tensor,
+    kv_rows: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Tensor | None = None,
+    topk_length: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``flash_mla_sparse_fwd`` reading FlashMLA's FP8 ``V32_FP8Sparse`` rows from the pool.
+
+    Row layout (``kv_format.mla_kv_quantize``): ``d_v`` e4m3 bytes in tiles of 128, then
+    ``d_v / 128`` float32 tile scales, then ``d_qk - d_v`` bf16 RoPE values (656 bytes for
+    512 + 64). The kernel dequantizes each gathered row as ``e4m3 * scale`` in float32, rounded
+    once to q's dtype, so the result is the plain kernel on ``oracle.dequantize_k_cache`` rows.
+
+    Args:
+        q: ``[s_q, h_q, d_qk]`` bfloat16 (or float32).
+        kv_rows: ``[num_slots, row_bytes]`` uint8 (or float8_e4m3fn / int8 bytes): the paged
+            pool ``[num_pages, page_size, 656]`` viewed as ``[-1, 656]``.
+        indices: int32 ``[s_q, 1, topk]`` global slot numbers (``page * page_size + offset``);
+            ``-1`` padding; any slot outside ``[0, num_slots)`` is skipped.
+        sm_scale, d_v, attn_sink, topk_length: as ``flash_mla_sparse_fwd``; ``d_v`` is the
+            latent rank ``R`` of the rows (``R / 128`` a power of two).
+
+    Returns:
+        As ``flash_mla_sparse_fwd``.
+    """
+    if kv_rows.dtype in (torch.int8, torch.float8_e4m3fn):
+        kv_rows = kv_rows.view(torch.uint8)
+    if kv_rows.dtype != torch.uint8 or kv_rows.dim() != 2:
+        raise ValueError(
+            f"kv_rows must be uint8 [num_slots, row_bytes] (the pool viewed as [-1, 656]), got "
+            f"{kv_rows.dtype} {tuple(kv_rows.shape)}"
+        )
+    if q.dim() != 3:
+        raise ValueError(f"q must be [s_q, h, d_qk], got shape {tuple(q.shape)}")
+    d_qk = q.shape[2]
+    tiles = d_v // MLA_TILE
+    if d_v % MLA_TILE or tiles & (tiles - 1) or not 0 < d_v < d_qk:
+        raise ValueError(
+            f"d_v={d_v} must be 128 times a power of two and below d_qk={d_qk} for FP8 rows"
+        )
+    row_bytes = mla_kv_row_bytes(d_v, d_qk - d_v, "fp8")
+    if kv_rows.shape[1] != row_bytes or kv_rows.stride(0) % 4:
+        raise ValueError(
+            f"kv_rows must have {row_bytes} bytes per row (d_v={d_v}, rope {d_qk - d_v}) at a "
+            f"row stride that is a multiple of 4, got {tuple(kv_rows.shape)} stride "
+            f"{kv_rows.stride()}"
+        )
+    # The shared contract checks shapes on a kv-shaped stand-in; the bytes are checked above.
+    stand_in = q.new_empty(1, 1, 1).expand(kv_rows.shape[0], 1, d_qk)
+    _check_sparse_inputs(q, stand_in, indices, d_v, attn_sink, topk_length, "e", "+inf", None)
+    _check_kernel_inputs(q, kv_rows, indices, sm_scale)
+    return _launch(q, kv_rows, kv_rows.stride(0), kv_rows.shape[0], indices, sm_scale, d_v,
+                   attn_sink, topk_length, fp8=True)
