@@ -25,6 +25,7 @@ is the logits being returned plus one tile.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "logits_budget_bytes",
     "max_logit_rows",
     "indexer_topk",
+    "chunked_topk",
     "Indexer",
 ]
 
@@ -564,6 +566,42 @@ def indexer_topk(
     Returns:
         int32 ``[S, topk]`` relative to ``ks`` (request-relative), canonical order, ``-1`` pad.
     """
+    def chunk_topk(r0, r1, lo, hi, starts, ends):
+        logits = mqa_logits(
+            q_fp8[r0:r1],
+            k_fp8[lo:hi],
+            k_scale[lo:hi],
+            weights[r0:r1],
+            starts.to(torch.int32),
+            ends.to(torch.int32),
+            clean_logits=False,  # topk_per_row reads only [start, end)
+        )
+        return topk_per_row(logits, starts, ends, topk)
+
+    return chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)
+
+
+def chunked_topk(
+    q_fp8: Tensor,
+    weights: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    topk: int,
+    budget_bytes: int,
+    chunk_topk: Callable[[int, int, int, int, Tensor, Tensor], Tensor],
+) -> Tensor:
+    """The budgeted row-chunk loop of ``indexer_topk``, with the per-chunk scoring passed in.
+
+    Validates the ``indexer_topk`` arguments once, then for each chunk of at most
+    ``max_logit_rows`` rows either fills ``0 … len − 1`` (every row keeps all its keys) or
+    calls ``chunk_topk(r0, r1, lo, hi, starts, ends)``: rows ``[r0, r1)`` over key columns
+    ``[lo, hi)``, each row's window ``[starts, ends)`` (int64, relative to ``lo``), returning
+    int32 ``[r1 − r0, topk]`` relative to ``starts``. The reference and the Triton backend
+    share this loop and differ only in ``chunk_topk``; whatever it allocates (the chunk's
+    logits) is freed before the next chunk.
+    """
     S, H, D, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
     dev = q_fp8.device
     _check_index_vector("ks", ks, S, dev)
@@ -585,17 +623,7 @@ def indexer_topk(
         # Column span of the chunk; empty rows get an empty range inside it.
         starts = (chunk_ks - lo).clamp(0, hi - lo)
         ends = torch.where(chunk_ke > chunk_ks, chunk_ke - lo, starts)
-        logits = mqa_logits(
-            q_fp8[r0:r1],
-            k_fp8[lo:hi],
-            k_scale[lo:hi],
-            weights[r0:r1],
-            starts.to(torch.int32),
-            ends.to(torch.int32),
-            clean_logits=False,  # topk_per_row reads only [start, end)
-        )
-        out[r0:r1] = topk_per_row(logits, starts, ends, topk)
-        del logits  # free this chunk's logits before the next chunk allocates its own
+        out[r0:r1] = chunk_topk(r0, r1, lo, hi, starts, ends)
     return out
 
 

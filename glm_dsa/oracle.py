@@ -142,6 +142,35 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------- indexer logits
+def _check_mqa_logits_mode(kv, clean_logits: bool, max_seqlen_k: int) -> None:
+    """The ``fp8_mqa_logits`` arguments beyond ``indexer.mqa_logits``'s (shared with kernels)."""
+    _need(
+        isinstance(kv, (tuple, list)) and len(kv) == 2,
+        "kv must be the pair (k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)",
+    )
+    _need(
+        isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) and max_seqlen_k >= 0,
+        f"max_seqlen_k={max_seqlen_k!r} must be a non-negative int",
+    )
+    _need(
+        max_seqlen_k == 0 or not clean_logits,
+        "fp8_mqa_logits with max_seqlen_k > 0 (compressed logits) requires clean_logits=False, "
+        "as in DeepGEMM",
+    )
+
+
+def _check_compressed_width(ks: Tensor, ke: Tensor, max_seqlen_k: int) -> None:
+    """Every window fits the compressed output: ``ke − ks ≤ max_seqlen_k``."""
+    lens = ke.long() - ks.long()
+    if lens.numel():
+        longest = int(lens.max())
+        _need(
+            longest <= max_seqlen_k,
+            f"a row has ke - ks = {longest} keys, more than max_seqlen_k={max_seqlen_k}; pass "
+            "max_seqlen_k = max(ke - ks)",
+        )
+
+
 def fp8_mqa_logits(
     q: Tensor,
     kv: tuple[Tensor, Tensor],
@@ -172,31 +201,13 @@ def fp8_mqa_logits(
     Returns:
         float32 ``[S, S_kv]``, or ``[S, max_seqlen_k]`` in compressed mode.
     """
-    _need(
-        isinstance(kv, (tuple, list)) and len(kv) == 2,
-        "kv must be the pair (k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)",
-    )
-    _need(
-        isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) and max_seqlen_k >= 0,
-        f"max_seqlen_k={max_seqlen_k!r} must be a non-negative int",
-    )
+    _check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
     k_fp8, k_scale = kv
     if max_seqlen_k == 0:
         return indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
-    _need(
-        not clean_logits,
-        "fp8_mqa_logits with max_seqlen_k > 0 (compressed logits) requires clean_logits=False, "
-        "as in DeepGEMM",
-    )
     full = indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, True)
+    _check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
     lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
-    if lens.numel():
-        longest = int(lens.max())
-        _need(
-            longest <= max_seqlen_k,
-            f"a row has ke - ks = {longest} keys, more than max_seqlen_k={max_seqlen_k}; pass "
-            "max_seqlen_k = max(ke - ks)",
-        )
     col = torch.arange(max_seqlen_k, device=full.device)
     rows, cols = (col[None, :] < lens[:, None]).nonzero(as_tuple=True)
     out = torch.full((full.shape[0], max_seqlen_k), -math.inf, dtype=full.dtype, device=full.device)

@@ -1,3 +1,9 @@
-"""Triton kernels with the oracle's signatures (the triton backend); Triton is imported only here."""
+"""Triton kernels of the fast backend, one module per kernel, each with its oracle's signature.
 
+Imported only on request (``import glm_dsa`` never imports Triton); on the CPU they run under
+Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is imported.
+"""
+
+from glm_dsa.kernels.indexer import indexer_topk  # noqa: F401
+from glm_dsa.kernels.mqa_logits import fp8_mqa_logits, fp8_paged_mqa_logits  # noqa: F401
 from glm_dsa.kernels.sparse_mla import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: F401

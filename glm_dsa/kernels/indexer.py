@@ -1,0 +1,68 @@
+"""Fast indexer top-k: Triton logits in budgeted row chunks, then a per-row selection.
+
+The contract of ``glm_dsa.indexer.indexer_topk`` (request-relative int32 ``[S, topk]``, ``-1``
+padding, a row with ``≤ topk`` keys gives ``0 … len − 1``) except the order inside a row, which
+is free (set semantics, as every upstream top-k kernel). Logits are computed by
+``fp8_mqa_logits``'s kernel chunk by chunk within the same byte budget as the reference, so the
+peak is one chunk's float32 logits plus the inputs. Selection is ``torch.topk`` behind
+``select_topk``, the one place a radix / threshold select kernel would go.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm_dsa.indexer import _check_logits_inputs, _prefix_indices, chunked_topk
+from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
+
+__all__ = ["indexer_topk", "select_topk"]
+
+
+def select_topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
+    """int32 ``[R, topk]`` relative to ``starts``: the ``topk`` best of each row, any order.
+
+    ``logits``: float32 ``[R, N]`` holding ``-inf`` outside ``[starts, ends)`` (clean logits),
+    ``N ≥ topk``; ``starts``/``ends``: int64 ``[R]``. Rows with ``ends − starts ≤ topk`` give
+    ``0 … len − 1`` then ``-1`` without reading scores.
+    """
+    lens = ends - starts
+    chosen = logits.topk(topk, dim=1, sorted=False).indices  # [R, topk] int64
+    rel = (chosen - starts[:, None]).to(torch.int32)
+    return torch.where((lens > topk)[:, None], rel, _prefix_indices(lens, topk))
+
+
+def indexer_topk(
+    q_fp8: Tensor,
+    weights: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    topk: int,
+    budget_bytes: int,
+) -> Tensor:
+    """Top-k keys of every query row with the Triton logits kernel, in budgeted row chunks.
+
+    Args:
+        q_fp8: ``[S, H, D]`` float8_e4m3fn; ``weights``: ``[S, H]`` float32 head gates.
+        k_fp8: ``[S_kv, D]`` float8_e4m3fn; ``k_scale``: ``[S_kv]`` float32.
+        ks, ke: int32 ``[S]``, row ``m`` may select keys ``[ks[m], ke[m])``.
+        topk: indices per row (``index_topk``).
+        budget_bytes: bytes the float32 logits may take at once (``logits_budget_bytes``).
+
+    Returns:
+        int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, any order within a row.
+    """
+    _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
+    _check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
+    _check_device(q_fp8)
+
+    def chunk_topk(r0, r1, lo, hi, starts, ends):
+        logits = _mqa_logits_core(
+            q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1],
+            starts.to(torch.int32), ends.to(torch.int32), clean_logits=True, max_seqlen_k=0,
+        )  # fmt: skip
+        return select_topk(logits, starts, ends, topk)
+
+    return chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)

@@ -1,0 +1,473 @@
+"""Triton FP8 MQA logits: DeepGEMM's ``fp8_mqa_logits`` and ``fp8_paged_mqa_logits``.
+
+``out[i, j] = k_scale[j] * sum_h weights[i, h] * relu(q[i, h] · k[j])`` for ``j ∈ [ks[i], ke[i])``
+in one kernel, with the signatures, shapes and conventions of ``glm_dsa.oracle``'s functions of
+the same names. The ``[S, H, N]`` per-head scores never leave registers.
+
+Tiling (as DeepGEMM's sm90 kernel and TileLang's ``fp8_lighting_indexer``): a program owns
+``BLOCK_M`` query rows and loads their ``[BLOCK_M·H, D]`` fp8 queries once; it loops over key
+tiles of ``BLOCK_N`` and computes ``k_tile [BLOCK_N, D] @ qᵀ`` (fp8 × fp8 → fp32, wgmma on
+Hopper; D is one K step). Keys are the M side of the MMA and the heads its N side, so the head
+reduction runs along the accumulator's columns, inside a thread and its quad, not across warps.
+``BLOCK_Q = BLOCK_M·H`` (heads padded to a power of two) is the MMA's N.
+
+Work skipping: a program computes only the key tiles that meet the union of its rows' windows
+(causal prefill: about half the pairs); the rest of its columns are filled with ``-inf`` when
+``clean_logits`` (a store, no loads). The grid is (row blocks, column splits): the row blocks are
+launched heaviest-first (causal rows are longer the later they are) and the columns are split
+only when there are too few row blocks to fill the GPU.
+
+Numerics: each fp8 dot product is accumulated in float32 by the tensor core (exact for
+D = 128 products on the interpreter; Hopper's fp8 wgmma adds with a narrower accumulator), then
+ReLU, gate, a head sum in the reduction's order, key scale. Checked against the oracle with
+DeepGEMM's ``calc_diff``, not bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from glm_dsa.indexer import _check_index_vector, _check_logits_inputs, _check_ranges
+from glm_dsa.oracle import _check_compressed_width, _check_mqa_logits_mode
+
+__all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "CONFIGS", "INTERPRET_CONFIGS"]
+
+# Autotune space, tuned for the GLM-5.3 indexer on one H200 (H = 32, D = 128, 4K–32K query rows
+# × 128K–1M keys, causal). BLOCK_Q = BLOCK_M · H is the MMA's N (TileLang uses 128 // H rows);
+# BLOCK_N keys are its M: 64 per warpgroup, so BLOCK_N = 128 wants 8 warps or two M repeats of
+# 4. The fp32 accumulator is BLOCK_N · BLOCK_Q / (32 · num_warps) registers per thread (≤ 128).
+CONFIGS = [
+    {"BLOCK_Q": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_Q": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_Q": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_Q": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_Q": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4},
+]
+# Triton's CPU interpreter (TRITON_INTERPRET=1, the CI tests) runs programs one after another
+# in numpy: one config, small tiles so that masking and splits are exercised at small shapes.
+INTERPRET_CONFIGS = [{"BLOCK_Q": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
+# Column splits are added until there are about this many programs per SM.
+PROGRAMS_PER_SM = 2
+# The interpreter has no SMs; this many programs make small tests split their columns.
+INTERPRET_PROGRAMS = 4
+# Largest padded head count: the MMA's N side holds at least one row's heads.
+MAX_HEADS = 256
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs() -> list[triton.Config]:
+    table = INTERPRET_CONFIGS if _INTERPRET else CONFIGS
+    return [
+        triton.Config(
+            {"BLOCK_Q": c["BLOCK_Q"], "BLOCK_N": c["BLOCK_N"]},
+            num_warps=c["num_warps"],
+            num_stages=c["num_stages"],
+        )
+        for c in table
+    ]
+
+
+# ----------------------------------------------------------------------------- device code
+@triton.jit
+def _row_block_window(ks, ke, n_keys):
+    """Union ``[lo, hi)`` of the non-empty windows of a row block (``lo ≥ hi`` when none)."""
+    nonempty = ke > ks
+    lo = tl.min(tl.where(nonempty, ks, n_keys), axis=0)
+    hi = tl.max(tl.where(nonempty, ke, 0), axis=0)
+    return lo, hi
+
+
+@triton.jit
+def _dim_mask(row_ok, d, D: tl.constexpr, DP: tl.constexpr):
+    """``[rows, DP]`` load mask. Without padding it is constant along the dims, which keeps
+    the loads vectorized (16-byte cp.async) and so pipelinable."""
+    if DP == D:
+        return tl.broadcast_to(row_ok[:, None], (row_ok.shape[0], DP))
+    return row_ok[:, None] & (d[None, :] < D)
+
+
+@triton.jit
+def _load_queries(q_ptr, w_ptr, rows, row_ok, H: tl.constexpr, D: tl.constexpr,
+                  HP: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The block's queries ``[BLOCK_M·HP, DP]`` fp8 and gates ``[BLOCK_M·HP]`` fp32, zero-padded.
+
+    Padded heads and dims load zeros: relu(0) · 0 adds nothing to any logit.
+    """
+    i = tl.arange(0, BLOCK_M * HP)
+    h = i % HP
+    row = tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_M, HP)), (BLOCK_M * HP,))
+    ok = tl.reshape(tl.broadcast_to(row_ok[:, None], (BLOCK_M, HP)), (BLOCK_M * HP,)) & (h < H)
+    d = tl.arange(0, DP)
+    q_row = row.to(tl.int64) * H + h
+    q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=_dim_mask(ok, d, D, DP), other=0.0)
+    w = tl.load(w_ptr + q_row, mask=ok, other=0.0)
+    return q, w
+
+
+@triton.jit
+def _tile_logits(k, k_scale, q, w, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 HP: tl.constexpr):
+    """``[BLOCK_N, BLOCK_M]``: ``k_scale · Σ_h w · relu(k · q_h)`` for one key tile."""
+    s = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M·HP] fp32
+    s = tl.maximum(s, 0.0) * w[None, :]
+    return tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2) * k_scale[:, None]
+
+
+@triton.jit
+def _fill(out_ptr, out_stride, rows, row_ok, t0, t1, n_out, BLOCK_N: tl.constexpr,
+          BLOCK_M: tl.constexpr):
+    """``-inf`` into output columns of key tiles ``[t0, t1)`` of the block's rows."""
+    fill = tl.full((BLOCK_N, BLOCK_M), float("-inf"), tl.float32)
+    for t in range(t0, t1):
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + rows[None, :].to(tl.int64) * out_stride + cols[:, None]
+        tl.store(ptrs, fill, mask=row_ok[None, :] & (cols[:, None] < n_out))
+
+
+@triton.jit
+def _split_range(n_tiles, lo, hi, BLOCK_N: tl.constexpr):
+    """This program's key tiles: its split ``[s0, s1)`` and the computed part ``[c0, c1)``."""
+    per_split = tl.cdiv(n_tiles, tl.num_programs(1))
+    s0 = tl.program_id(1) * per_split
+    s1 = tl.minimum(s0 + per_split, n_tiles)
+    c0 = tl.minimum(tl.maximum(lo // BLOCK_N, s0), s1)
+    c1 = tl.maximum(tl.minimum(tl.cdiv(hi, BLOCK_N), s1), c0)
+    return s0, s1, c0, c1
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    S, n_keys, n_out, out_stride, size_class,
+    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
+    # Heaviest row blocks first: causal windows grow with the row.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < S
+    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = tl.load(ke_ptr + rows, mask=row_ok, other=0)
+    lo, hi = _row_block_window(ks, ke, n_keys)
+    s0, s1, c0, c1 = _split_range(tl.cdiv(n_keys, BLOCK_N), lo, hi, BLOCK_N)
+    q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
+    d = tl.arange(0, DP)
+    row_off = rows.to(tl.int64) * out_stride
+    for t in tl.range(c0, c1):
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_keys
+        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * D + d[None, :],
+                    mask=_dim_mask(col_ok, d, D, DP), other=0.0)
+        k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
+        logits = _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+        inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        if COMPRESSED:
+            # Row i's column j holds key ks[i] + j; only its window is written.
+            ptrs = out_ptr + row_off[None, :] + (cols[:, None] - ks[None, :])
+            tl.store(ptrs, logits, mask=inside & row_ok[None, :])
+        else:
+            if CLEAN:
+                logits = tl.where(inside, logits, float("-inf"))
+            ptrs = out_ptr + row_off[None, :] + cols[:, None]
+            tl.store(ptrs, logits, mask=row_ok[None, :] & col_ok[:, None])
+    if CLEAN:
+        _fill(out_ptr, out_stride, rows, row_ok, s0, c0, n_out, BLOCK_N, BLOCK_M)
+        _fill(out_ptr, out_stride, rows, row_ok, c1, s1, n_out, BLOCK_N, BLOCK_M)
+
+
+@triton.jit
+def _paged_mqa_logits_kernel(
+    q_ptr, kv_ptr, kv_scale_ptr, w_ptr, ends_ptr, block_table_ptr, out_ptr,
+    next_n, n_out, out_stride, block_stride, block_table_stride, size_class,
+    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    PAGE: tl.constexpr, CLEAN: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    blocks_per_request = tl.cdiv(next_n, BLOCK_M)
+    b = pid // blocks_per_request
+    j = (pid % blocks_per_request) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = j < next_n
+    rows = b * next_n + j
+    ends = tl.load(ends_ptr + rows, mask=row_ok, other=0)
+    starts = tl.zeros_like(ends)
+    lo, hi = _row_block_window(starts, ends, n_out)
+    s0, s1, c0, c1 = _split_range(tl.cdiv(n_out, BLOCK_N), lo, hi, BLOCK_N)
+    q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
+    d = tl.arange(0, DP)
+    row_off = rows.to(tl.int64) * out_stride
+    for t in tl.range(c0, c1):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        pos_ok = pos < hi
+        page = tl.load(block_table_ptr + b * block_table_stride + pos // PAGE, mask=pos_ok,
+                       other=0).to(tl.int64)
+        # Page layout: PAGE × D fp8 bytes, then PAGE float32 scales.
+        base = page * block_stride + (pos % PAGE) * D
+        k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=_dim_mask(pos_ok, d, D, DP),
+                    other=0.0)
+        k_scale = tl.load(kv_scale_ptr + (page * block_stride + PAGE * D) // 4 + pos % PAGE,
+                          mask=pos_ok, other=0.0)
+        logits = _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+        if CLEAN:
+            logits = tl.where(pos[:, None] < ends[None, :], logits, float("-inf"))
+        ptrs = out_ptr + row_off[None, :] + pos[:, None]
+        tl.store(ptrs, logits, mask=row_ok[None, :] & (pos[:, None] < n_out))
+    if CLEAN:
+        _fill(out_ptr, out_stride, rows, row_ok, s0, c0, n_out, BLOCK_N, BLOCK_M)
+        _fill(out_ptr, out_stride, rows, row_ok, c1, s1, n_out, BLOCK_N, BLOCK_M)
+
+
+_KEY = ["HP", "DP", "size_class"]
+_mqa_logits = triton.autotune(configs=_configs(), key=_KEY)(_mqa_logits_kernel)
+_paged_mqa_logits = triton.autotune(configs=_configs(), key=_KEY)(_paged_mqa_logits_kernel)
+
+
+# ----------------------------------------------------------------------------- host side
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _size_class(rows: int, cols: int) -> int:
+    """Autotune bucket: problems within a factor of 16 in ``rows × cols`` share a config."""
+    return (rows * cols).bit_length() // 4
+
+
+def _check_device(t: Tensor) -> None:
+    _need(
+        _INTERPRET or t.is_cuda,
+        f"the Triton kernels need CUDA tensors, got {t.device}; on the CPU set "
+        "TRITON_INTERPRET=1 before triton is imported (or use glm_dsa.oracle)",
+    )
+
+
+def _check_kernel_shapes(H: int, D: int, weights: Tensor) -> None:
+    _need(D % 16 == 0 and D >= 16, f"head dim D={D} must be a positive multiple of 16")
+    _need(1 <= H <= MAX_HEADS, f"H={H} heads: the kernel supports 1 … {MAX_HEADS}")
+    _need(weights.dtype == torch.float32, f"weights must be float32, got {weights.dtype}")
+
+
+def _grid(row_blocks, n_tiles, device: torch.device):
+    """(row blocks, column splits) with about ``PROGRAMS_PER_SM`` programs per SM."""
+    if _INTERPRET:
+        target = INTERPRET_PROGRAMS
+    else:
+        target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+    def grid(meta):
+        m = row_blocks(max(meta["BLOCK_Q"] // meta["HP"], 1))
+        n = n_tiles(meta["BLOCK_N"])
+        return (m, max(1, min(n, triton.cdiv(target, max(m, 1)))))
+
+    return grid
+
+
+def _mqa_logits_core(
+    q_fp8: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    clean_logits: bool,
+    max_seqlen_k: int,
+) -> Tensor:
+    """Unchecked launch: ``[S, S_kv]`` logits (``[S, max_seqlen_k]`` when ``max_seqlen_k > 0``).
+
+    The caller has validated every argument; ``ks``/``ke`` int32, ``weights`` float32.
+    """
+    S, H, D = q_fp8.shape
+    n_keys = k_fp8.shape[0]
+    compressed = max_seqlen_k > 0
+    n_out = max_seqlen_k if compressed else n_keys
+    if compressed:
+        # Only the windows are written; the rest of the compressed rows is -inf.
+        out = torch.full((S, n_out), float("-inf"), dtype=torch.float32, device=q_fp8.device)
+    else:
+        # clean_logits: the kernel writes every entry; else outside the windows is unspecified.
+        out = torch.empty((S, n_out), dtype=torch.float32, device=q_fp8.device)
+    if S == 0 or n_out == 0:
+        return out
+    grid = _grid(lambda bm: triton.cdiv(S, bm), lambda bn: triton.cdiv(n_keys, bn), q_fp8.device)
+    _mqa_logits[grid](
+        q_fp8.contiguous(), k_fp8.contiguous(), k_scale.contiguous(), weights.contiguous(),
+        ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous(), out,
+        S, n_keys, n_out, out.stride(0), _size_class(S, n_keys),
+        H=H, D=D, HP=_pow2(H), DP=_pow2(max(D, 32)),
+        CLEAN=bool(clean_logits) and not compressed, COMPRESSED=compressed,
+    )
+    return out
+
+
+def fp8_mqa_logits(
+    q: Tensor,
+    kv: tuple[Tensor, Tensor],
+    weights: Tensor,
+    cu_seqlen_ks: Tensor,
+    cu_seqlen_ke: Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+) -> Tensor:
+    """``deep_gemm.fp8_mqa_logits`` in Triton; the contract of ``glm_dsa.oracle.fp8_mqa_logits``.
+
+    Args:
+        q: ``[S, H, D]`` float8_e4m3fn, ``D`` a multiple of 16, ``H ≤ 256``.
+        kv: ``(k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)``.
+        weights: ``[S, H]`` float32 (q scale folded in).
+        cu_seqlen_ks, cu_seqlen_ke: int32 ``[S]``, row i's keys ``[ks[i], ke[i])``.
+        clean_logits: ``-inf`` outside ``[ks, ke)``; when False those entries are unspecified
+            (uninitialized memory, as upstream).
+        max_seqlen_k: 0 for ``[S, S_kv]``; ``> 0``: compressed ``[S, max_seqlen_k]`` with
+            ``out[i, j] ↔ key ks[i] + j``, requires ``clean_logits=False`` and every
+            ``ke − ks ≤ max_seqlen_k``; entries ``j ≥ ke[i] − ks[i]`` are ``-inf``.
+
+    Returns:
+        float32 ``[S, S_kv]`` (or ``[S, max_seqlen_k]``).
+    """
+    _check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
+    k_fp8, k_scale = kv
+    S, H, D, S_kv = _check_logits_inputs(q, k_fp8, k_scale, weights)
+    _check_kernel_shapes(H, D, weights)
+    _check_device(q)
+    _check_index_vector("cu_seqlen_ks", cu_seqlen_ks, S, q.device)
+    _check_index_vector("cu_seqlen_ke", cu_seqlen_ke, S, q.device)
+    _check_ranges(cu_seqlen_ks.tolist(), cu_seqlen_ke.tolist(), S_kv, "S_kv")
+    if max_seqlen_k > 0:
+        _check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    return _mqa_logits_core(
+        q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k
+    )
+
+
+def _paged_row_ends(context_lens: Tensor, next_n: int) -> Tensor:
+    """int64 ``[B, next_n]``: positions row ``(b, j)`` sees are ``[0, end)`` (oracle's rule)."""
+    if context_lens.dim() == 2:
+        return context_lens.long()
+    j = torch.arange(next_n, device=context_lens.device)
+    return (context_lens.long()[:, None] - next_n + j + 1).clamp_min(0)
+
+
+def fp8_paged_mqa_logits(
+    q: Tensor,
+    kv_cache: Tensor,
+    weights: Tensor,
+    context_lens: Tensor,
+    block_table: Tensor,
+    max_context_len: int,
+    clean_logits: bool = True,
+) -> Tensor:
+    """``deep_gemm.fp8_paged_mqa_logits`` in Triton; contract of ``glm_dsa.oracle``'s function.
+
+    Args:
+        q: ``[B, next_n, H, D]`` float8_e4m3fn.
+        kv_cache: uint8 ``[num_blocks, block_size, 1, D + 4]``, per block the
+            ``block_size × D`` e4m3 bytes then ``block_size`` float32 scales (8448 bytes for
+            64 × 128); blocks contiguous inside, any block stride that is a multiple of 4.
+        weights: ``[B * next_n, H]`` float32.
+        context_lens: int32 ``[B]`` (row ``(b, j)`` sees ``0 … ctx_b − next_n + j``) or
+            ``[B, next_n]`` (row ``(b, j)`` sees positions ``< context_lens[b, j]``).
+        block_table: int32 ``[B, max_blocks]``.
+        max_context_len: output width in tokens.
+        clean_logits: ``-inf`` outside each row's positions, else unspecified there.
+
+    Returns:
+        float32 ``[B * next_n, max_context_len]``.
+    """
+    _need(
+        isinstance(q, Tensor) and q.dtype == torch.float8_e4m3fn and q.dim() == 4,
+        f"q must be float8_e4m3fn [B, next_n, H, D], got {getattr(q, 'dtype', None)} "
+        f"{tuple(getattr(q, 'shape', ()))}",
+    )
+    B, next_n, H, D = q.shape
+    _need(
+        isinstance(kv_cache, Tensor)
+        and kv_cache.dtype == torch.uint8
+        and kv_cache.dim() == 4
+        and kv_cache.shape[2] == 1
+        and kv_cache.shape[3] == D + 4,
+        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {D + 4}], got "
+        f"{getattr(kv_cache, 'dtype', None)} {tuple(getattr(kv_cache, 'shape', ()))}",
+    )
+    num_blocks, page = kv_cache.shape[:2]
+    _need(
+        kv_cache[0].is_contiguous() and kv_cache.stride(0) % 4 == 0,
+        "kv_cache blocks must be contiguous inside, with a block stride that is a multiple of "
+        f"4 bytes; got strides {kv_cache.stride()}",
+    )
+    _need(
+        isinstance(weights, Tensor) and tuple(weights.shape) == (B * next_n, H),
+        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got "
+        f"{tuple(getattr(weights, 'shape', ()))}",
+    )
+    _check_kernel_shapes(H, D, weights)
+    _need(
+        isinstance(context_lens, Tensor)
+        and context_lens.dtype in (torch.int32, torch.int64)
+        and tuple(context_lens.shape) in ((B,), (B, next_n)),
+        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}]",
+    )
+    _need(
+        isinstance(block_table, Tensor)
+        and block_table.dtype in (torch.int32, torch.int64)
+        and block_table.dim() == 2
+        and block_table.shape[0] == B,
+        f"block_table must be int32 [B={B}, max_blocks], got {tuple(block_table.shape)}",
+    )
+    _need(
+        isinstance(max_context_len, int) and max_context_len >= 0,
+        f"max_context_len={max_context_len!r} must be a non-negative int",
+    )
+    _check_device(q)
+    for name, t in (("kv_cache", kv_cache), ("weights", weights),
+                    ("context_lens", context_lens), ("block_table", block_table)):
+        _need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
+    ends = _paged_row_ends(context_lens, next_n)  # [B, next_n]
+    if ends.numel():
+        _need(
+            int(ends.min()) >= 0 and int(ends.max()) <= max_context_len,
+            f"a row sees positions outside [0, max_context_len={max_context_len}]",
+        )
+        need_blocks = int(ends.max(dim=1).values.add(page - 1).floor_divide(page).max())
+        _need(
+            need_blocks <= block_table.shape[1],
+            f"a request needs {need_blocks} pages; block_table has {block_table.shape[1]} columns",
+        )
+        used = block_table.long()[:, :need_blocks]
+        _need(
+            bool(((used >= 0) & (used < num_blocks)).all()),
+            f"block_table holds a page outside [0, {num_blocks}) within a request's context",
+        )
+
+    R = B * next_n
+    table = block_table.to(torch.int32).contiguous()
+    out = torch.empty((R, max_context_len), dtype=torch.float32, device=q.device)
+    if R == 0 or max_context_len == 0:
+        return out
+    grid = _grid(
+        lambda bm: B * triton.cdiv(next_n, bm),
+        lambda bn: triton.cdiv(max_context_len, bn),
+        q.device,
+    )
+    _paged_mqa_logits[grid](
+        q.contiguous(), kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32),
+        weights.contiguous(), ends.reshape(R).to(torch.int32), table, out,
+        next_n, max_context_len, out.stride(0), kv_cache.stride(0), table.stride(0),
+        _size_class(R, max_context_len),
+        H=H, D=D, HP=_pow2(H), DP=_pow2(max(D, 32)), PAGE=page, CLEAN=bool(clean_logits),
+    )
+    return out

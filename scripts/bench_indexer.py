@@ -1,0 +1,273 @@
+"""Benchmark the Triton indexer kernels on one GPU (issue 18's rows), in one run of a few minutes.
+
+Parts (each independent: one that fails records its error and the others still run):
+  ceiling   fp8 ``torch._scaled_mm`` TFLOP/s at 8192³ (the tensor-core ceiling of this GPU).
+  logits    ``fp8_mqa_logits`` at S × 131,072 keys for S = 4,096 and 32,768, H = 32, D = 128,
+            the queries the last S tokens of a 131,072-token request (causal with prefix);
+            TFLOP/s over unmasked pairs (2·H·D per pair), DeepGEMM on the same inputs when
+            ``import deep_gemm`` works, the ratio, calc_diff against the oracle on a row subset.
+  paged     ``fp8_paged_mqa_logits`` at the same shapes through a shuffled block table.
+  indexer   ``indexer_topk`` for a 32,768-token chunk at prefix 983,040 (1,048,576 keys) under
+            the SGLang logits budget: total time, one chunk's logits vs ``torch.topk`` time,
+            peak memory above the inputs, and recall against the oracle's top-k on a few rows.
+
+The first call of each kernel autotunes (``glm_dsa.kernels.mqa_logits.CONFIGS``); its time is
+reported as ``first_call_s`` and the winning config is printed.
+
+Usage: python scripts/bench_indexer.py --out bench_indexer.json [--deep-gemm PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+H, D, CONTEXT, TOPK = 32, 128, 131_072, 2048
+INDEXER_CHUNK, INDEXER_PREFIX = 32_768, 983_040
+CHECK_ROWS = 256  # rows checked against the float64 oracle (slow at 131,072 keys)
+RECALL_ROWS = 8
+
+
+def _inputs(S: int, N: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(S, H, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    k = torch.randn(N, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(N, device="cuda", generator=g) + 0.25
+    weights = torch.randn(S, H, device="cuda", generator=g) * H**-0.5
+    ks = torch.zeros(S, dtype=torch.int32, device="cuda")
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device="cuda")
+    return q, k, k_scale, weights, ks, ke
+
+
+def _time_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=50, rep=300))
+
+
+def _first_call_s(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _check_rows(out, q, k, k_scale, weights, ks, ke):
+    """calc_diff and mask equality of ``out`` against the oracle on CHECK_ROWS rows."""
+    from glm_dsa import oracle
+
+    S = q.shape[0]
+    rows = torch.unique(torch.cat([torch.randperm(S, device="cuda")[: CHECK_ROWS - 2],
+                                   torch.tensor([0, S - 1], device="cuda")]))  # fmt: skip
+    ref = oracle.fp8_mqa_logits(q[rows], (k, k_scale), weights[rows], ks[rows], ke[rows])
+    got = out[rows]
+    mask = torch.isneginf(ref)
+    masks_equal = bool(torch.equal(torch.isneginf(got), mask))
+    diff = oracle.calc_diff(got.masked_fill(mask | torch.isinf(got), 0), ref.masked_fill(mask, 0))
+    return {"calc_diff": diff, "masks_equal": masks_equal, "rows_checked": int(rows.numel())}
+
+
+def _best_config(kernel) -> str:
+    best = getattr(kernel, "best_config", None)
+    return str(best) if best is not None else "n/a"
+
+
+def part_ceiling() -> dict:
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    ms = _time_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    return {"scaled_mm_tflops": 2 * n**3 / ms / 1e9, "ms": ms}
+
+
+def part_logits(S: int, deep_gemm) -> dict:
+    from glm_dsa.kernels import fp8_mqa_logits, mqa_logits
+
+    q, k, k_scale, w, ks, ke = _inputs(S, CONTEXT)
+    pairs = int((ke - ks).long().sum())
+    flops = 2 * H * D * pairs
+    run = lambda: fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
+    res = {"S": S, "N": CONTEXT, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
+    res["config"] = _best_config(mqa_logits._mqa_logits)
+    ms = _time_ms(run)
+    res.update(triton_ms=ms, triton_tflops=flops / ms / 1e9)
+    out = run()
+    res.update(_check_rows(out, q, k, k_scale, w, ks, ke))
+    if deep_gemm is not None:
+        try:
+            dg = lambda: deep_gemm.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
+            ref = dg()
+            dms = _time_ms(dg)
+            res.update(deepgemm_ms=dms, deepgemm_tflops=flops / dms / 1e9, ratio=dms / ms)
+            mask = torch.isneginf(ref)
+            from glm_dsa import oracle
+
+            res["deepgemm_masks_equal"] = bool(torch.equal(torch.isneginf(out), mask))
+            rows = slice(S - CHECK_ROWS, S)
+            res["calc_diff_vs_deepgemm"] = oracle.calc_diff(
+                out[rows].masked_fill(mask[rows], 0), ref[rows].masked_fill(mask[rows], 0)
+            )
+        except Exception as e:  # DeepGEMM's own failure must not hide ours
+            res["deepgemm_error"] = f"{type(e).__name__}: {e}"
+    del out
+    return res
+
+
+def part_paged(S: int) -> dict:
+    from glm_dsa.kernels import fp8_paged_mqa_logits, mqa_logits
+
+    page = 64
+    q, k, k_scale, w, ks, ke = _inputs(S, CONTEXT)
+    n_pages = CONTEXT // page
+    # Page bytes: 64 × 128 e4m3 then 64 float32 scales; logical page i lives at perm[i].
+    payload = k.view(torch.uint8).view(n_pages, page * D)
+    scales = k_scale.view(torch.uint8).view(n_pages, page * 4)
+    perm = torch.randperm(n_pages, device="cuda")
+    pool = torch.empty(n_pages, page * (D + 4), dtype=torch.uint8, device="cuda")
+    pool[perm] = torch.cat([payload, scales], dim=1)
+    kv_cache = pool.view(n_pages, page, 1, D + 4)
+    table = perm.to(torch.int32)[None, :]
+    ctx = torch.tensor([CONTEXT], dtype=torch.int32, device="cuda")
+    qp = q.view(1, S, H, D)
+    run = lambda: fp8_paged_mqa_logits(qp, kv_cache, w, ctx, table, CONTEXT)  # noqa: E731
+    pairs = int((ke - ks).long().sum())
+    res = {"S": S, "N": CONTEXT, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
+    res["config"] = _best_config(mqa_logits._paged_mqa_logits)
+    ms = _time_ms(run)
+    res.update(triton_ms=ms, triton_tflops=2 * H * D * pairs / ms / 1e9)
+    out = run()
+    res.update(_check_rows(out, q, k, k_scale, w, ks, ke))
+    return res
+
+
+def part_indexer() -> dict:
+    from glm_dsa import indexer, oracle
+    from glm_dsa.kernels import indexer_topk
+    from glm_dsa.kernels.indexer import select_topk
+    from glm_dsa.kernels.mqa_logits import _mqa_logits_core
+
+    S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK
+    q, k, k_scale, w, ks, ke = _inputs(S, N)
+    budget = indexer.logits_budget_bytes("cuda")
+    rows = indexer.max_logit_rows(S, N, budget)
+    res = {"S": S, "N": N, "budget_bytes": budget, "rows_per_chunk": rows}
+    run = lambda: indexer_topk(q, w, k, k_scale, ks, ke, TOPK, budget)  # noqa: E731
+    res["first_call_s"] = _first_call_s(run)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = run()
+    torch.cuda.synchronize()
+    res["total_s"] = time.perf_counter() - t0
+    res["peak_above_inputs_bytes"] = torch.cuda.max_memory_allocated() - base
+    pairs = int((ke - ks).long().sum())
+    res["logits_tflops_in_indexer"] = 2 * H * D * pairs / res["total_s"] / 1e12
+
+    # The last (heaviest) chunk alone: logits vs selection.
+    r0 = S - rows
+    cks, cke = ks[r0:].long(), ke[r0:].long()
+    args = (q[r0:], k, k_scale, w[r0:], cks.to(torch.int32), cke.to(torch.int32), True, 0)
+    logits = _mqa_logits_core(*args)
+    res["chunk_logits_ms"] = _time_ms(lambda: _mqa_logits_core(*args))
+    res["chunk_topk_ms"] = _time_ms(lambda: select_topk(logits, cks, cke, TOPK))
+    res["topk_share_of_logits"] = res["chunk_topk_ms"] / res["chunk_logits_ms"]
+    n_chunks = -(-S // rows)
+    res["logits_plus_topk_over_logits"] = 1 + res["topk_share_of_logits"]
+    res["n_chunks"] = n_chunks
+    del logits
+
+    # Recall against the oracle's canonical top-k on a few rows.
+    pick = torch.linspace(0, S - 1, RECALL_ROWS, device="cuda").long()
+    ref_logits = oracle.fp8_mqa_logits(q[pick], (k, k_scale), w[pick], ks[pick], ke[pick])
+    ref = oracle.topk_per_row(ref_logits, ks[pick], ke[pick], TOPK)
+    recalls = []
+    for i, m in enumerate(pick.tolist()):
+        f, r = set(out[m].tolist()) - {-1}, set(ref[i].tolist()) - {-1}
+        recalls.append(len(f & r) / len(r))
+    res.update(recall_mean=sum(recalls) / len(recalls), recall_worst=min(recalls))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--deep-gemm", default=None, help="directory to put on sys.path for deep_gemm")
+    p.add_argument("--parts", default="ceiling,logits,paged,indexer")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.deep_gemm:
+        sys.path.insert(0, args.deep_gemm)
+    try:
+        import deep_gemm
+    except Exception as e:  # not installed, or built for another torch
+        deep_gemm, dg_error = None, f"{type(e).__name__}: {e}"
+    else:
+        dg_error = None
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    report = {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "deep_gemm": None if deep_gemm is None else getattr(deep_gemm, "__version__", "imported"),
+        "deep_gemm_error": dg_error,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+        "parts": {},
+    }
+    parts = args.parts.split(",")
+    jobs = []
+    if "ceiling" in parts:
+        jobs.append(("ceiling", part_ceiling))
+    if "logits" in parts:
+        jobs += [(f"logits_{S}", lambda S=S: part_logits(S, deep_gemm)) for S in (4096, 32768)]
+    if "paged" in parts:
+        jobs += [(f"paged_{S}", lambda S=S: part_paged(S)) for S in (4096, 32768)]
+    if "indexer" in parts:
+        jobs.append(("indexer", part_indexer))
+    for name, job in jobs:
+        t0 = time.perf_counter()
+        try:
+            report["parts"][name] = job()
+        except Exception as e:
+            report["parts"][name] = {"error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc()}  # fmt: skip
+        report["parts"][name]["wall_s"] = time.perf_counter() - t0
+        torch.cuda.empty_cache()
+        print(f"{name:12s} {json.dumps(report['parts'][name], default=str)[:600]}", flush=True)
+
+    print("\n| part | ms | TFLOP/s | DeepGEMM TFLOP/s | ratio | calc_diff | masks |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in report["parts"].items():
+        if "triton_ms" in r:
+            print(f"| {name} | {r['triton_ms']:.2f} | {r['triton_tflops']:.0f} | "
+                  f"{r.get('deepgemm_tflops', float('nan')):.0f} | {r.get('ratio', float('nan')):.3f} | "
+                  f"{r['calc_diff']:.2e} | {r['masks_equal']} |")  # fmt: skip
+    if "indexer" in report["parts"] and "total_s" in report["parts"]["indexer"]:
+        r = report["parts"]["indexer"]
+        print(f"\nindexer 32K @ 983,040: {r['total_s']:.3f} s total, chunk logits "
+              f"{r['chunk_logits_ms']:.1f} ms, topk {r['chunk_topk_ms']:.1f} ms "
+              f"(share {r['topk_share_of_logits']:.2f}), peak +{r['peak_above_inputs_bytes'] / 2**30:.2f} GiB, "
+              f"recall mean {r['recall_mean']:.4f} worst {r['recall_worst']:.4f}")  # fmt: skip
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

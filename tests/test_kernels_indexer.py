@@ -1,0 +1,248 @@
+"""The Triton indexer kernels against the oracle (DeepGEMM's metric: exact -inf masks, calc_diff).
+
+On the CPU these run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), at
+small shapes; the ``cuda`` tests run the compiled kernels at GLM-5.3 shapes.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from glm_dsa import indexer, oracle  # noqa: E402
+from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
+from glm_dsa.kernels import indexer as fast_indexer  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# DeepGEMM's tolerance against a reference on the dequantized inputs (CONVENTIONS §14).
+CALC_DIFF_TOL = 5e-6
+NEG_INF = float("-inf")
+
+
+def _inputs(S, H, D, N, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, H, D, generator=g).to(torch.float8_e4m3fn)
+    k = torch.randn(N, D, generator=g).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(N, generator=g) + 0.25
+    weights = torch.randn(S, H, generator=g) * H**-0.5
+    return q.to(DEV), k.to(DEV), k_scale.to(DEV), weights.to(DEV)
+
+
+def _windows(kind, S, N, seed):
+    """int32 ks, ke [S]: ``causal`` = two requests of a ragged batch, each with a prefix."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "causal":
+        # Request a: keys [0, N // 2), its last S // 2 tokens are queries; request b likewise.
+        na, sa = N // 2, S // 2
+        nb, sb = N - na, S - sa
+        ks = [0] * sa + [na] * sb
+        ke = [na - sa + i + 1 for i in range(sa)] + [na + nb - sb + i + 1 for i in range(sb)]
+    else:
+        ks = torch.randint(0, N, (S,), generator=g)
+        ke = torch.minimum(ks + torch.randint(0, N, (S,), generator=g), torch.tensor(N))
+        ks, ke = ks.tolist(), ke.tolist()
+    ks, ke = list(ks), list(ke)
+    for m in range(0, S, 5):  # empty rows, at the start, inside and at the end of a window
+        ks[m] = ke[m] = min(ke[m], N) if m % 2 else ks[m]
+    return (torch.tensor(ks, dtype=torch.int32, device=DEV),
+            torch.tensor(ke, dtype=torch.int32, device=DEV))  # fmt: skip
+
+
+def _assert_logits_close(out, ref):
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    mask = torch.isneginf(ref)
+    assert torch.equal(torch.isneginf(out), mask), "the -inf masks differ"
+    assert torch.isfinite(out[~mask]).all()
+    diff = oracle.calc_diff(out.masked_fill(mask, 0.0), ref.masked_fill(mask, 0.0))
+    assert diff <= CALC_DIFF_TOL, diff
+
+
+# ------------------------------------------------------------------------- ragged logits
+@pytest.mark.parametrize(
+    "S, H, D, N, kind",
+    [
+        (37, 4, 128, 300, "causal"),
+        (23, 32, 128, 170, "random"),
+        (9, 24, 80, 97, "random"),  # heads and dims that are not powers of two
+        (1, 64, 128, 40, "causal"),
+    ],
+)
+def test_fp8_mqa_logits_matches_oracle(S, H, D, N, kind):
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=S + H)
+    ks, ke = _windows(kind, S, N, seed=N)
+    ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    _assert_logits_close(fp8_mqa_logits(q, (k, k_scale), w, ks, ke), ref)
+
+
+def test_fp8_mqa_logits_all_rows_empty_is_all_masked():
+    q, k, k_scale, w = _inputs(6, 4, 128, 50, seed=1)
+    ks = torch.full((6,), 20, dtype=torch.int32, device=DEV)
+    out = fp8_mqa_logits(q, (k, k_scale), w, ks, ks.clone())
+    assert torch.isneginf(out).all()
+
+
+def test_unclean_logits_agree_inside_the_windows():
+    S, N = 21, 130
+    q, k, k_scale, w = _inputs(S, 4, 128, N, seed=3)
+    ks, ke = _windows("random", S, N, seed=4)
+    ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    out = fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=False)
+    inside = ~torch.isneginf(ref)
+    assert oracle.calc_diff(out[inside], ref[inside]) <= CALC_DIFF_TOL
+
+
+def test_compressed_logits_match_oracle():
+    S, N = 19, 150
+    q, k, k_scale, w = _inputs(S, 4, 128, N, seed=5)
+    ks, ke = _windows("random", S, N, seed=6)
+    longest = int((ke - ks).max())
+    ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, False, longest + 3)
+    _assert_logits_close(fp8_mqa_logits(q, (k, k_scale), w, ks, ke, False, longest + 3), ref)
+
+
+def test_invalid_arguments_raise_before_launch():
+    q, k, k_scale, w = _inputs(4, 4, 128, 10, seed=7)
+    ks = torch.zeros(4, dtype=torch.int32, device=DEV)
+    ke = torch.full((4,), 10, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="float32"):
+        fp8_mqa_logits(q, (k, k_scale), w.double(), ks, ke)
+    with pytest.raises(ValueError, match="clean_logits=False"):
+        fp8_mqa_logits(q, (k, k_scale), w, ks, ke, True, 10)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        fp8_mqa_logits(q, (k, k_scale), w, ks, ke, False, 9)
+    with pytest.raises(ValueError, match="ks ≤ ke"):
+        fp8_mqa_logits(q, (k, k_scale), w, ke, ks)
+    q12, k12 = q[..., :120].contiguous(), k[:, :120].contiguous()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_mqa_logits(q12, (k12, k_scale), w, ks, ke)
+
+
+# ------------------------------------------------------------------------- paged logits
+def _paged_inputs(context_lens, next_n, H, D, seed, page=64):
+    """Index-K pages of ``len(context_lens)`` requests in a shuffled pool, plus queries."""
+    B = len(context_lens)
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-c // page) for c in context_lens) + 1
+    num_blocks = B * max_blocks + 3
+    keys = torch.randn(num_blocks, page, 1, D, generator=g)
+    kv_cache = oracle.kv_cache_cast_to_fp8(keys)
+    block_table = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks)
+    q = torch.randn(B, next_n, H, D, generator=g).to(torch.float8_e4m3fn)
+    weights = torch.randn(B * next_n, H, generator=g) * H**-0.5
+    return (q.to(DEV), kv_cache.to(DEV), weights.to(DEV),
+            block_table.to(torch.int32).to(DEV))  # fmt: skip
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_fp8_paged_mqa_logits_matches_oracle_across_page_boundaries(two_d):
+    lens, next_n, H, D = [63, 64, 65], 2, 4, 128
+    q, kv_cache, w, table = _paged_inputs(lens, next_n, H, D, seed=11)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    if two_d:
+        ctx = torch.stack([ctx - 7, ctx], dim=1).to(torch.int32)  # [B, next_n]
+    width = 70
+    ref = oracle.fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, width)
+    _assert_logits_close(fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, width), ref)
+
+
+def test_fp8_paged_mqa_logits_with_a_strided_pool_and_32_heads():
+    lens, next_n = [130, 1], 3
+    q, kv_cache, w, table = _paged_inputs(lens, next_n, 32, 128, seed=12)
+    # Blocks that sit 8448 + 64 bytes apart: any block stride that is a multiple of 4 works.
+    pool = torch.zeros(kv_cache.shape[0], 8448 + 64, dtype=torch.uint8, device=DEV)
+    pool[:, :8448] = kv_cache.view(kv_cache.shape[0], -1)
+    strided = pool[:, :8448].view(-1, 64, 1, 132)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ref = oracle.fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, 192)
+    _assert_logits_close(fp8_paged_mqa_logits(q, strided, w, ctx, table, 192), ref)
+
+
+# ------------------------------------------------------------------------- top-k
+def _assert_same_topk_sets(fast, ref, logits, ks, ke, topk, tol):
+    """Equal sets per row, except swaps of entries within ``tol`` of the row's k-th logit."""
+    recalls = []
+    for m in range(fast.shape[0]):
+        f = set(fast[m][fast[m] >= 0].tolist())
+        r = set(ref[m][ref[m] >= 0].tolist())
+        assert len(f) == len(r) == min(topk, int(ke[m] - ks[m])), m
+        assert all(0 <= i < int(ke[m] - ks[m]) for i in f), m
+        if f != r:
+            row = logits[m, int(ks[m]) : int(ke[m])]
+            kth = row[sorted(r)].min()
+            swapped = torch.tensor(sorted(f ^ r), device=row.device)
+            assert ((row[swapped] - kth).abs() <= tol * kth.abs().clamp_min(1e-30)).all(), m
+        recalls.append(len(f & r) / len(r) if r else 1.0)
+    return recalls
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 7])
+def test_indexer_topk_selects_the_reference_sets(monkeypatch, rows_per_chunk):
+    S, H, D, N, topk = 29, 4, 128, 260, 24
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=21)
+    ks, ke = _windows("causal", S, N, seed=22)
+    ke[1] = ks[1] + 3  # a row with fewer keys than topk
+    if rows_per_chunk is not None:
+        # Real budgets chunk only above 8e6 logits; force the chunk loop at a small shape.
+        monkeypatch.setattr(indexer, "max_logit_rows", lambda *a: rows_per_chunk)
+    ref = indexer.indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    fast = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    assert fast.shape == (S, topk) and fast.dtype == torch.int32
+    lens = (ke - ks).long()
+    short = lens <= topk
+    ar = torch.arange(topk, device=DEV)
+    assert torch.equal(fast[short], torch.where(ar < lens[short, None], ar, -1).to(torch.int32))
+    logits = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    recalls = _assert_same_topk_sets(fast, ref, logits, ks, ke, topk, tol=1e-5)
+    assert min(recalls) >= 0.9 and sum(recalls) / len(recalls) >= 0.99
+
+
+def test_select_topk_fills_short_rows_and_offsets_long_ones():
+    logits = torch.full((3, 8), NEG_INF, device=DEV)
+    logits[0, 2:7] = torch.tensor([5.0, 1.0, 4.0, 3.0, 2.0], device=DEV)
+    starts = torch.tensor([2, 0, 4], device=DEV)
+    ends = torch.tensor([7, 2, 4], device=DEV)
+    out = fast_indexer.select_topk(logits, starts, ends, 3)
+    assert sorted(out[0].tolist()) == [0, 2, 3]  # scores 5, 4, 3 at columns 2, 4, 5
+    assert out[1].tolist() == [0, 1, -1] and out[2].tolist() == [-1, -1, -1]
+
+
+# ------------------------------------------------------------------------- GLM-5.3 shapes
+def _causal_chunk(S, context):
+    """ks, ke of S queries that are the last S tokens of a ``context``-token request."""
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.arange(context - S + 1, context + 1, dtype=torch.int32, device=DEV)
+    return ks, ke
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("S, N", [(2048, 32768), (4096, 16384)])
+def test_fp8_mqa_logits_at_glm_shapes(S, N):
+    q, k, k_scale, w = _inputs(S, 32, 128, N, seed=31)
+    ks, ke = _causal_chunk(S, N)
+    ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    _assert_logits_close(fp8_mqa_logits(q, (k, k_scale), w, ks, ke), ref)
+
+
+@pytest.mark.cuda
+def test_fp8_paged_mqa_logits_at_glm_shapes():
+    lens, next_n = [20000, 9001], 512
+    q, kv_cache, w, table = _paged_inputs(lens, next_n, 32, 128, seed=32)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    ref = oracle.fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, 20000)
+    _assert_logits_close(fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, 20000), ref)
+
+
+@pytest.mark.cuda
+def test_indexer_topk_at_glm_shapes_recall():
+    S, N, topk = 2048, 32768, 2048
+    q, k, k_scale, w = _inputs(S, 32, 128, N, seed=33)
+    ks, ke = _causal_chunk(S, N)
+    budget = 4 * 512 * N  # 512 rows of logits at a time
+    ref = indexer.indexer_topk(q, w, k, k_scale, ks, ke, topk, budget)
+    fast = indexer_topk(q, w, k, k_scale, ks, ke, topk, budget)
+    rows = torch.arange(0, S, 97, device=DEV)
+    logits = oracle.fp8_mqa_logits(q[rows], (k, k_scale), w[rows], ks[rows], ke[rows])
+    # fp8 wgmma accumulates more coarsely than the exact oracle: near-ties may swap.
+    recalls = _assert_same_topk_sets(fast[rows], ref[rows], logits, ks[rows], ke[rows], topk,
+                                     tol=1e-3)  # fmt: skip
+    assert sum(recalls) / len(recalls) >= 0.99 and min(recalls) >= 0.95
