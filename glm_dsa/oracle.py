@@ -58,6 +58,11 @@ MLA_ROPE_DIM = 64
 MLA_DIM = MLA_NOPE_DIM + MLA_ROPE_DIM
 MLA_ROW_BYTES = mla_kv_row_bytes(MLA_NOPE_DIM, MLA_ROPE_DIM, "fp8")  # 656
 
+# Temporaries of one row chunk of the sparse attention oracles, in bytes: a GLM-5.3 call (64
+# heads, top-2048, bf16 kv) then runs 99 query rows per chunk (11 MB per row), large enough for
+# the GEMMs; one call at 32,768 rows in a single chunk peaked at 145 GB.
+SPARSE_BUDGET_BYTES = 1 << 30
+
 # FlashMLA kernelkit: rel_err = |ans - ref| / (|ref| + 1e-6).
 _REL_ERR_FLOOR = 1e-6
 # FlashMLA kernelkit: cos_diff is 0 when the reference is (nearly) all zero.
@@ -403,6 +408,7 @@ def flash_mla_sparse_fwd(
     topk_length: Tensor | None = None,
     lse_base: str = "e",
     lonely_lse: str = "+inf",
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``flash_mla.flash_mla_sparse_fwd`` (sparse prefill), newest FlashMLA (9241ae3) by default.
 
@@ -422,13 +428,18 @@ def flash_mla_sparse_fwd(
         d_v: value width (512).
         attn_sink: optional float32 ``[h_q]``; topk_length: optional int32 ``[s_q]``.
         lse_base: ``"e"`` (newest) or ``"2"`` (Sep 2025); lonely_lse: ``"+inf"`` or ``"-inf"``.
+        budget_bytes: not an upstream argument. Rows are attended in chunks whose temporaries
+            (gathered keys, scores, masks) fit this many bytes, so the peak memory is the
+            inputs, the outputs and at most ``budget_bytes`` more (one row's temporaries if
+            that is larger: ``topk · d_qk`` keys and ``h_q · topk`` scores, 11 MB for GLM-5.3
+            with a bf16 kv, 25 MB in float64). The results do not depend on it, bit for bit.
 
     Returns:
         ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])`` in float32 (float64
         for float64 inputs); upstream returns ``out`` in bf16.
     """
     return mla.sparse_mla_fwd(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse, budget_bytes
     )
 
 
@@ -440,6 +451,7 @@ def flash_mla_sparse_decode(
     d_v: int = 512,
     topk_length: Tensor | None = None,
     attn_sink: Tensor | None = None,
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
 ) -> tuple[Tensor, Tensor]:
     """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``is_fp8_kvcache=True``,
     ``indices`` given), newest FlashMLA (9241ae3); FlashMLA ``tests/ref.py``
@@ -463,6 +475,8 @@ def flash_mla_sparse_decode(
         d_v: value width (512).
         topk_length: optional int32 ``[b]``, leading index columns used per batch entry.
         attn_sink: optional float32 ``[h_q]``.
+        budget_bytes: bound on the attention's temporaries, as in ``flash_mla_sparse_fwd``
+            (the dequantized bf16 cache, input-sized, comes on top).
 
     Returns:
         ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float32 (float64 for float64 q);
@@ -512,6 +526,7 @@ def flash_mla_sparse_decode(
         d_v,
         attn_sink,
         row_lengths,
+        budget_bytes=budget_bytes,
     )
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
 

@@ -535,6 +535,71 @@ def test_flash_mla_sparse_fwd_on_bf16_returns_float32_outputs_of_upstream_shapes
     assert out.dtype == mx.dtype == lse.dtype == torch.float32
 
 
+def peak_cpu_bytes(fn) -> int:
+    """Largest total of live CPU allocations made while ``fn`` runs, from the profiler's
+    allocation events (each ``[memory]`` event is one allocation, > 0, or free, < 0)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _sparse_case(s_q: int, h: int, s_kv: int, topk: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h, 576, generator=g)
+    kv = torch.randn(s_kv, 1, 576, generator=g)
+    indices = torch.randint(-8, s_kv + 8, (s_q, 1, topk), generator=g).to(torch.int32)
+    return q, kv, indices
+
+
+def test_flash_mla_sparse_fwd_is_bitwise_independent_of_its_budget():
+    q, kv, indices = _sparse_case(37, 4, 300, 96, seed=3)
+    whole = oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1)
+    assert whole[0].shape == (37, 4, 512)
+    for budget in (1, 3 * 96 * 576 * 8, 10 << 20, None):
+        chunked = oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=budget)
+        for a, b in zip(chunked, whole):
+            assert torch.equal(a, b), f"budget_bytes={budget}"
+
+
+def test_flash_mla_sparse_fwd_peak_memory_is_its_outputs_plus_the_budget():
+    s_q, h = 64, 16
+    q, kv, indices = _sparse_case(s_q, h, 512, 128)
+    outputs = s_q * h * (512 + 2) * 4  # out, max_logits, lse in float32
+    budget = 2 << 20
+    peak = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=budget))
+    assert peak <= outputs + budget, f"peak {peak / 2**20:.1f} MiB"
+    print(f"\npeak {peak / 2**20:.2f} MiB for outputs {outputs / 2**20:.2f} MiB + budget 2 MiB")
+    # One chunk holds all rows' gathered keys alone: 64 × 128 × 576 float32 = 18 MiB.
+    unbounded = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=None))
+    assert unbounded > outputs + 8 * budget
+
+
+@pytest.mark.cuda
+def test_flash_mla_sparse_fwd_at_glm_shapes_on_cuda_stays_within_the_default_budget():
+    # Issue 22: 32,768 rows × top-2048 × 64 heads in one chunk peaked at 145 GB.
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    s_q, s_kv, topk = 8192, 131_072, 2048
+    q = (torch.randn(s_q, 64, 576, generator=g, device=dev) / 10).bfloat16()
+    kv = (torch.randn(s_kv, 1, 576, generator=g, device=dev) / 10).bfloat16()
+    indices = torch.randint(0, s_kv, (s_q, 1, topk), generator=g, device=dev, dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, mx, lse = oracle.flash_mla_sparse_fwd(q, kv, indices, 1 / 16)
+    torch.cuda.synchronize()
+    outputs = sum(t.numel() * t.element_size() for t in (out, mx, lse))
+    extra = torch.cuda.max_memory_allocated() - base - outputs
+    assert extra <= oracle.SPARSE_BUDGET_BYTES, f"peak extra {extra / 2**20:.0f} MiB"
+
+
 @pytest.mark.parametrize("with_sink, with_length", [(False, False), (True, True)])
 def test_flash_mla_sparse_decode_equals_a_float64_loop_on_the_dequantized_cache(with_sink, with_length):
     g = torch.Generator().manual_seed(5)
