@@ -3,6 +3,13 @@
 Each block of ``block_size`` consecutive elements along the last dim gets one float32 scale
 ``s``; the stored value is ``clamp(x / s, -448, 448)`` cast to ``float8_e4m3fn`` (round to
 nearest even), and ``x ≈ x_fp8 * s``. See CONVENTIONS §2.
+
+Every rounding is spelled out so that the bytes are the same on every device. The raw scale is
+``amax × fl(1/448)``, a product with 1/448 rounded once to the compute dtype (``raw_scale``):
+that is what DeepSeek-V3.2's TileLang ``act_quant`` computes (``amax * fp8_max_inv``) and what
+upstream's ``amax / 448.0`` computes on CUDA, where PyTorch turns division by a CPU scalar into
+multiplication by its reciprocal rounded to the compute dtype (``BinaryDivTrueKernel.cu``) while
+the CPU divides. Divisions here are tensor by tensor on one device: IEEE quotients on both.
 """
 
 from __future__ import annotations
@@ -10,13 +17,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["FP8_E4M3_MAX", "AMAX_FLOOR", "act_quant", "act_dequant", "ceil_pow2", "narrow_cast"]
+__all__ = [
+    "FP8_E4M3_MAX",
+    "AMAX_FLOOR",
+    "raw_scale",
+    "act_quant",
+    "act_dequant",
+    "ceil_pow2",
+    "narrow_cast",
+]
 
 FP8_E4M3_MAX = 448.0
 # An all-zero block would otherwise get scale 0 and a 0/0 payload.
 AMAX_FLOOR = 1e-4
 
 _SCALE_FMTS = (None, "ue8m0")
+
+
+def raw_scale(amax: Tensor) -> Tensor:
+    """``amax × fl(1/448)`` in ``amax.dtype`` (float32 or float64): the same bits on every device.
+
+    ``1/448`` is rounded once to ``amax.dtype`` and held in a tensor on ``amax``'s device, so the
+    product is one IEEE multiplication on CPU and CUDA alike. It differs from the quotient
+    ``amax / 448`` by at most one ulp (in about half of the blocks of random data).
+    """
+    recip = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=amax.dtype, device=amax.device)
+    return amax * recip
 
 
 def ceil_pow2(s: Tensor) -> Tensor:
@@ -58,15 +84,19 @@ def _check_block(d: int, block_size: int) -> None:
 
 
 def act_quant(
-    x: Tensor, block_size: int = 128, scale_fmt: str | None = None
+    x: Tensor, block_size: int = 128, scale_fmt: str | None = None, reciprocal: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Quantize ``x`` to e4m3 with one scale per block of ``block_size`` along the last dim.
 
     x: [..., d] bf16 / fp16 / fp32 / fp64, ``d % block_size == 0``, all finite.
-    Per block: ``amax = max(|x|.max(), 1e-4)``; ``s = amax / 448`` (``scale_fmt=None``) or
-    ``s = 2**ceil(log2(amax / 448))`` (``scale_fmt="ue8m0"``); ``x_fp8 = clamp(x / s, ±448)``.
-    The division uses the float32-rounded ``s`` that is returned, computed in
-    ``promote_types(x.dtype, float32)``.
+    Per block, in the compute dtype ``promote_types(x.dtype, float32)``:
+    ``amax = max(|x|.max(), 1e-4)``; ``s = amax × fl(1/448)`` (``scale_fmt=None``,
+    :func:`raw_scale`) or its power-of-two ceiling (``scale_fmt="ue8m0"``), returned rounded to
+    float32; ``x_fp8 = clamp(x / s, ±448)`` with that float32 ``s``, rounded once to e4m3.
+    ``reciprocal=True`` takes ``x × fl(1/s)`` instead of ``x / s`` (DeepGEMM's Python cast
+    helpers); the two differ only where they straddle an e4m3 rounding boundary (about 1e-7 of
+    the bytes of random bf16 data with raw scales, never with power-of-two ones).
+    The bytes are identical on CPU and CUDA.
     Returns ``(x_fp8 [..., d] float8_e4m3fn, scale [..., d // block_size] float32)``.
     """
     if not x.is_floating_point():
@@ -85,9 +115,10 @@ def act_quant(
     compute = torch.promote_types(x.dtype, torch.float32)
     blocks = x.to(compute).reshape(*x.shape[:-1], d // block_size, block_size)
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    raw = amax / FP8_E4M3_MAX
+    raw = raw_scale(amax)
     scale = (ceil_pow2(raw) if scale_fmt == "ue8m0" else raw).to(torch.float32)
-    scaled = blocks / scale.to(compute).unsqueeze(-1)
+    s = scale.to(compute).unsqueeze(-1)
+    scaled = blocks * torch.reciprocal(s) if reciprocal else blocks / s
     x_fp8 = narrow_cast(scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX), torch.float8_e4m3fn)
     return x_fp8.reshape(x.shape), scale
 

@@ -181,9 +181,8 @@ def _kv_cache_cast_cases(seed: int) -> list[Case]:
         "3 blocks × 64 index keys into DeepGEMM's [num_blocks, 64, 1, 132] cache; one zero key",
         "kv_cache_cast_to_fp8(k)", {}, {"k": k}, {"kv_cache": oracle.kv_cache_cast_to_fp8(k)},
         {"kv_cache": {"metric": "bitwise",
-                      "why": "byte format; payload x / sf rounded to e4m3 (DeepGEMM's test "
-                             "helper multiplies by 1 / sf, which rounds ~5e-4 of the bytes "
-                             "differently)"}},
+                      "why": "byte format; DeepGEMM's helper as run on CUDA: "
+                             "sf = amax * fl32(1/448), payload x * fl32(1/sf) rounded to e4m3"}},
     )]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast
+from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast, raw_scale
 
 __all__ = [
     "index_k_page_bytes",
@@ -176,10 +176,13 @@ def mla_kv_quantize(c: Tensor, k_pe: Tensor, scale_fmt: str | None = "ue8m0") ->
     """Pack latent rows into FlashMLA's FP8 layout.
 
     c: [n, R] floating, ``R % 128 == 0``, finite; k_pe: [n, P] floating (rounded to bf16).
-    Per token and tile of 128: ``"ue8m0"``: ``s = 2**ceil(log2(max(amax / 448, 1e-4)))``
-    (newest FlashMLA ``tests/quant.py``; note the floor applies to ``s``, not to amax as in
-    ``act_quant``); ``None``: ``s = max(amax, 1e-4) / 448``. Payload ``clamp(c / s, ±448)``
-    as e4m3, computed in ``promote_types(c.dtype, float32)`` with the float32 ``s``.
+    Per token and tile of 128, with ``amax / 448`` taken as ``amax × fl(1/448)`` (``raw_scale``,
+    what FlashMLA's ``tests/quant.py`` computes on CUDA): ``"ue8m0"``:
+    ``s = 2**ceil(log2(max(amax / 448, 1e-4)))`` (newest FlashMLA ``tests/quant.py``; note the
+    floor applies to ``s``, not to amax as in ``act_quant``); ``None``:
+    ``s = max(amax, 1e-4) / 448``. Payload ``clamp(c / s, ±448)`` as e4m3, computed in
+    ``promote_types(c.dtype, float32)`` with the float32 ``s``. The bytes are identical on CPU
+    and CUDA.
     Returns uint8 [n, R + 4 * R / 128 + 2 * P].
     """
     _check_latent(c, k_pe)
@@ -193,9 +196,9 @@ def mla_kv_quantize(c: Tensor, k_pe: Tensor, scale_fmt: str | None = "ue8m0") ->
     tiles = c.to(compute).reshape(n, rank // MLA_TILE, MLA_TILE)
     amax = tiles.abs().amax(dim=-1)
     if scale_fmt == "ue8m0":
-        scale = ceil_pow2((amax / FP8_E4M3_MAX).clamp_min(AMAX_FLOOR))
+        scale = ceil_pow2(raw_scale(amax).clamp_min(AMAX_FLOOR))
     else:
-        scale = amax.clamp_min(AMAX_FLOOR) / FP8_E4M3_MAX
+        scale = raw_scale(amax.clamp_min(AMAX_FLOOR))
     scale = scale.to(torch.float32)
     payload = (tiles / scale.to(compute).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     payload = narrow_cast(payload, torch.float8_e4m3fn).reshape(n, rank)

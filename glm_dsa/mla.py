@@ -194,7 +194,8 @@ def sparse_mla_fwd(
         budget_bytes: bound, in bytes, on the temporaries of one row chunk: the gathered keys
             (in kv's dtype and in the compute dtype), the scores and their exponentials, the
             index masks, the chunk's query and output (``_rows_per_chunk``). ``None``: one chunk.
-            Chunks change only the batch count of the GEMMs (bitwise the same on CPU).
+            Chunks change only the batch count of the GEMMs (bitwise the same on CPU). Peak
+            memory: inputs, outputs and ``budget_bytes`` (or one row's temporaries if larger).
 
     Returns:
         ``(out [s_q, h, d_v], max_logits [s_q, h], lse [s_q, h])`` in the compute dtype

@@ -58,6 +58,11 @@ MLA_ROPE_DIM = 64
 MLA_DIM = MLA_NOPE_DIM + MLA_ROPE_DIM
 MLA_ROW_BYTES = mla_kv_row_bytes(MLA_NOPE_DIM, MLA_ROPE_DIM, "fp8")  # 656
 
+# Temporaries of one row chunk of the sparse attention oracles, in bytes: a GLM-5.3 call (64
+# heads, top-2048, bf16 kv) then runs 99 query rows per chunk (11 MB per row), large enough for
+# the GEMMs; one call at 32,768 rows in a single chunk peaked at 145 GB.
+SPARSE_BUDGET_BYTES = 1 << 30
+
 # FlashMLA kernelkit: rel_err = |ans - ref| / (|ref| + 1e-6).
 _REL_ERR_FLOOR = 1e-6
 # FlashMLA kernelkit: cos_diff is 0 when the reference is (nearly) all zero.
@@ -99,8 +104,10 @@ def act_quant(x: Tensor, block_size: int = 128, scale_fmt: str | None = None) ->
 
     Per block of ``block_size`` along the last dim: ``amax = max(|x|, 1e-4)``,
     ``s = amax / 448`` (``scale_fmt=None``) or ``2**ceil(log2(amax / 448))`` (``"ue8m0"``),
-    ``x_fp8 = clamp(x / s, ±448)`` rounded to e4m3. The quotient is taken in float32 (float64
-    for float64 input) with the float32 ``s`` that is returned.
+    ``x_fp8 = clamp(x / s, ±448)`` rounded to e4m3. ``amax / 448`` is ``amax × fl(1/448)``,
+    as the V3.2 kernel computes it (``amax * fp8_max_inv``); the quotient ``x / s`` is taken in
+    float32 (float64 for float64 input) with the float32 ``s`` that is returned. The bytes are
+    the same on CPU and CUDA.
 
     x: ``[..., d]`` floating, ``d % block_size == 0``, finite.
     Returns ``(x_fp8 [..., d] float8_e4m3fn, scale [..., d // block_size] float32)``.
@@ -118,10 +125,13 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
     e4m3 bytes (token t at ``t * head_dim``) then the ``block_size`` float32 scales (token t at
     ``block_size * head_dim + 4 t``); 8448 bytes per 64 × 128 block.
 
-    The payload is ``x / sf`` rounded to e4m3 (``act_quant``, as the V3/V3.2 ``act_quant``
-    kernels divide). DeepGEMM's test helper multiplies by the float32 reciprocal ``1 / sf``
-    instead; the scale bytes are identical, and about 5e-4 of the payload bytes of random bf16
-    keys round to the neighbouring e4m3 value.
+    The arithmetic is the helper's as PyTorch runs it on CUDA, on every device:
+    ``sf = amax × fl32(1/448)`` (CUDA turns ``amax / 448.0`` into that product; the CPU would
+    divide, which changes the last bit of about half the scales) and the payload
+    ``x × fl32(1/sf)`` rounded to e4m3 (the helper's ``x * (1.0 / sf)``). So the bytes equal
+    DeepGEMM's helper on CUDA exactly, and this function's own bytes are the same on CPU and
+    CUDA. (``act_quant`` divides, ``x / sf``, as the V3.2 kernel does; on random bf16 keys
+    about 1e-7 of the payload bytes differ from this multiply by the reciprocal.)
 
     k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 in DeepGEMM's test).
     Returns uint8 ``[num_blocks, block_size, 1, head_dim + 4]`` (the fp8_paged_mqa_logits cache).
@@ -132,7 +142,9 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
     )
     num_blocks, block_size, _, head_dim = k.shape
     _need(num_blocks >= 1 and block_size >= 1, f"k has no tokens: shape {_shape(k)}")
-    k_fp8, k_scale = fp8.act_quant(k.reshape(num_blocks * block_size, head_dim), head_dim, None)
+    k_fp8, k_scale = fp8.act_quant(
+        k.reshape(num_blocks * block_size, head_dim), head_dim, None, reciprocal=True
+    )
     pages = torch.zeros(
         (num_blocks, index_k_page_bytes(block_size, head_dim)), dtype=torch.uint8, device=k.device
     )
@@ -352,7 +364,9 @@ def quantize_k_cache(kv: Tensor, scale_fmt: str | None = "ue8m0") -> Tensor:
     scales, then the 64 RoPE values as bf16, unquantized. Tile scale: newest FlashMLA (9241ae3,
     ``scale_fmt="ue8m0"``) ``s = 2**ceil(log2(max(amax / 448, 1e-4)))``; Sep 2025 (c28eca9)
     used the raw ``amax / 448`` (``scale_fmt=None``; here floored at ``1e-4 / 448`` so an
-    all-zero tile does not divide by zero). Payload ``x / s`` rounded to e4m3.
+    all-zero tile does not divide by zero). ``amax / 448`` is ``amax × fl32(1/448)``, what
+    upstream's ``.float() / 448.0`` gives on CUDA. Payload ``x / s`` rounded to e4m3. The bytes
+    are the same on CPU and CUDA.
 
     kv: bfloat16 ``[num_blocks, block_size, 1, 576]`` (FlashMLA writes the RoPE part in the
     input's dtype, so only bf16 input gives the 656-byte layout).
@@ -405,6 +419,7 @@ def flash_mla_sparse_fwd(
     topk_length: Tensor | None = None,
     lse_base: str = "e",
     lonely_lse: str = "+inf",
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``flash_mla.flash_mla_sparse_fwd`` (sparse prefill), newest FlashMLA (9241ae3) by default.
 
@@ -424,13 +439,18 @@ def flash_mla_sparse_fwd(
         d_v: value width (512).
         attn_sink: optional float32 ``[h_q]``; topk_length: optional int32 ``[s_q]``.
         lse_base: ``"e"`` (newest) or ``"2"`` (Sep 2025); lonely_lse: ``"+inf"`` or ``"-inf"``.
+        budget_bytes: not an upstream argument. Rows are attended in chunks whose temporaries
+            (gathered keys, scores, masks) fit this many bytes, so the peak memory is the
+            inputs, the outputs and at most ``budget_bytes`` more (one row's temporaries if
+            that is larger: ``topk · d_qk`` keys and ``h_q · topk`` scores, 11 MB for GLM-5.3
+            with a bf16 kv, 25 MB in float64). The results do not depend on it, bit for bit.
 
     Returns:
         ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])`` in float32 (float64
         for float64 inputs); upstream returns ``out`` in bf16.
     """
     return mla.sparse_mla_fwd(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse, budget_bytes
     )
 
 
@@ -442,6 +462,7 @@ def flash_mla_sparse_decode(
     d_v: int = 512,
     topk_length: Tensor | None = None,
     attn_sink: Tensor | None = None,
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
 ) -> tuple[Tensor, Tensor]:
     """``flash_mla.flash_mla_with_kvcache`` in sparse FP8 mode (``is_fp8_kvcache=True``,
     ``indices`` given), newest FlashMLA (9241ae3); FlashMLA ``tests/ref.py``
@@ -465,6 +486,8 @@ def flash_mla_sparse_decode(
         d_v: value width (512).
         topk_length: optional int32 ``[b]``, leading index columns used per batch entry.
         attn_sink: optional float32 ``[h_q]``.
+        budget_bytes: bound on the attention's temporaries, as in ``flash_mla_sparse_fwd``
+            (the dequantized bf16 cache, input-sized, comes on top).
 
     Returns:
         ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float32 (float64 for float64 q);
@@ -514,6 +537,7 @@ def flash_mla_sparse_decode(
         d_v,
         attn_sink,
         row_lengths,
+        budget_bytes=budget_bytes,
     )
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
 

@@ -1,8 +1,14 @@
 """One H200 run: the ceilings, then GLM-5.3 components, a full-size chunked prefill, and
 Hugging Face transformers' ``glm_moe_dsa`` layer on the same weights.
 
-    python scripts/bench.py --out DIR [--parts moe,indexer,mla,prefill,hf]
+    python scripts/bench.py --out DIR [--parts moe,indexer,mla,prefill,hf,peers]
         [--prefill-tokens 32768,131072] [--hf-tokens 2048,8192,16384,24576] [--profile]
+        [--peer-queries 4096,32768]
+
+``peers`` (not in the default parts; needs ``deep_gemm`` and ``flash_mla_sparse_sm90``
+importable) puts DeepGEMM's ``fp8_mqa_logits`` and FlashMLA's sparse prefill beside the
+oracle's reference and, when ``glm_dsa.kernels`` has them, the Triton kernels, on the same
+inputs: a causal chunk of each ``--peer-queries`` rows at the end of 131,072 keys.
 
 The ceilings are always measured first. Every figure is measured in this run; each is printed
 beside the floor it is compared with (ledger FLOPs at the measured ceilings). Writes
@@ -23,6 +29,7 @@ import time
 import torch
 from torch import Tensor
 
+from glm_dsa import oracle, peers
 from glm_dsa.config import PRESETS, DSAConfig
 from glm_dsa.indexer import indexer_topk, logits_budget_bytes, max_logit_rows, mqa_logits, topk_per_row
 from glm_dsa.ledger import op_flops, sparse_mla_keys
@@ -396,6 +403,84 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------ peers
+def causal_pairs(queries: int, keys: int) -> int:
+    """Unmasked (query, key) pairs of a causal chunk of ``queries`` rows ending at key ``keys``."""
+    prefix = keys - queries
+    return queries * prefix + queries * (queries + 1) // 2
+
+
+def logits_flops(queries: int, keys: int, heads: int, dim: int) -> int:
+    """FLOPs of the indexer logits over the unmasked pairs: ``2 · H · D · pairs``."""
+    return 2 * heads * dim * causal_pairs(queries, keys)
+
+
+def sparse_prefill_flops(s_q: int, topk: int, h_q: int, d_qk: int = 576, d_v: int = 512) -> int:
+    """FlashMLA's count for sparse prefill: ``2 · s_q · topk · h_q · (d_qk + d_v)``."""
+    return 2 * s_q * topk * h_q * (d_qk + d_v)
+
+
+def peer_rows(op: str, shape: str, flops: int, timings: dict[str, float], peer: str) -> list[dict]:
+    """One row per implementation: time, TFLOP/s and its time over the peer's (``peer``)."""
+    return [{"op": op, "shape": shape, "impl": name, "seconds": s, "tflops": flops / s / 1e12,
+             "vs_peer": s / timings[peer]} for name, s in timings.items()]
+
+
+def _triton(name: str):
+    """``glm_dsa.kernels.<name>`` when the Triton backend provides it, else None."""
+    try:
+        import glm_dsa.kernels as kernels
+    except ImportError:
+        return None
+    return getattr(kernels, name, None)
+
+
+def _time_impls(impls: dict, args: tuple) -> dict[str, float]:
+    """Median seconds of each available implementation on ``args``; the slow reference runs once."""
+    return {name: _timed(lambda fn=fn: fn(*args), *((0, 1) if name == "reference" else (2, 5)))
+            for name, fn in impls.items() if fn is not None}
+
+
+def bench_peers(queries: int, keys: int = 131072) -> list[dict]:
+    """DeepGEMM / FlashMLA, the Triton kernels and the oracle on the same GLM-5.3 inputs."""
+    cfg, dev = GLM, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(3)
+    H, D = cfg.index_n_heads, cfg.index_head_dim
+    q = torch.randn(queries, H, D, device=dev, generator=gen).to(torch.float8_e4m3fn)
+    k_fp8, k_scale = oracle.act_quant(torch.randn(keys, D, device=dev, generator=gen).bfloat16(), D)
+    w = torch.randn(queries, H, device=dev, generator=gen)
+    ks = torch.zeros(queries, dtype=torch.int32, device=dev)
+    ke = (keys - queries + torch.arange(queries, device=dev) + 1).to(torch.int32)
+    impls = {"DeepGEMM": peers.fp8_mqa_logits, "Triton": _triton("fp8_mqa_logits"),
+             "reference": oracle.fp8_mqa_logits}
+    times = _time_impls(impls, (q, (k_fp8, k_scale[:, 0].contiguous()), w, ks, ke))
+    rows = peer_rows("fp8_mqa_logits", f"{queries:,} q × {keys:,} keys, H={H}, D={D}, causal",
+                     logits_flops(queries, keys, H, D), times, "DeepGEMM")
+    del q, k_fp8, k_scale, w
+    torch.cuda.empty_cache()
+
+    h_q, d, d_v, topk = cfg.num_attention_heads, cfg.kv_latent_dim, cfg.kv_lora_rank, cfg.index_topk
+    q = (torch.randn(queries, h_q, d, device=dev, generator=gen) * 0.1).bfloat16()
+    kv = (torch.randn(keys, 1, d, device=dev, generator=gen) * 0.1).bfloat16()
+    limit = (keys - queries + torch.arange(queries, device=dev) + 1)[:, None]
+    idx = (torch.rand(queries, topk, device=dev, generator=gen) * limit).to(torch.int32)[:, None, :]
+    impls = {"FlashMLA": peers.flash_mla_sparse_fwd, "Triton": _triton("flash_mla_sparse_fwd"),
+             "reference": oracle.flash_mla_sparse_fwd}
+    times = _time_impls(impls, (q, kv, idx, cfg.softmax_scale, d_v))
+    rows += peer_rows("sparse prefill", f"{queries:,} q, top-{topk} of {keys:,} keys, h_q={h_q}",
+                      sparse_prefill_flops(queries, topk, h_q, d, d_v), times, "FlashMLA")
+    torch.cuda.empty_cache()
+    return rows
+
+
+def render_peers(rows: list[dict]) -> list[str]:
+    """Markdown table of ``bench_peers`` rows."""
+    out = ["| op | shape | implementation | time | TFLOP/s | time / peer's |", "|---|---|---|---|---|---|"]
+    out += [f"| {r['op']} | {r['shape']} | {r['impl']} | {_ms(r['seconds'])} | {r['tflops']:,.1f} "
+            f"| {r['vs_peer']:,.2f}× |" for r in rows]
+    return out + [""]
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
 
@@ -432,6 +517,8 @@ def render_markdown(res: dict) -> str:
     if rows:
         out += ["| component | shape | time | rate | floor | × floor | memory |", "|---|---|---|---|---|---|---|",
                 *rows, ""]
+    if res.get("peers"):
+        out += render_peers(res["peers"])
     prefill = [p for p in res.get("prefill", []) if p.get("steps")]
     if prefill:
         out += ["| tokens | steps | wall | projections | indexer | attention | MoE | peak | floor | × floor |",
@@ -478,6 +565,7 @@ def main() -> int:
     ap.add_argument("--indexer-keys", default="131072,1048576")
     ap.add_argument("--hf-tokens", default="2048,8192,16384,24576")
     ap.add_argument("--profile", action="store_true", help="profile glm-dsa at each --hf-tokens length")
+    ap.add_argument("--peer-queries", default="4096,32768", help="query rows of the peers part")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     res: dict = {
@@ -524,6 +612,14 @@ def main() -> int:
             print("prefill", json.dumps({k: v for k, v in entry.items() if k != "steps"}), flush=True)
             save()
             torch.cuda.empty_cache()
+    if "peers" in parts:
+        res["peers"] = []
+        for queries in map(int, args.peer_queries.split(",")):
+            rows = bench_peers(queries)
+            res["peers"] += rows
+            for r in rows:
+                print("peers", json.dumps(r), flush=True)
+            save()
     if "hf" in parts:
         res["hf"] = bench_vs_hf([int(n) for n in args.hf_tokens.split(",")], args.out, args.profile)
         save()

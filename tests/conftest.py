@@ -50,11 +50,24 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def _peers_missing() -> str | None:
+    """Why the peer kernels cannot run here, or None."""
+    from glm_dsa import peers
+
+    missing = [m for m in (peers.DEEP_GEMM, peers.FLASH_MLA) if not peers.available(m)]
+    return f"needs {' and '.join(missing)} (the peer kernels) importable" if missing else None
+
+
 def pytest_collection_modifyitems(config, items):
     have_cuda = torch.cuda.is_available()
     n_gpus = torch.cuda.device_count() if have_cuda else 0
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_multi = pytest.mark.skip(reason="needs two or more CUDA GPUs")
+    if any("peers" in item.keywords for item in items):
+        why = _peers_missing()
+        for item in items:
+            if why and "peers" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=why))
     for item in items:
         if "cuda" in item.keywords and not have_cuda:
             item.add_marker(skip_cuda)

@@ -83,3 +83,29 @@ def test_markdown_tables_quote_the_json_figures_and_mark_an_unfinished_prefill()
     assert "| 8,192 | 200.0 ms | 80.0 ms | 0.40 | 27.6 GB | 40.6 GB | top-k overlap 98.4% (6,144 rows) |" in md
     assert "| 24,576 | 630.0 ms | failed: CUDA out of memory. | — |" in md
     assert "calc_diff 5.5e-04" in md
+
+
+# ------------------------------------------------------------------ the peers part
+@given(queries=st.integers(1, 50), extra=st.integers(0, 80))
+@settings(max_examples=20)
+def test_causal_pairs_count_the_unmasked_entries_of_the_chunk(queries, extra):
+    keys = queries + extra
+    ke = [keys - queries + i + 1 for i in range(queries)]  # row i sees keys [0, ke[i])
+    assert bench.causal_pairs(queries, keys) == sum(ke)
+    assert bench.logits_flops(queries, keys, 32, 128) == 2 * 32 * 128 * sum(ke)
+
+
+def test_sparse_prefill_flops_reproduce_flashmlas_quoted_rate():
+    # peer README: 4,096 queries, h_q 64, top-2048 in 2.36 ms is 494 TFLOP/s.
+    flops = bench.sparse_prefill_flops(4096, 2048, 64)
+    assert flops == 2 * 4096 * 2048 * 64 * (576 + 512)
+    assert round(flops / 2.36e-3 / 1e12) in (494, 495)
+
+
+def test_peer_rows_report_rate_and_time_over_the_peer():
+    rows = bench.peer_rows("op", "shape", 4e12, {"DeepGEMM": 2.0, "Triton": 3.0, "reference": 40.0}, "DeepGEMM")
+    assert [(r["impl"], r["tflops"], r["vs_peer"]) for r in rows] == [
+        ("DeepGEMM", 2.0, 1.0), ("Triton", 4 / 3, 1.5), ("reference", 0.1, 20.0)]
+    table = bench.render_peers(rows)
+    assert table[0].startswith("| op | shape | implementation |") and len(table) == 2 + 3 + 1
+    assert "| Triton | 3.00 s | 1.3 | 1.50× |" in table[3]

@@ -34,14 +34,18 @@ def random_x(shape, dtype, seed, zero_block: int | None, block_size: int) -> tor
 
 
 def expected_scales(x: torch.Tensor, block_size: int, scale_fmt) -> np.ndarray:
-    """Per-block scales from the recipe, in plain float64 / struct rounding."""
+    """Per-block scales from the recipe, in plain float64 / struct rounding.
+
+    ``amax / 448`` is the product with 1/448 rounded to the compute dtype: a product of two
+    float32 values is exact in float64, so rounding it once gives the float32 product.
+    """
     xs = x.to(torch.float64).numpy().reshape(-1, block_size)
     fp32_compute = x.dtype != torch.float64
     floor = f32(AMAX_FLOOR) if fp32_compute else AMAX_FLOOR
     out = []
     for block in xs:
         amax = max(float(np.abs(block).max()), floor)
-        raw = f32(amax / 448.0) if fp32_compute else amax / 448.0
+        raw = f32(amax * f32(1 / 448.0)) if fp32_compute else amax * (1 / 448.0)
         out.append(smallest_pow2_at_least(raw) if scale_fmt == "ue8m0" else f32(raw))
     return np.array(out)
 
@@ -132,11 +136,31 @@ def test_payload_is_x_over_s_rounded_once_to_nearest_even(rows, dtype, scale_fmt
     np.testing.assert_array_equal(x_fp8.view(torch.uint8).numpy(), expected)
 
 
+@given(
+    rows=st.integers(1, 4),
+    dtype=st.sampled_from(DTYPES),
+    scale_fmt=st.sampled_from([None, "ue8m0"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_reciprocal_payload_is_x_times_the_rounded_reciprocal_of_s(rows, dtype, scale_fmt, seed):
+    x = random_x((rows, 128), dtype, seed, None, 128)
+    x_fp8, scale = act_quant(x, scale_fmt=scale_fmt, reciprocal=True)
+    _, divided_scale = act_quant(x, scale_fmt=scale_fmt)
+    assert torch.equal(scale, divided_scale)
+    s = scale.to(torch.float64).numpy()  # [rows, 1]
+    if dtype == torch.float64:
+        product = x.numpy() * (1.0 / s)
+    else:  # float32 reciprocal, then the float32 product (exact in float64, rounded once)
+        product = np.float32(x.to(torch.float32).numpy().astype(np.float64) * np.float32(1.0 / s))
+    expected = encode_e4m3(np.clip(np.asarray(product, np.float64), -448.0, 448.0))
+    np.testing.assert_array_equal(x_fp8.view(torch.uint8).numpy(), expected)
+
+
 def test_all_zero_block_gets_the_floor_scale_and_zero_payload():
     x = torch.zeros(2, 256)
     x[1, 128:] = 1.0
     x_fp8, scale = act_quant(x, scale_fmt=None)
-    assert float(scale[0, 0]) == f32(f32(1e-4) / 448.0)
+    assert float(scale[0, 0]) == f32(f32(1e-4) * f32(1 / 448.0))
     assert (x_fp8[0].view(torch.uint8) == 0).all()
     _, scale = act_quant(x, scale_fmt="ue8m0")
     # 1e-4 / 448 = 2.23e-7 lies in (2**-23, 2**-22].

@@ -174,7 +174,11 @@ def random_latent(n: int, rank: int, rope: int, dtype, seed: int, zero_tile: boo
 
 
 def expected_fp8_rows(c: torch.Tensor, k_pe: torch.Tensor, scale_fmt) -> bytes:
-    """FlashMLA V32_FP8Sparse rows, byte by byte (compute in float32, or float64 for float64)."""
+    """FlashMLA V32_FP8Sparse rows, byte by byte (compute in float32, or float64 for float64).
+
+    ``amax / 448`` is ``amax`` times 1/448 rounded to the compute dtype (``rnd``); a float32
+    product is exact in float64, so ``rnd`` of it is the float32 product.
+    """
     out = bytearray()
     cv = c.to(torch.float64).numpy()
     pe = bf16_bits_of(k_pe)
@@ -186,9 +190,9 @@ def expected_fp8_rows(c: torch.Tensor, k_pe: torch.Tensor, scale_fmt) -> bytes:
         for tile in cv[r].reshape(-1, 128):
             amax = float(np.abs(tile).max())
             if scale_fmt == "ue8m0":
-                s = smallest_pow2_at_least(max(rnd(amax / 448.0), floor))
+                s = smallest_pow2_at_least(max(rnd(amax * rnd(1 / 448.0)), floor))
             else:
-                s = f32(rnd(max(amax, floor) / 448.0))
+                s = f32(rnd(max(amax, floor) * rnd(1 / 448.0)))
             quotient = tile / s
             if fp32_compute:
                 quotient = np.float32(quotient).astype(np.float64)  # the float32 division
@@ -223,7 +227,8 @@ def test_mla_ue8m0_floor_applies_to_the_scale_not_to_amax():
     rows = mla_kv_quantize(c, torch.zeros(1, 64))
     assert struct.unpack("<4f", rows[0, 512:528].numpy().tobytes()) == (2.0**-13,) * 4
     rows = mla_kv_quantize(c, torch.zeros(1, 64), scale_fmt=None)
-    expected = (f32(f32(1e-4) / 448), f32(f32(1e-3) / 448), f32(f32(1e-4) / 448), f32(f32(1e-4) / 448))
+    lo, hi = (f32(f32(a) * f32(1 / 448)) for a in (1e-4, 1e-3))
+    expected = (lo, hi, lo, lo)
     assert struct.unpack("<4f", rows[0, 512:528].numpy().tobytes()) == expected
 
 

@@ -34,19 +34,29 @@ def ceil_pow2(s: float) -> float:
     return 2.0 ** (e - 1 if m == 0.5 else e)
 
 
-def quantize_block(x64: np.ndarray, ue8m0: bool, floor_on_scale: bool = False):
+# 1/448 rounded to float32 (PyTorch on CUDA: the double reciprocal of a CPU scalar divisor).
+RECIP_448 = np.float32(1 / 448)
+
+
+def quantize_block(x64: np.ndarray, ue8m0: bool, floor_on_scale: bool = False,
+                   reciprocal: bool = False):
     """(codes, float32 scale) of one block: s = max(amax, 1e-4)/448 or its power-of-two ceil.
 
-    ``floor_on_scale``: FlashMLA's ue8m0 floors ``amax / 448`` (not amax) at 1e-4.
+    ``amax / 448`` is the float32 product ``amax · fl32(1/448)``. ``floor_on_scale``: FlashMLA's
+    ue8m0 floors ``amax / 448`` (not amax) at 1e-4. ``reciprocal``: the payload is
+    ``x · fl32(1/s)`` (DeepGEMM's helpers), else the quotient ``x / s``.
     """
     amax = float(np.abs(x64).max())
     if floor_on_scale:
-        s = float(f32(max(float(f32(amax) / f32(448.0)), 1e-4)))
+        s = float(f32(max(float(f32(amax) * RECIP_448), 1e-4)))
     else:
-        s = float(f32(max(amax, 1e-4)) / f32(448.0))
+        s = float(f32(max(amax, 1e-4)) * RECIP_448)
     if ue8m0:
         s = ceil_pow2(s)
-    q = f32(x64 / s)  # the float32 quotient (IEEE: rounding the float64 quotient is the same)
+    if reciprocal:
+        q = f32(x64) * (np.float32(1) / np.float32(s))  # float32 reciprocal, float32 product
+    else:
+        q = f32(x64 / s)  # the float32 quotient (IEEE: rounding the float64 quotient is the same)
     return encode_e4m3(np.clip(q.astype(np.float64), -448, 448)), np.float32(s)
 
 
@@ -158,24 +168,82 @@ def test_kv_cache_cast_to_fp8_bytes_equal_the_deepgemm_layout_assembled_by_hand(
     got = oracle.kv_cache_cast_to_fp8(k)
     assert got.dtype == torch.uint8 and got.shape == (3, block_size, 1, 132)
     flat = k.double().numpy().reshape(-1, 128)
-    blocks = [quantize_block(row, ue8m0=False) for row in flat]
+    blocks = [quantize_block(row, ue8m0=False, reciprocal=True) for row in flat]
     expected = index_k_pages_by_hand(np.stack([c for c, _ in blocks]),
                                      np.array([s for _, s in blocks]), block_size)
     assert np.array_equal(got.numpy().reshape(3, -1), expected)
 
 
-def test_kv_cache_cast_to_fp8_differs_from_deepgemms_reciprocal_only_by_one_code_at_rare_ties():
-    g = torch.Generator().manual_seed(7)
-    k = torch.randn(40, 64, 1, 128, generator=g).to(torch.bfloat16)
-    got = oracle.kv_cache_cast_to_fp8(k).numpy().reshape(40, -1)
-    x = k.float().numpy().reshape(-1, 128)
-    sf = f32(np.maximum(np.abs(x).max(axis=1, keepdims=True), f32(1e-4))) / f32(448.0)
-    deepgemm = encode_e4m3((x * (f32(1.0) / sf)).astype(np.float64))  # x * (1/sf) in float32
-    ours = got[:, : 64 * 128].reshape(-1, 128)
-    assert np.array_equal(got[:, 64 * 128 :].reshape(-1).view(np.float32), sf.reshape(-1))
-    differ = ours != deepgemm
-    assert differ.mean() < 2e-3
-    assert (np.abs(ours[differ].astype(int) - deepgemm[differ].astype(int)) == 1).all()
+# ---------------------------------------------- the CUDA arithmetic, emulated in numpy float32
+# PyTorch on CUDA computes ``t / 448.0`` as ``t * fl32(1/448)`` (BinaryDivTrueKernel.cu: a CPU
+# scalar divisor becomes its reciprocal); tensor-by-tensor division and ``reciprocal`` are IEEE.
+# numpy's float32 operations are IEEE on every host, so these are the bytes CUDA writes. The last
+# step, one float32 value to e4m3, is torch's cast here (checked against the e4m3 table by
+# test_fp8; the arithmetic before it is what differs between devices): the table search over
+# 13M values would take seconds.
+NUM_KEYS = 102_400  # 1,600 pages of 64
+
+
+def many_keys(n: int, d: int, seed: int) -> torch.Tensor:
+    """bf16 [n, d]: normal rows, each scaled by 10**u, u uniform in [-4, 4)."""
+    g = torch.Generator().manual_seed(seed)
+    mag = 10.0 ** (8 * torch.rand(n, 1, generator=g) - 4)
+    return (torch.randn(n, d, generator=g) * mag).to(torch.bfloat16)
+
+
+def ceil_pow2_bits(s: np.ndarray) -> np.ndarray:
+    """Smallest power of two ≥ positive normal float32 s, from its bits (DeepGEMM's ceil_to_ue8m0)."""
+    bits = s.view(np.uint32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0)
+    return (exponent.astype(np.uint32) << 23).view(np.float32)
+
+
+def cuda_cast(x: np.ndarray, ue8m0: bool, reciprocal: bool, floor_on_scale: bool = False):
+    """(codes [n, 128] uint8, scales [n] float32) of float32 blocks x [n, 128], as CUDA rounds."""
+    amax = np.abs(x).max(axis=1)
+    if floor_on_scale:
+        s = np.maximum(amax * RECIP_448, np.float32(1e-4))
+    else:
+        s = np.maximum(amax, np.float32(1e-4)) * RECIP_448
+    if ue8m0:
+        s = ceil_pow2_bits(s)
+    q = x * (np.float32(1) / s)[:, None] if reciprocal else x / s[:, None]
+    assert q.dtype == np.float32
+    return torch.from_numpy(np.clip(q, -448, 448)).to(torch.float8_e4m3fn).view(torch.uint8).numpy(), s
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_act_quant_bytes_equal_the_cuda_arithmetic_on_100k_keys(scale_fmt):
+    k = many_keys(NUM_KEYS, 128, seed=1)
+    x_fp8, scale = oracle.act_quant(k, 128, scale_fmt)
+    codes, s = cuda_cast(k.float().numpy(), scale_fmt == "ue8m0", reciprocal=False)
+    assert np.array_equal(scale.numpy().reshape(-1).view(np.uint32), s.view(np.uint32))
+    assert np.array_equal(t_bytes(x_fp8), codes)
+
+
+def test_kv_cache_cast_to_fp8_equals_deepgemms_helper_as_run_on_cuda_on_100k_keys():
+    # DeepGEMM tests/test_attention.py: sf = amax.clamp(1e-4) / 448.0; x * (1.0 / sf).
+    k = many_keys(NUM_KEYS, 128, seed=2)
+    got = oracle.kv_cache_cast_to_fp8(k.view(-1, 64, 1, 128)).numpy().reshape(-1, 64 * 132)
+    codes, s = cuda_cast(k.float().numpy(), ue8m0=False, reciprocal=True)
+    assert np.array_equal(got[:, 64 * 128 :].reshape(-1).view(np.float32).view(np.uint32),
+                          s.view(np.uint32))
+    assert np.array_equal(got[:, : 64 * 128].reshape(-1, 128), codes)
+    # The division act_quant takes instead rounds the same but for a handful of bytes.
+    divided, _ = cuda_cast(k.float().numpy(), ue8m0=False, reciprocal=False)
+    assert (divided != codes).mean() < 1e-6
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_quantize_k_cache_bytes_equal_the_cuda_arithmetic_on_100k_tiles(scale_fmt):
+    # FlashMLA tests/quant.py: amax.float() / 448.0, ue8m0 ceiling of max(that, 1e-4); x / s.
+    kv = many_keys(NUM_KEYS // 4, 576, seed=3).view(-1, 64, 1, 576)
+    got = oracle.quantize_k_cache(kv, scale_fmt).numpy().reshape(-1, 656)
+    ue8m0 = scale_fmt == "ue8m0"
+    tiles = kv.float().numpy().reshape(-1, 576)[:, :512].reshape(-1, 128)
+    codes, s = cuda_cast(tiles, ue8m0, reciprocal=False, floor_on_scale=ue8m0)
+    assert np.array_equal(got[:, 512:528].copy().view(np.uint32).reshape(-1), s.view(np.uint32))
+    assert np.array_equal(got[:, :512].reshape(-1, 128), codes)
 
 
 # ----------------------------------------------------------------------------- logits
@@ -465,6 +533,71 @@ def test_flash_mla_sparse_fwd_on_bf16_returns_float32_outputs_of_upstream_shapes
     out, mx, lse = oracle.flash_mla_sparse_fwd(q, kv, indices.contiguous(), 1 / 16)
     assert (out.shape, mx.shape, lse.shape) == ((2, 64, 512), (2, 64), (2, 64))
     assert out.dtype == mx.dtype == lse.dtype == torch.float32
+
+
+def peak_cpu_bytes(fn) -> int:
+    """Largest total of live CPU allocations made while ``fn`` runs, from the profiler's
+    allocation events (each ``[memory]`` event is one allocation, > 0, or free, < 0)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _sparse_case(s_q: int, h: int, s_kv: int, topk: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s_q, h, 576, generator=g)
+    kv = torch.randn(s_kv, 1, 576, generator=g)
+    indices = torch.randint(-8, s_kv + 8, (s_q, 1, topk), generator=g).to(torch.int32)
+    return q, kv, indices
+
+
+def test_flash_mla_sparse_fwd_is_bitwise_independent_of_its_budget():
+    q, kv, indices = _sparse_case(37, 4, 300, 96, seed=3)
+    whole = oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1)
+    assert whole[0].shape == (37, 4, 512)
+    for budget in (1, 3 * 96 * 576 * 8, 10 << 20, None):
+        chunked = oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=budget)
+        for a, b in zip(chunked, whole):
+            assert torch.equal(a, b), f"budget_bytes={budget}"
+
+
+def test_flash_mla_sparse_fwd_peak_memory_is_its_outputs_plus_the_budget():
+    s_q, h = 64, 16
+    q, kv, indices = _sparse_case(s_q, h, 512, 128)
+    outputs = s_q * h * (512 + 2) * 4  # out, max_logits, lse in float32
+    budget = 2 << 20
+    peak = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=budget))
+    assert peak <= outputs + budget, f"peak {peak / 2**20:.1f} MiB"
+    print(f"\npeak {peak / 2**20:.2f} MiB for outputs {outputs / 2**20:.2f} MiB + budget 2 MiB")
+    # One chunk holds all rows' gathered keys alone: 64 × 128 × 576 float32 = 18 MiB.
+    unbounded = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=None))
+    assert unbounded > outputs + 8 * budget
+
+
+@pytest.mark.cuda
+def test_flash_mla_sparse_fwd_at_glm_shapes_on_cuda_stays_within_the_default_budget():
+    # Issue 22: 32,768 rows × top-2048 × 64 heads in one chunk peaked at 145 GB.
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    s_q, s_kv, topk = 8192, 131_072, 2048
+    q = (torch.randn(s_q, 64, 576, generator=g, device=dev) / 10).bfloat16()
+    kv = (torch.randn(s_kv, 1, 576, generator=g, device=dev) / 10).bfloat16()
+    indices = torch.randint(0, s_kv, (s_q, 1, topk), generator=g, device=dev, dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, mx, lse = oracle.flash_mla_sparse_fwd(q, kv, indices, 1 / 16)
+    torch.cuda.synchronize()
+    outputs = sum(t.numel() * t.element_size() for t in (out, mx, lse))
+    extra = torch.cuda.max_memory_allocated() - base - outputs
+    assert extra <= oracle.SPARSE_BUDGET_BYTES, f"peak extra {extra / 2**20:.0f} MiB"
 
 
 @pytest.mark.parametrize("with_sink, with_length", [(False, False), (True, True)])
