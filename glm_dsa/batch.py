@@ -15,7 +15,24 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ForwardBatch"]
+__all__ = [
+    "CP_SPLITS",
+    "INDEX_K_ALLGATHER",
+    "LATENT_ALLGATHER",
+    "CP_BOUNDARY_GATHER",
+    "COMM_OPS",
+    "ForwardBatch",
+]
+
+# How a step's tokens are dealt to context-parallel ranks (``glm_dsa.cp.split_rows``; the
+# ledger re-derives the same rule in ``cp_rank_positions``).
+CP_SPLITS = ("interleave", "contiguous", "zigzag")
+# The gathers of a split step, named as the ledger's communication rows
+# (``glm_dsa.ledger.cp_comm_bytes_per_chunk``).
+INDEX_K_ALLGATHER = "index_k_allgather"
+LATENT_ALLGATHER = "latent_allgather"
+CP_BOUNDARY_GATHER = "cp_boundary_gather"
+COMM_OPS = (INDEX_K_ALLGATHER, LATENT_ALLGATHER, CP_BOUNDARY_GATHER)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,12 @@ import json
 import sys
 from typing import Sequence
 
+from glm_dsa.batch import COMM_OPS, CP_SPLITS
+from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import get_config
-from glm_dsa.ledger import KV_DTYPES, GpuSpec, _table, build_ledger, format_ledger
+from glm_dsa.kv_format import MLA_KV_FORMATS
+from glm_dsa.ledger import GpuSpec, build_ledger, format_ledger
+from glm_dsa.report import table
 
 __all__ = ["build_parser", "main"]
 
@@ -65,7 +69,7 @@ def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=int, required=True, help="chunked-prefill size B in tokens")
     p.add_argument("--prefix", type=int, default=0, help="cached prefix P in tokens (default 0)")
     p.add_argument("--cp", type=int, default=8, help="context-parallel degree for the CP tables (default 8)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8", help="main KV cache format (default fp8)")
+    p.add_argument("--kv-dtype", choices=MLA_KV_FORMATS, default="fp8", help="main KV cache format (default fp8)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8,
                    help="SGLang --mem-fraction-static for the logits budget (default 0.8)")
     p.add_argument("--gpu-mem-gb", type=float, default=_GPU.mem_bytes / 1e9,
@@ -99,14 +103,15 @@ def _add_prefill(sub) -> None:
     p.add_argument("--prefix", type=int, default=0,
                    help="the requests share their first P tokens, cached beforehand by a warm-up request; "
                         "each request then hits floor(P/64)*64 tokens of prefix cache")
-    p.add_argument("--kv-dtype", default="fp8", choices=["fp8", "bf16", "fp32"], help="main KV cache format")
+    p.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES, help="main KV cache format")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
                    help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--budget-bytes", type=int,
-                   help="indexer logits / sparse gather budget in bytes (default: CONVENTIONS §12 rule on CUDA, 256 MiB on CPU)")
+                   help="indexer logits / sparse gather budget in bytes (default: SGLang's rule on CUDA, "
+                        "docs/conventions.md §12; 256 MiB on CPU)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
@@ -116,7 +121,7 @@ def _add_prefill(sub) -> None:
     p.add_argument("--cp", type=int,
                    help="context-parallel ranks: spawned here (gloo on CPU, NCCL with rank r on cuda:r); "
                         "under torchrun the group torchrun made is joined (default: 1, or torchrun's world size)")
-    p.add_argument("--cp-split", choices=["interleave", "contiguous", "zigzag"], default="interleave",
+    p.add_argument("--cp-split", choices=CP_SPLITS, default="interleave",
                    help="how a chunk's tokens are dealt to the ranks (default interleave: token i to rank i %% cp)")
     p.set_defaults(func=_cmd_prefill)
 
@@ -157,40 +162,27 @@ def _cmd_prefill(args) -> int:
     return 0
 
 
-def _run_prefill(args) -> int:
-    import math
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
-    from glm_dsa.indexer import logits_budget_bytes
+def _load_model(args, device, dtype):
+    """The checkpoint of ``--weights`` (checked against ``--config``), or seeded random weights."""
     from glm_dsa.layer import DSAForCausalLM
-    from glm_dsa.prefill import PrefillEngine
     from glm_dsa.weights import init_weights, load_checkpoint
 
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA device")
-    cp = None
-    if launched_by_torchrun():
-        device = init_from_env(device)
-        cp = CPGroup(args.cp_split)
-        if args.cp not in (None, cp.size):
-            raise SystemExit(f"error: --cp {args.cp} but torchrun started {cp.size} ranks")
-    quiet = cp is not None and cp.rank != 0  # only rank 0 reports
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
     if args.weights:
         model = load_checkpoint(args.weights, dtype=dtype, device=device)
-        config = model.config
-        if args.config not in (args.weights,) and get_config(args.config) != config:
+        if args.config not in (args.weights,) and get_config(args.config) != model.config:
             raise SystemExit(f"error: --config {args.config} differs from {args.weights}/config.json; "
                              "pass the checkpoint directory as --config or leave them consistent")
     else:
         config = get_config(args.config)
         model = init_weights(DSAForCausalLM(config).to(device=device, dtype=dtype), args.seed)
-    model.eval()
+    return model.eval()
+
+
+def _prompts(args, config):
+    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests (no prefix), or
+    ``--requests`` random prompts of ``--tokens`` sharing their first ``--prefix`` tokens."""
+    import torch
+    from safetensors.torch import load_file
 
     if args.input_ids:
         stored = load_file(args.input_ids)
@@ -198,130 +190,86 @@ def _run_prefill(args) -> int:
                    if f"request.{i}.input_ids" in stored]
         if not prompts:
             raise SystemExit(f"error: {args.input_ids} holds no request.{{i}}.input_ids tensors")
-        prefix_ids = None
-    else:
-        if not args.tokens or args.tokens < 1:
-            raise SystemExit("error: --tokens N (≥ 1) is required unless --input-ids is given")
-        if not 0 <= args.prefix < args.tokens:
-            raise SystemExit(f"error: --prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
-        gen = torch.Generator().manual_seed(args.seed)
-        prefix_ids = torch.randint(0, config.vocab_size, (args.prefix,), generator=gen)
-        prompts = [
-            torch.cat([prefix_ids, torch.randint(0, config.vocab_size, (args.tokens - args.prefix,), generator=gen)])
-            for _ in range(args.requests)
-        ]
-    if args.budget_bytes is not None:
-        budget = args.budget_bytes
-    elif device.type == "cuda":
-        budget = logits_budget_bytes(device, args.mem_fraction_static)
-    else:
-        budget = 256 << 20
-    page = config.page_size
-    num_pages = sum(math.ceil(p.numel() / page) for p in prompts)
-    if prefix_ids is not None and prefix_ids.numel():
-        num_pages += math.ceil(prefix_ids.numel() / page)
-    engine = PrefillEngine(model, num_pages=num_pages, kv_dtype=args.kv_dtype,
-                           chunked_prefill_size=args.chunk, budget_bytes=budget, timing=True, cp=cp)
-    if prefix_ids is not None and prefix_ids.numel() >= page:
-        engine.add_request(prefix_ids)
-        engine.run()
-        warm = set(engine.finished)
-        if cp is not None:
-            cp.reset_counters()
-    else:
-        warm = set()
-    rids = [engine.add_request(p.to(torch.int64)) for p in prompts]
-    # Tokens to run: each request's prompt minus the prefix-cache hit it will get.
-    total = sum(p.numel() for p in prompts) - (
-        len(prompts) * (args.prefix // page * page) if warm else 0
-    )
-    peak_pages = [0]
-    bar = _progress_bar(total, not (args.no_progress or args.json or quiet))
-
-    def on_step(record) -> None:
-        peak_pages[0] = max(peak_pages[0], engine.allocator.num_pages - engine.allocator.num_free)
-        bar(record)
-
-    engine.timeline.clear()
-    written_before = dict(engine.cache.bytes_written)
-    engine.run(on_step)
-    if not (args.no_progress or args.json or quiet):
-        sys.stderr.write("\n")
-    written = {k: engine.cache.bytes_written[k] - written_before[k] for k in written_before}
-    results = [engine.finished[r] for r in rids]
-    steps = [
-        {
-            "step": s.step,
-            "chunks": [{"request": rids.index(rid), "start": a, "end": b} for rid, a, b in s.chunks],
-            "prefix_at_start": list(s.prefix_at_start),
-            "seconds": s.seconds,
-            "indexer_s": s.indexer,
-            "attention_s": s.attention,
-            "moe_s": s.moe,
-            "projections_s": s.projections,
-        }
-        for s in engine.timeline
+        return [p.to(torch.int64) for p in prompts], None
+    if not args.tokens or args.tokens < 1:
+        raise SystemExit("error: --tokens N (≥ 1) is required unless --input-ids is given")
+    if not 0 <= args.prefix < args.tokens:
+        raise SystemExit(f"error: --prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
+    gen = torch.Generator().manual_seed(args.seed)
+    prefix_ids = torch.randint(0, config.vocab_size, (args.prefix,), generator=gen)
+    prompts = [
+        torch.cat([prefix_ids, torch.randint(0, config.vocab_size, (args.tokens - args.prefix,), generator=gen)])
+        for _ in range(args.requests)
     ]
-    pool = engine.cache.pool_bytes()
-    usage = {
-        "pages_total": engine.allocator.num_pages,
-        "pages_peak": peak_pages[0],
-        "page_bytes_main_kv": engine.cache.mla_row_bytes * page,
-        "page_bytes_index_k": (config.index_head_dim + 4) * page,
-        "pool_bytes_main_kv": pool["mla"],
-        "pool_bytes_index_k": pool["index_k"],
-        "bytes_written_main_kv": written["mla"],
-        "bytes_written_index_k": written["index_k"],
-    }
-    report = {
-        "config": config.name,
-        "device": str(device),
-        "dtype": dtype_name,
-        "kv_dtype": args.kv_dtype,
-        "chunk": args.chunk,
-        "requests": [{"tokens": r.length, "cached": r.cached_len} for r in results],
-        "budget_bytes": budget,
-        "total_seconds": sum(s.seconds for s in engine.timeline),
-        "steps": steps,
-        "cache": usage,
-    }
-    if cp is not None:
-        report["context_parallel"] = {"cp": cp.size, "split": cp.split, "ranks": cp.stats()}
+    return prompts, prefix_ids
+
+
+def _run_prefill(args) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
+    from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch sees no CUDA device")
+    cp_group = None
+    if launched_by_torchrun():
+        device = init_from_env(device)
+        cp_group = CPGroup(args.cp_split)
+        if args.cp not in (None, cp_group.size):
+            raise SystemExit(f"error: --cp {args.cp} but torchrun started {cp_group.size} ranks")
+    quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    model = _load_model(args, device, getattr(torch, dtype_name))
+    config = model.config
+    prompts, prefix_ids = _prompts(args, config)
+    budget = args.budget_bytes
+    if budget is None:
+        budget = default_budget_bytes(device, args.mem_fraction_static)
+    shared = [] if prefix_ids is None else [prefix_ids.numel()]
+    engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
+                           kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
+                           timing=True, cp_group=cp_group)
+    warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
+    rids = [engine.add_request(p) for p in prompts]
+    progress = not (args.no_progress or args.json or quiet)
+    engine.run(_progress_bar(engine.tokens_to_run(), progress))
+    if progress:
+        sys.stderr.write("\n")
+    report = {"config": config.name, "device": str(device), "dtype": dtype_name, "kv_dtype": args.kv_dtype,
+              "chunk": args.chunk, **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
-        out = {}
-        # Tokens served from the prefix cache were computed by the warm-up request (same tokens,
-        # same positions): their rows come from it, so `hidden` covers every token of the prompt.
-        warm_hidden = torch.cat(engine.finished[min(warm)].hidden) if warm else None
-        for i, r in enumerate(results):
-            out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
-            rows = ([warm_hidden[: r.cached_len]] if r.cached_len else []) + r.hidden
-            out[f"request.{i}.hidden"] = torch.cat(rows).float().cpu().contiguous()
-            if r.logits is not None:
-                out[f"request.{i}.logits"] = r.logits.float().contiguous()
-        save_file(out, args.save_outputs)
+        save_file(engine.outputs(rids), args.save_outputs)
     if args.plot:
         _plot_steps(engine.timeline, args.plot)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"prefill: config {config.name}, {len(results)} request(s) of "
-          f"{', '.join(str(r.length) for r in results)} tokens, chunk {args.chunk}, kv {args.kv_dtype}, "
-          f"{dtype_name} on {device}" + (f"; prefix cache warmed with {args.prefix} tokens" if warm else ""))
-    headers = ["step", "tokens (request:start-end)", "prefix at start", "indexer s", "attention s",
-               "moe s", "projections s", "total s"]
-    rows = []
-    for s in engine.timeline:
-        rows.append([
-            str(s.step),
-            " ".join(f"{rids.index(rid)}:{a}-{b - 1}" for rid, a, b in s.chunks),
-            " ".join(str(p) for p in s.prefix_at_start),
-            f"{s.indexer:.4f}", f"{s.attention:.4f}", f"{s.moe:.4f}", f"{s.projections:.4f}", f"{s.seconds:.4f}",
-        ])
-    print(_table("timeline (seconds per component, summed over layers)", headers, rows))
-    print()
-    print(_table("cache usage", ["cache", "value"], [
+    print(f"prefill: config {config.name}, {len(rids)} request(s) of "
+          f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}, kv "
+          f"{args.kv_dtype}, {dtype_name} on {device}"
+          + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
+    print(_format_prefill_report(report))
+    return 0
+
+
+def _format_prefill_report(report: dict) -> str:
+    """The timeline, cache-usage and (under CP) per-rank tables of a prefill report."""
+    timeline = table(
+        "timeline (seconds per component, summed over layers)",
+        ["step", "tokens (request:start-end)", "prefix at start", "indexer s", "attention s",
+         "moe s", "projections s", "total s"],
+        [[str(s["step"]), " ".join(f"{c['request']}:{c['start']}-{c['end'] - 1}" for c in s["chunks"]),
+          " ".join(str(p) for p in s["prefix_at_start"]),
+          *(f"{s[k]:.4f}" for k in ("indexer_s", "attention_s", "moe_s", "projections_s", "seconds"))]
+         for s in report["steps"]],
+    )
+    usage = report["cache"]
+    blocks = [timeline, table("cache usage", ["cache", "value"], [
         ["pages (total / peak in use)", f"{usage['pages_total']} / {usage['pages_peak']}"],
         ["main KV page bytes", f"{usage['page_bytes_main_kv']:,}"],
         ["index-K page bytes", f"{usage['page_bytes_index_k']:,}"],
@@ -329,19 +277,19 @@ def _run_prefill(args) -> int:
         ["index-K pool bytes (full layers)", f"{usage['pool_bytes_index_k']:,}"],
         ["main KV bytes written", f"{usage['bytes_written_main_kv']:,}"],
         ["index-K bytes written", f"{usage['bytes_written_index_k']:,}"],
-    ]))
-    if cp is not None:
-        print()
-        ops = ("index_k_allgather", "latent_allgather", "cp_boundary_gather")
-        print(_table(
-            f"context parallel: {cp.size} ranks, {cp.split} split (bytes: whole chunks gathered / this rank's padded share)",
+    ])]
+    if "context_parallel" in report:
+        cp = report["context_parallel"]
+        blocks.append(table(
+            f"context parallel: {cp['cp']} ranks, {cp['split']} split (bytes: whole chunks gathered / "
+            "this rank's padded share)",
             ["rank", "indexer pairs", "index-K gathered", "latent gathered", "hidden gathered", "bytes sent"],
             [[str(r["rank"]), f"{r['indexer_pairs']:,}",
-              *(f"{r['comm'][op]['bytes']:,}" for op in ops),
-              f"{sum(r['comm'][op]['local_bytes'] for op in ops):,}"]
-             for r in report["context_parallel"]["ranks"]],
+              *(f"{r['comm'][op]['bytes']:,}" for op in COMM_OPS),
+              f"{sum(r['comm'][op]['local_bytes'] for op in COMM_OPS):,}"]
+             for r in cp["ranks"]],
         ))
-    return 0
+    return "\n\n".join(blocks)
 
 
 def _plot_steps(timeline, path: str) -> None:
@@ -379,7 +327,7 @@ def _cmd_golden(args) -> int:
     rows = [[name, str(cases[info["contract"]]), f"{info['bytes']:,}"]
             for name, info in manifest["files"].items()]
     total = sum(info["bytes"] for info in manifest["files"].values())
-    print(_table(f"golden vectors, seed {args.seed}, in {args.out}", ["file", "cases", "bytes"], rows))
+    print(table(f"golden vectors, seed {args.seed}, in {args.out}", ["file", "cases", "bytes"], rows))
     print(f"{len(manifest['cases'])} cases, {total:,} bytes; metrics and tolerances in "
           f"{args.out}/manifest.json")
     return 0

@@ -46,15 +46,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from glm_dsa.batch import ForwardBatch
+from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
 
 if TYPE_CHECKING:
     from glm_dsa.cache import KVCache
     from glm_dsa.layer import DSAModel, LayerTimes
 
 __all__ = [
-    "CP_SPLITS",
-    "COMM_OPS",
     "split_rows",
     "CommCount",
     "CPChunk",
@@ -64,10 +62,6 @@ __all__ = [
     "init_from_env",
     "launch",
 ]
-
-CP_SPLITS = ("interleave", "contiguous", "zigzag")
-# The gathers, named as the ledger's rows (glm_dsa.ledger.cp_comm_bytes_per_chunk).
-COMM_OPS = ("index_k_allgather", "latent_allgather", "cp_boundary_gather")
 
 
 def split_rows(n: int, cp: int, split: str = "interleave") -> list[Tensor]:
@@ -252,7 +246,7 @@ class CPGroup:
         # What indexer_topk scores: row m against [ks[m], ke[m]); padding rows score nothing.
         full_layers = sum(1 for layer in model.layers if layer.is_full)
         self.indexer_pairs += full_layers * int((chunk.batch.ke - chunk.batch.ks).sum())
-        return chunk.gather(out, "cp_boundary_gather")
+        return chunk.gather(out, CP_BOUNDARY_GATHER)
 
     def stats(self) -> list[dict[str, Any]]:
         """Every rank's counters, in rank order (a collective: every rank must call it)."""

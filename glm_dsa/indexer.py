@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TILE_BYTES",
     "NO_CHUNK_LOGITS",
+    "LOGITS_TOTAL_MEM_CAP",
     "mqa_logits",
     "paged_mqa_logits",
     "topk_per_row",
@@ -64,6 +65,8 @@ TILE_BYTES = 256 * 2**20
 
 # SGLang never row-chunks the indexer logits below this many elements (num_q * num_k).
 NO_CHUNK_LOGITS = 8_000_000
+# SGLang caps the static logits budget at this fraction of the device's total memory.
+LOGITS_TOTAL_MEM_CAP = 0.3
 
 # Score tiles span a multiple of this many key columns, at most _MAX_TILE_COLS unless the tile
 # has so few rows that wider tiles are needed to keep the GEMMs large.
@@ -518,7 +521,7 @@ def logits_budget_bytes(
     )
     _need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
     free, total = torch.cuda.mem_get_info(device)
-    static = min(free_fraction * (1.0 - mem_fraction_static) * total, 0.3 * total)
+    static = min(free_fraction * (1.0 - mem_fraction_static) * total, LOGITS_TOTAL_MEM_CAP * total)
     return int(min(free_fraction * free, static))
 
 

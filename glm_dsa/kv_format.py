@@ -20,6 +20,7 @@ from torch import Tensor
 from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast, raw_scale
 
 __all__ = [
+    "MLA_KV_FORMATS",
     "index_k_page_bytes",
     "index_k_store",
     "index_k_load",
@@ -32,6 +33,9 @@ __all__ = [
     "mla_kv_load",
 ]
 
+# The main-KV row formats a server stores (byte layouts above); the cache also keeps plain
+# float32 / float64 rows for tests (glm_dsa.cache.KV_DTYPES).
+MLA_KV_FORMATS = ("fp8", "bf16")
 MLA_TILE = 128
 _SCALE_BYTES = 4  # float32
 _BF16_BYTES = 2
@@ -152,7 +156,7 @@ def mla_kv_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64, kv_dtype: str 
         return kv_lora_rank + _SCALE_BYTES * (kv_lora_rank // MLA_TILE) + _BF16_BYTES * rope_dim
     if kv_dtype == "bf16":
         return _BF16_BYTES * (kv_lora_rank + rope_dim)
-    raise ValueError(f"kv_dtype={kv_dtype!r} must be 'fp8' or 'bf16'")
+    raise ValueError(f"kv_dtype={kv_dtype!r} must be 'fp8' or 'bf16' (MLA_KV_FORMATS)")
 
 
 def _check_latent(c: Tensor, k_pe: Tensor) -> None:

@@ -27,11 +27,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from glm_dsa.batch import CP_BOUNDARY_GATHER, CP_SPLITS, INDEX_K_ALLGATHER, LATENT_ALLGATHER
 from glm_dsa.config import DSAConfig
+from glm_dsa.indexer import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
+from glm_dsa.kv_format import MLA_KV_FORMATS, MLA_TILE, index_k_page_bytes
+from glm_dsa.report import number, si, table
 
 __all__ = [
-    "KV_DTYPES",
-    "CP_SPLITS",
     "SCHEMA",
     "GpuSpec",
     "OpFlops",
@@ -41,7 +43,6 @@ __all__ = [
     "main_kv_row_bytes",
     "index_k_row_bytes",
     "main_kv_page_bytes",
-    "index_k_page_bytes",
     "cache_bytes_written",
     "chunk_plan",
     "indexer_pairs",
@@ -62,18 +63,19 @@ __all__ = [
     "format_ledger",
 ]
 
+# Names, formats and thresholds come from the modules that own them (the split names from
+# glm_dsa.batch, the KV formats and the index-K page from glm_dsa.kv_format, the logits
+# thresholds from glm_dsa.indexer). Some rules are re-derived here on purpose, from the config
+# alone, as a cross-check the tests hold against the implementation: the main-KV and index-K row
+# bytes (kv_format.mla_kv_row_bytes), the row slicing (indexer.max_logit_rows), the static logits
+# budget (indexer.logits_budget_bytes without the live free memory) and the CP split
+# (cp.split_rows).
 SCHEMA = "glm-dsa.ledger/1"
-KV_DTYPES = ("fp8", "bf16")
-CP_SPLITS = ("contiguous", "interleave", "zigzag")
 
 GB = 10**9
 FP32_BYTES = 4
 BF16_BYTES = 2
 FP8_BYTES = 1
-FP8_BLOCK = 128
-# SGLang's mqa_logits_budget: below this many logits (num_q * num_k) rows are never sliced.
-LOGITS_NO_CHUNK_ELEMENTS = 8_000_000
-LOGITS_TOTAL_MEM_CAP = 0.3
 
 
 def _need(ok: bool, msg: str) -> None:
@@ -89,7 +91,7 @@ def _need_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:
-    _need(kv_dtype in KV_DTYPES, f"kv_dtype={kv_dtype!r} must be one of {KV_DTYPES}")
+    _need(kv_dtype in MLA_KV_FORMATS, f"kv_dtype={kv_dtype!r} must be one of {MLA_KV_FORMATS}")
 
 
 # ============================================================================ byte formats
@@ -104,7 +106,7 @@ def main_kv_row_bytes(config: DSAConfig, kv_dtype: str = "fp8") -> int:
     if kv_dtype == "fp8":
         return (
             config.kv_lora_rank * FP8_BYTES
-            + FP32_BYTES * (config.kv_lora_rank // FP8_BLOCK)
+            + FP32_BYTES * (config.kv_lora_rank // MLA_TILE)
             + BF16_BYTES * config.qk_rope_head_dim
         )
     return BF16_BYTES * config.kv_latent_dim
@@ -118,11 +120,6 @@ def index_k_row_bytes(config: DSAConfig) -> int:
 def main_kv_page_bytes(config: DSAConfig, kv_dtype: str = "fp8") -> int:
     """Bytes of one ``page_size``-token page of one layer's MLA KV cache (41,984 for GLM-5.3 fp8)."""
     return config.page_size * main_kv_row_bytes(config, kv_dtype)
-
-
-def index_k_page_bytes(config: DSAConfig) -> int:
-    """Bytes of one page of one full layer's index-K cache (8,448 for GLM-5.3)."""
-    return config.page_size * index_k_row_bytes(config)
 
 
 def cache_bytes_written(
@@ -427,7 +424,7 @@ def logits_row_slices(num_q: int, num_k: int, budget_bytes: int) -> tuple[int, i
     _need_int("num_q", num_q, 1)
     _need_int("num_k", num_k, 1)
     _need_int("budget_bytes", budget_bytes, 0)
-    if num_q * num_k < LOGITS_NO_CHUNK_ELEMENTS or FP32_BYTES * num_q * num_k <= budget_bytes:
+    if num_q * num_k < NO_CHUNK_LOGITS or FP32_BYTES * num_q * num_k <= budget_bytes:
         return num_q, 1
     rows = max(1, budget_bytes // (FP32_BYTES * num_k))
     return rows, -(-num_q // rows)
@@ -549,16 +546,16 @@ def cp_comm_bytes_per_chunk(
     moe_layers = layers - c.first_k_dense_replace
     hidden_bf16 = n * h * BF16_BYTES
     return [
-        CommRow("index_k_allgather", "chunk's index K, each full layer (CP)",
+        CommRow(INDEX_K_ALLGATHER, "chunk's index K, each full layer (CP)",
                 cp_on * len(c.full_layers), n * idx_bytes, local * idx_bytes),
-        CommRow("latent_allgather", "chunk's [c | k_pe], each layer (CP)",
+        CommRow(LATENT_ALLGATHER, "chunk's [c | k_pe], each layer (CP)",
                 cp_on * layers, n * lat_bytes, local * lat_bytes),
         CommRow("o_proj_reduce_scatter", "o_proj output, bf16, each layer", layers, hidden_bf16),
         CommRow("moe_dispatch", "top-k copies of hidden, fp8, each MoE layer", moe_layers,
                 n * c.num_experts_per_tok * h * FP8_BYTES),
         CommRow("moe_combine", "top-k expert outputs, bf16, each MoE layer", moe_layers,
                 n * c.num_experts_per_tok * h * BF16_BYTES),
-        CommRow("cp_boundary_gather", "hidden after the last layer, bf16 (CP)", cp_on, hidden_bf16,
+        CommRow(CP_BOUNDARY_GATHER, "hidden after the last layer, bf16 (CP)", cp_on, hidden_bf16,
                 local * h * BF16_BYTES),
         CommRow("dp_attention_gather_scatter", "hidden gather + scatter, bf16, each layer",
                 2 * layers, hidden_bf16, optional=True),
@@ -657,52 +654,53 @@ def ttft_floor(
 
 
 # ============================================================================ the whole ledger
-def build_ledger(
-    config: DSAConfig,
-    tokens: int,
-    chunk: int,
-    prefix: int = 0,
-    cp: int = 8,
-    kv_dtype: str = "fp8",
-    mem_fraction_static: float = 0.8,
-    gpu: GpuSpec = GpuSpec(),
-) -> dict[str, Any]:
-    """Every account of the article for one prefill, as a JSON-ready dict (keys: docs/ledger.md)."""
-    _check_kv_dtype(kv_dtype)
-    _need_int("cp", cp, 1)
-    c = config
-    plan = chunk_plan(tokens, chunk, prefix, c.page_size)
-    new = tokens - prefix
-    m = len(plan)
-    full = len(c.full_layers)
-    layers = c.num_hidden_layers
-    moe_layers = layers - c.first_k_dense_replace
+@dataclass(frozen=True)
+class _Run:
+    """The inputs of one ledger, validated, with the chunk plan every section shares."""
 
+    config: DSAConfig
+    tokens: int
+    chunk: int
+    prefix: int
+    cp: int
+    kv_dtype: str
+    mem_fraction_static: float
+    gpu: GpuSpec
+    plan: list[tuple[int, int]]
+
+    @property
+    def new(self) -> int:
+        return self.tokens - self.prefix
+
+
+def _build_flops(run: _Run) -> dict[str, Any]:
+    c = run.config
     ops = []
     for op in op_flops(c):
         n_layers = _op_layers(c, op.applies_to)
         ops.append({
             "op": op.op, "shape": op.shape, "flops_per_token": op.flops_per_token,
             "applies_to": op.applies_to, "layers": n_layers,
-            "total": op.flops_per_token * n_layers * new, "in_article": op.in_article,
+            "total": op.flops_per_token * n_layers * run.new, "in_article": op.in_article,
         })
-    keys = sparse_mla_keys(c, prefix, tokens)
-    flops = {
+    return {
         "ops": ops,
         "layer_per_token": {
             f"{'full' if f else 'shared'}_{'moe' if e else 'dense'}": layer_flops_per_token(c, f, e)
             for f in (True, False) for e in (True, False)
         },
         "model_total_article": sum(o["total"] for o in ops if o["in_article"]),
-        "sparse_mla_keys": keys,
-        "model_total": _model_flops_exact(c, prefix, tokens),
+        "sparse_mla_keys": sparse_mla_keys(c, run.prefix, run.tokens),
+        "model_total": _model_flops_exact(c, run.prefix, run.tokens),
     }
 
-    pairs = indexer_pairs(plan)
+
+def _build_indexer(run: _Run) -> dict[str, Any]:
+    c, new, full = run.config, run.new, len(run.config.full_layers)
+    pairs = indexer_pairs(run.plan)
     per_pair = indexer_flops_per_pair(c)
-    reread = index_k_reread_bytes(c, plan)
     intensity = per_pair // (c.index_head_dim * FP8_BYTES)
-    indexer = {
+    return {
         "full_layers": full,
         "flops_per_pair": per_pair,
         "pairs_per_layer": {
@@ -716,15 +714,19 @@ def build_ledger(
         "flops": full * pairs.total * per_pair,
         "flops_approx": full * pairs.total_approx * per_pair,
         "intensity_flop_per_byte": intensity,
-        "bandwidth_bound_flops_per_s": intensity * gpu.hbm_bytes_per_s,
-        "index_k_reread_bytes": reread,
-        "index_k_reread_bytes_approx": full * index_k_row_bytes(c) * (new * new / (2 * chunk) + m * prefix),
+        "bandwidth_bound_flops_per_s": intensity * run.gpu.hbm_bytes_per_s,
+        "index_k_reread_bytes": index_k_reread_bytes(c, run.plan),
+        "index_k_reread_bytes_approx":
+            full * index_k_row_bytes(c) * (new * new / (2 * run.chunk) + len(run.plan) * run.prefix),
     }
 
-    row_main = main_kv_row_bytes(c, kv_dtype)
-    row_idx = index_k_row_bytes(c)
-    at_l = cache_bytes_written(c, tokens, kv_dtype)
-    kv = {
+
+def _build_kv(run: _Run) -> dict[str, Any]:
+    c, kv_dtype = run.config, run.kv_dtype
+    layers, full = c.num_hidden_layers, len(c.full_layers)
+    row_main, row_idx = main_kv_row_bytes(c, kv_dtype), index_k_row_bytes(c)
+    at_l = cache_bytes_written(c, run.tokens, kv_dtype)
+    return {
         "kv_dtype": kv_dtype,
         "main_row_bytes": row_main,
         "index_row_bytes": row_idx,
@@ -735,17 +737,24 @@ def build_ledger(
         "index_bytes": at_l["index_k"],
         "total_bytes": at_l["total"],
         "main_page_bytes": main_kv_page_bytes(c, kv_dtype),
-        "index_page_bytes": index_k_page_bytes(c),
-        "pages_per_chunk": -(-chunk // c.page_size),
-        "written_per_chunk": cache_bytes_written(c, chunk, kv_dtype),
-        "written_request": cache_bytes_written(c, new, kv_dtype),
+        "index_page_bytes": index_k_page_bytes(c.page_size, c.index_head_dim),
+        "pages_per_chunk": -(-run.chunk // c.page_size),
+        "written_per_chunk": cache_bytes_written(c, run.chunk, kv_dtype),
+        "written_request": cache_bytes_written(c, run.new, kv_dtype),
     }
 
-    budget = logits_budget_bytes_static(gpu.mem_bytes, mem_fraction_static)
+
+def _build_chunks(run: _Run) -> dict[str, Any]:
+    return {"count": len(run.plan), "plan": [list(x) for x in run.plan]}
+
+
+def _build_logits(run: _Run) -> dict[str, Any]:
+    total_mem, tokens, plan = run.gpu.mem_bytes, run.tokens, run.plan
+    budget = logits_budget_bytes_static(total_mem, run.mem_fraction_static)
     slices = [logits_row_slices(e - s, e, budget) for s, e in plan]
-    logits = {
-        "total_mem_bytes": gpu.mem_bytes,
-        "mem_fraction_static": mem_fraction_static,
+    return {
+        "total_mem_bytes": total_mem,
+        "mem_fraction_static": run.mem_fraction_static,
         "budget_bytes": budget,
         "row_bytes_at_tokens": FP32_BYTES * tokens,
         "rows_at_tokens": budget // (FP32_BYTES * tokens),
@@ -754,26 +763,38 @@ def build_ledger(
         "slices_last_chunk": slices[-1][1],
         "slices_total": sum(k for _, k in slices),
     }
-    activations = {
-        "hidden_bytes_per_chunk": chunk * c.hidden_size * BF16_BYTES,
+
+
+def _build_activations(run: _Run) -> dict[str, Any]:
+    c = run.config
+    return {
+        "hidden_bytes_per_chunk": run.chunk * c.hidden_size * BF16_BYTES,
         "moe_intermediate_bytes_per_chunk":
-            chunk * c.num_experts_per_tok * c.moe_intermediate_size * BF16_BYTES,
-    }
-    mha_width = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
-    mha = {
-        "kv_elements_per_token": mha_width,
-        "latent_elements_per_token": c.kv_latent_dim,
-        "temp_kv_bytes_at_tokens": tokens * mha_width * BF16_BYTES,
-        "temp_kv_bytes_per_chunk": chunk * mha_width * BF16_BYTES,
+            run.chunk * c.num_experts_per_tok * c.moe_intermediate_size * BF16_BYTES,
     }
 
-    chunk_sizes = []
-    for b in (chunk // 4, chunk, 4 * chunk):
+
+def _build_mha_one_shot(run: _Run) -> dict[str, Any]:
+    c = run.config
+    mha_width = c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    return {
+        "kv_elements_per_token": mha_width,
+        "latent_elements_per_token": c.kv_latent_dim,
+        "temp_kv_bytes_at_tokens": run.tokens * mha_width * BF16_BYTES,
+        "temp_kv_bytes_per_chunk": run.chunk * mha_width * BF16_BYTES,
+    }
+
+
+def _build_chunk_sizes(run: _Run) -> list[dict[str, Any]]:
+    c = run.config
+    reread = index_k_reread_bytes(c, run.plan)
+    rows = []
+    for b in (run.chunk // 4, run.chunk, 4 * run.chunk):
         if b < c.page_size:
             continue
-        p = chunk_plan(tokens, b, prefix, c.page_size)
+        p = chunk_plan(run.tokens, b, run.prefix, c.page_size)
         b_reread = index_k_reread_bytes(c, p)
-        chunk_sizes.append({
+        rows.append({
             "chunk": b,
             "chunks": len(p),
             "index_k_reread_bytes": b_reread,
@@ -781,12 +802,16 @@ def build_ledger(
             "logits_peak_bytes": max(FP32_BYTES * (e - s) * e for s, e in p),
             "hidden_bytes_per_chunk": b * c.hidden_size * BF16_BYTES,
         })
+    return rows
 
-    cp_section: dict[str, Any] = {"cp": cp, "sequence": {}, "request": {}}
+
+def _build_context_parallel(run: _Run) -> dict[str, Any]:
+    cp, new, prefix = run.cp, run.new, run.prefix
+    section: dict[str, Any] = {"cp": cp, "sequence": {}, "request": {}}
     for split in CP_SPLITS:
         per_rank = cp_indexer_pairs_per_rank(new, cp, split, prefix)
         counts = [sum(len(rg) for rg in ranges) for ranges in _rank_ranges(new, cp, split)]
-        cp_section["sequence"][split] = {
+        section["sequence"][split] = {
             "tokens_per_rank": counts,
             "pairs_per_rank": per_rank,
             "mean_prefix_per_rank": [q / t - 1 if t else None for q, t in zip(per_rank, counts)],
@@ -795,24 +820,29 @@ def build_ledger(
             "max_over_min": max(per_rank) / min(per_rank) if min(per_rank) else None,
         }
         req = [0] * cp
-        for s, e in plan:
+        for s, e in run.plan:
             for r, q in enumerate(cp_indexer_pairs_per_rank(e - s, cp, split, s)):
                 req[r] += q
-        cp_section["request"][split] = {
+        section["request"][split] = {
             "pairs_per_rank": req,
             "max_over_min": max(req) / min(req) if min(req) else None,
         }
+    return section
 
-    rows = cp_comm_bytes_per_chunk(c, chunk, cp)
-    comm = {
-        "chunk_tokens": chunk,
-        "cp": cp,
+
+def _build_comm(run: _Run) -> dict[str, Any]:
+    rows = cp_comm_bytes_per_chunk(run.config, run.chunk, run.cp)
+    return {
+        "chunk_tokens": run.chunk,
+        "cp": run.cp,
         "rows": [dict(dataclasses.asdict(r), total=r.total) for r in rows],
         "total_bytes": sum(r.total for r in rows if not r.optional),
     }
 
-    ttft = ttft_floor(c, tokens, chunk, prefix, gpu, kv_dtype)
-    ttft_json = {
+
+def _build_ttft(run: _Run) -> dict[str, Any]:
+    ttft = ttft_floor(run.config, run.tokens, run.chunk, run.prefix, run.gpu, run.kv_dtype)
+    return {
         "components": [
             dict(dataclasses.asdict(x), share=x.seconds / ttft["serial_s"]) for x in ttft["components"]
         ],
@@ -820,131 +850,131 @@ def build_ledger(
         "critical_path_s": ttft["critical_path_s"],
     }
 
+
+def build_ledger(
+    config: DSAConfig,
+    tokens: int,
+    chunk: int,
+    prefix: int = 0,
+    cp: int = 8,
+    kv_dtype: str = "fp8",
+    mem_fraction_static: float = 0.8,
+    gpu: GpuSpec = GpuSpec(),
+) -> dict[str, Any]:
+    """Every account of the article for one prefill, as a JSON-ready dict (keys: docs/ledger.md).
+
+    ``cp`` is the context-parallel degree (ranks) of the CP and communication sections.
+    """
+    _check_kv_dtype(kv_dtype)
+    _need_int("cp", cp, 1)
+    c = config
+    run = _Run(c, tokens, chunk, prefix, cp, kv_dtype, mem_fraction_static, gpu,
+               chunk_plan(tokens, chunk, prefix, c.page_size))
+    layers, moe_layers = c.num_hidden_layers, c.num_hidden_layers - c.first_k_dense_replace
     return {
         "schema": SCHEMA,
         "inputs": {
-            "config": c.name, "tokens": tokens, "prefix": prefix, "new_tokens": new, "chunk": chunk,
+            "config": c.name, "tokens": tokens, "prefix": prefix, "new_tokens": run.new, "chunk": chunk,
             "cp": cp, "kv_dtype": kv_dtype, "mem_fraction_static": mem_fraction_static,
             "gpu": dataclasses.asdict(gpu),
         },
         "model": {
-            "layers": layers, "full_layers": full, "shared_layers": layers - full,
+            "layers": layers, "full_layers": len(c.full_layers),
+            "shared_layers": layers - len(c.full_layers),
             "dense_layers": c.first_k_dense_replace, "moe_layers": moe_layers,
             "page_size": c.page_size, "index_topk": c.index_topk,
             "max_position_embeddings": c.max_position_embeddings,
         },
         "params": param_counts(c),
-        "flops": flops,
-        "indexer": indexer,
-        "kv": kv,
-        "chunks": {"count": m, "plan": [list(x) for x in plan]},
-        "logits": logits,
-        "activations": activations,
-        "mha_one_shot": mha,
-        "chunk_sizes": chunk_sizes,
-        "context_parallel": cp_section,
-        "comm": comm,
-        "ttft": ttft_json,
+        "flops": _build_flops(run),
+        "indexer": _build_indexer(run),
+        "kv": _build_kv(run),
+        "chunks": _build_chunks(run),
+        "logits": _build_logits(run),
+        "activations": _build_activations(run),
+        "mha_one_shot": _build_mha_one_shot(run),
+        "chunk_sizes": _build_chunk_sizes(run),
+        "context_parallel": _build_context_parallel(run),
+        "comm": _build_comm(run),
+        "ttft": _build_ttft(run),
     }
 
 
 # ============================================================================ text rendering
-_SI = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-
-
-def _si(x: float, unit: str) -> str:
-    """``53.65 GB``-style decimal rendering (1 GB = 1e9 B)."""
-    for scale, prefix in _SI:
-        if abs(x) >= scale:
-            return f"{x / scale:.4g} {prefix}{unit}"
-    return f"{x:.4g} {unit}"
-
-
-def _n(x: Any) -> str:
-    """Exact integers with thousands separators; floats with 10 significant digits."""
-    if x is None:
-        return "-"
-    if isinstance(x, int):
-        return f"{x:,}"
-    return f"{x:,.10g}" if abs(x) < 1e10 else f"{x:.10e}"
-
-
 def _q(label: str, value: Any, unit: str | None = None, note: str = "") -> list[Any]:
     """A ``quantity | value | human-readable`` row; ``unit`` asks for the decimal rendering."""
-    return [label, value, _si(value, unit) if unit is not None else note]
+    return [label, value, si(value, unit) if unit is not None else note]
 
 
-def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(map(str, headers))] + [[v if isinstance(v, str) else _n(v) for v in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(r: Sequence[str]) -> str:
-        # labels left-aligned, numbers right-aligned
-        cols = (v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths)))
-        return "  ".join(cols).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([f"== {title}", line(cells[0]), rule] + [line(r) for r in cells[1:]])
-
-
-def format_ledger(ledger: dict[str, Any]) -> str:
-    """Render a :func:`build_ledger` dict as aligned text tables (every JSON number appears)."""
+def _render_header(ledger: dict[str, Any]) -> list[str]:
     inp, mod = ledger["inputs"], ledger["model"]
-    gpu = inp["gpu"]
     header = [
-        f"glm-dsa ledger: config {inp['config']}, L = {_n(inp['tokens'])} tokens (prefix P = "
-        f"{_n(inp['prefix'])}, new N = {_n(inp['new_tokens'])}), chunk B = {_n(inp['chunk'])}, "
-        f"CP {inp['cp']}, KV {inp['kv_dtype']}",
+        f"glm-dsa ledger: config {inp['config']}, L = {number(inp['tokens'])} tokens (prefix P = "
+        f"{number(inp['prefix'])}, new N = {number(inp['new_tokens'])}), chunk B = "
+        f"{number(inp['chunk'])}, CP {inp['cp']}, KV {inp['kv_dtype']}",
         f"model: {mod['layers']} layers = {mod['full_layers']} full + {mod['shared_layers']} shared "
         f"indexer layers; {mod['dense_layers']} dense + {mod['moe_layers']} MoE; page "
         f"{mod['page_size']} tokens; index_topk {mod['index_topk']}",
         "units: FLOPs count 2 per multiply-add; B = bytes; GB = 1e9 B (decimal); s = seconds",
     ]
     if inp["tokens"] > mod["max_position_embeddings"]:
-        header.append(f"note: L exceeds max_position_embeddings = {_n(mod['max_position_embeddings'])}")
-    out = ["\n".join(header)]
+        header.append(f"note: L exceeds max_position_embeddings = {number(mod['max_position_embeddings'])}")
+    return ["\n".join(header)]
 
-    fl = ledger["flops"]
-    out.append(_table(
-        f"FLOPs per op (total over N = {_n(inp['new_tokens'])} new tokens; sparse MLA at index_topk keys)",
-        ["op", "shape", "FLOP/token", "layers", "total FLOP", "total"],
-        [[o["op"] + ("" if o["in_article"] else " (not in article)"), o["shape"], o["flops_per_token"],
-          o["layers"], o["total"], _si(o["total"], "FLOP")] for o in fl["ops"]],
-    ))
-    out.append(_table(
-        "FLOPs per layer per token (article's ops, router excluded)",
-        ["layer kind", "FLOP/token", ""],
-        [_q(k, v, "FLOP") for k, v in fl["layer_per_token"].items()],
-    ))
-    out.append(_table("model FLOPs", ["quantity", "value", ""], [
-        _q("model_total_article (article's ops, topk keys/token)", fl["model_total_article"], "FLOP"),
-        _q("sparse_mla_keys (exact sum of min(topk, i+1))", fl["sparse_mla_keys"]),
-        _q("model_total (all ops, router, exact keys)", fl["model_total"], "FLOP"),
-    ]))
-    out.append(_table("parameters (elements)", ["component", "params", ""],
-                      [_q(k, v, "") for k, v in ledger["params"].items()]))
 
+def _render_flops(ledger: dict[str, Any]) -> list[str]:
+    fl, new = ledger["flops"], ledger["inputs"]["new_tokens"]
+    return [
+        table(
+            f"FLOPs per op (total over N = {number(new)} new tokens; sparse MLA at index_topk keys)",
+            ["op", "shape", "FLOP/token", "layers", "total FLOP", "total"],
+            [[o["op"] + ("" if o["in_article"] else " (not in article)"), o["shape"],
+              o["flops_per_token"], o["layers"], o["total"], si(o["total"], "FLOP")] for o in fl["ops"]],
+        ),
+        table(
+            "FLOPs per layer per token (article's ops, router excluded)",
+            ["layer kind", "FLOP/token", ""],
+            [_q(k, v, "FLOP") for k, v in fl["layer_per_token"].items()],
+        ),
+        table("model FLOPs", ["quantity", "value", ""], [
+            _q("model_total_article (article's ops, topk keys/token)", fl["model_total_article"], "FLOP"),
+            _q("sparse_mla_keys (exact sum of min(topk, i+1))", fl["sparse_mla_keys"]),
+            _q("model_total (all ops, router, exact keys)", fl["model_total"], "FLOP"),
+        ]),
+    ]
+
+
+def _render_params(ledger: dict[str, Any]) -> list[str]:
+    return [table("parameters (elements)", ["component", "params", ""],
+                  [_q(k, v, "") for k, v in ledger["params"].items()])]
+
+
+def _render_indexer(ledger: dict[str, Any]) -> list[str]:
     ix = ledger["indexer"]
     full = ix["full_layers"]
     pl, pa = ix["pairs_per_layer"], ix["pairs_per_layer_approx"]
-    out.append(_table(
-        f"indexer (query, key) pairs: per full layer, x {full} full layers, article's approximation",
-        ["term", "pairs/layer", f"x {full} layers", "approx/layer"],
-        [[t, pl[t], full * pl[t], pa[t]] for t in ("intra_chunk", "cross_chunk", "prefix_cache", "total")],
-    ))
-    out.append(_table("indexer cost", ["quantity", "value", ""], [
-        _q("flops_per_pair", ix["flops_per_pair"]),
-        _q("flops (exact)", ix["flops"], "FLOP"),
-        _q("flops_approx (L^2/2 pairs)", ix["flops_approx"], "FLOP"),
-        _q("intensity_flop_per_byte", ix["intensity_flop_per_byte"], note="FLOP/B of FP8 K"),
-        _q("bandwidth_bound_flops_per_s", ix["bandwidth_bound_flops_per_s"], "FLOP/s"),
-        _q("index_k_reread_bytes (exact)", ix["index_k_reread_bytes"], "B"),
-        _q("index_k_reread_bytes_approx (N^2/(2B))", ix["index_k_reread_bytes_approx"], "B"),
-    ]))
+    return [
+        table(
+            f"indexer (query, key) pairs: per full layer, x {full} full layers, article's approximation",
+            ["term", "pairs/layer", f"x {full} layers", "approx/layer"],
+            [[t, pl[t], full * pl[t], pa[t]] for t in ("intra_chunk", "cross_chunk", "prefix_cache", "total")],
+        ),
+        table("indexer cost", ["quantity", "value", ""], [
+            _q("flops_per_pair", ix["flops_per_pair"]),
+            _q("flops (exact)", ix["flops"], "FLOP"),
+            _q("flops_approx (L^2/2 pairs)", ix["flops_approx"], "FLOP"),
+            _q("intensity_flop_per_byte", ix["intensity_flop_per_byte"], note="FLOP/B of FP8 K"),
+            _q("bandwidth_bound_flops_per_s", ix["bandwidth_bound_flops_per_s"], "FLOP/s"),
+            _q("index_k_reread_bytes (exact)", ix["index_k_reread_bytes"], "B"),
+            _q("index_k_reread_bytes_approx (N^2/(2B))", ix["index_k_reread_bytes_approx"], "B"),
+        ]),
+    ]
 
+
+def _render_kv(ledger: dict[str, Any]) -> list[str]:
     kv = ledger["kv"]
     wc, wr = kv["written_per_chunk"], kv["written_request"]
-    out.append(_table(f"KV cache ({kv['kv_dtype']} main KV)", ["quantity", "bytes", ""], [
+    return [table(f"KV cache ({kv['kv_dtype']} main KV)", ["quantity", "bytes", ""], [
         _q("main_row_bytes (per token per layer)", kv["main_row_bytes"]),
         _q("index_row_bytes (per token per full layer)", kv["index_row_bytes"]),
         _q("main_bytes_per_token (all layers)", kv["main_bytes_per_token"]),
@@ -958,19 +988,24 @@ def format_ledger(ledger: dict[str, Any]) -> str:
         _q("pages_per_chunk", kv["pages_per_chunk"], note="pages"),
         *[_q(f"written_per_chunk {k}", v, "B") for k, v in wc.items()],
         *[_q(f"written_request {k} (N tokens)", v, "B") for k, v in wr.items()],
-    ]))
+    ])]
 
+
+def _render_chunks(ledger: dict[str, Any]) -> list[str]:
     plan = ledger["chunks"]["plan"]
     shown = list(range(len(plan))) if len(plan) <= 4 else [0, 1, None, len(plan) - 1]
-    out.append(_table(
+    return [table(
         f"chunk plan ({ledger['chunks']['count']} chunks)",
         ["chunk", "start", "end", "tokens"],
         [["...", "...", "...", "..."] if j is None
          else [str(j + 1), plan[j][0], plan[j][1], plan[j][1] - plan[j][0]] for j in shown],
-    ))
+    )]
 
+
+def _render_memory(ledger: dict[str, Any]) -> list[str]:
+    """The logits, activations and MHA one-shot sections share one table."""
     lg, act, mha = ledger["logits"], ledger["activations"], ledger["mha_one_shot"]
-    out.append(_table("indexer logits, activations, MHA one-shot", ["quantity", "value", ""], [
+    return [table("indexer logits, activations, MHA one-shot", ["quantity", "value", ""], [
         _q("total_mem_bytes (per GPU)", lg["total_mem_bytes"], "B"),
         _q("mem_fraction_static", lg["mem_fraction_static"]),
         _q("budget_bytes (static, CONVENTIONS 12)", lg["budget_bytes"], "B"),
@@ -986,52 +1021,75 @@ def format_ledger(ledger: dict[str, Any]) -> str:
         _q("mha latent_elements_per_token", mha["latent_elements_per_token"]),
         _q("mha temp_kv_bytes_at_tokens (bf16)", mha["temp_kv_bytes_at_tokens"], "B"),
         _q("mha temp_kv_bytes_per_chunk (bf16)", mha["temp_kv_bytes_per_chunk"], "B"),
-    ]))
+    ])]
 
-    out.append(_table(
+
+def _render_chunk_sizes(ledger: dict[str, Any]) -> list[str]:
+    return [table(
         "chunk size comparison (reread relative to chunk B)",
         ["chunk", "chunks", "index-K reread B", "relative", "logits peak B", "", "hidden act B"],
         [[x["chunk"], x["chunks"], x["index_k_reread_bytes"], x["index_k_reread_relative"],
-          x["logits_peak_bytes"], _si(x["logits_peak_bytes"], "B"), x["hidden_bytes_per_chunk"]]
+          x["logits_peak_bytes"], si(x["logits_peak_bytes"], "B"), x["hidden_bytes_per_chunk"]]
          for x in ledger["chunk_sizes"]],
-    ))
+    )]
 
+
+def _render_context_parallel(ledger: dict[str, Any]) -> list[str]:
     cps = ledger["context_parallel"]
-    contig, inter, zig = (cps["sequence"][s] for s in CP_SPLITS)
-    out.append(_table(
-        f"context parallel CP{cps['cp']}: N new tokens split once; mean prefix per rank (exact / article)",
-        ["rank", "contig exact", "contig article", "interleave exact", "interleave article", "zigzag exact"],
-        [[str(r), contig["mean_prefix_per_rank"][r], contig["article_mean_prefix_per_rank"][r],
-          inter["mean_prefix_per_rank"][r], inter["article_mean_prefix_per_rank"][r],
-          zig["mean_prefix_per_rank"][r]] for r in range(cps["cp"])],
-    ))
-    out.append(_table(
-        "context parallel: indexer pairs per rank (one full layer) and imbalance",
-        ["split", "scope", "min pairs", "max pairs", "max/min"],
-        [[split, scope, min(d["pairs_per_rank"]), max(d["pairs_per_rank"]), d["max_over_min"]]
-         for scope in ("sequence", "request") for split, d in cps[scope].items()],
-    ))
+    seq = cps["sequence"]
+    contig, inter, zig = seq["contiguous"], seq["interleave"], seq["zigzag"]
+    return [
+        table(
+            f"context parallel CP{cps['cp']}: N new tokens split once; mean prefix per rank (exact / article)",
+            ["rank", "contig exact", "contig article", "interleave exact", "interleave article",
+             "zigzag exact"],
+            [[str(r), contig["mean_prefix_per_rank"][r], contig["article_mean_prefix_per_rank"][r],
+              inter["mean_prefix_per_rank"][r], inter["article_mean_prefix_per_rank"][r],
+              zig["mean_prefix_per_rank"][r]] for r in range(cps["cp"])],
+        ),
+        table(
+            "context parallel: indexer pairs per rank (one full layer) and imbalance",
+            ["split", "scope", "min pairs", "max pairs", "max/min"],
+            [[split, scope, min(d["pairs_per_rank"]), max(d["pairs_per_rank"]), d["max_over_min"]]
+             for scope in ("sequence", "request") for split, d in cps[scope].items()],
+        ),
+    ]
 
+
+def _render_comm(ledger: dict[str, Any]) -> list[str]:
     cm = ledger["comm"]
-    out.append(_table(
-        f"communication per chunk of {_n(cm['chunk_tokens'])} tokens, CP{cm['cp']}",
+    return [table(
+        f"communication per chunk of {number(cm['chunk_tokens'])} tokens, CP{cm['cp']}",
         ["op", "count", "bytes each", "local each", "total B", "total"],
         [[r["op"] + (" (optional)" if r["optional"] else ""), r["count"], r["bytes_each"],
-          r["local_bytes_each"], r["total"], _si(r["total"], "B")] for r in cm["rows"]]
-        + [["total (without optional)", "", "", "", cm["total_bytes"], _si(cm["total_bytes"], "B")]],
-    ))
+          r["local_bytes_each"], r["total"], si(r["total"], "B")] for r in cm["rows"]]
+        + [["total (without optional)", "", "", "", cm["total_bytes"], si(cm["total_bytes"], "B")]],
+    )]
 
-    tt = ledger["ttft"]
-    rates = (f"HBM {_si(gpu['hbm_bytes_per_s'], 'B/s')}, "
-             f"indexer {_si(gpu['indexer_flops_per_s'], 'FLOP/s')}, "
-             f"backbone {_si(gpu['backbone_flops_per_s'], 'FLOP/s')}, "
-             f"NVLink {_si(gpu['nvlink_bytes_per_s'], 'B/s')} per GPU")
-    out.append(_table(
+
+def _render_ttft(ledger: dict[str, Any]) -> list[str]:
+    tt, gpu = ledger["ttft"], ledger["inputs"]["gpu"]
+    rates = (f"HBM {si(gpu['hbm_bytes_per_s'], 'B/s')}, "
+             f"indexer {si(gpu['indexer_flops_per_s'], 'FLOP/s')}, "
+             f"backbone {si(gpu['backbone_flops_per_s'], 'FLOP/s')}, "
+             f"NVLink {si(gpu['nvlink_bytes_per_s'], 'B/s')} per GPU")
+    return [table(
         f"TTFT floor on {gpu['gpus']} x {gpu['name']} ({rates})",
         ["term", "amount", "unit", "rate /s", "rate basis", "seconds", "share"],
         [[x["name"], x["amount"], x["unit"], x["rate"], x["rate_basis"], x["seconds"],
           f"{100 * x['share']:.1f}%"] for x in tt["components"]]
         + [["serial_s", "", "", "", "", tt["serial_s"], ""],
            ["critical_path_s", "", "", "", "", tt["critical_path_s"], ""]],
-    ))
-    return "\n\n".join(out) + "\n"
+    )]
+
+
+# The text report, section by section, in the order the tables are printed.
+_RENDERERS = (
+    _render_header, _render_flops, _render_params, _render_indexer, _render_kv, _render_chunks,
+    _render_memory, _render_chunk_sizes, _render_context_parallel, _render_comm, _render_ttft,
+)
+
+
+def format_ledger(ledger: dict[str, Any]) -> str:
+    """Render a :func:`build_ledger` dict as aligned text tables (every JSON number appears)."""
+    return "\n\n".join(block for render in _RENDERERS for block in render(ledger)) + "\n"

@@ -23,12 +23,45 @@ import torch
 
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache, PageAllocator
+from glm_dsa.indexer import logits_budget_bytes
+from glm_dsa.kv_format import index_k_page_bytes
 from glm_dsa.layer import DSAForCausalLM, LayerTimes
 
 if TYPE_CHECKING:
     from glm_dsa.cp import CPGroup
 
-__all__ = ["Request", "StepRecord", "PrefixCache", "PrefillEngine", "plan_step"]
+__all__ = [
+    "CPU_BUDGET_BYTES",
+    "Request",
+    "StepRecord",
+    "PrefixCache",
+    "PrefillEngine",
+    "plan_step",
+    "default_budget_bytes",
+    "pages_for",
+]
+
+# The host has no allocator whose free memory the CUDA rule could follow; 256 MiB of logits
+# rows keeps a CPU run's peak modest while leaving the row chunks large.
+CPU_BUDGET_BYTES = 256 << 20
+
+
+def default_budget_bytes(device: torch.device | str, mem_fraction_static: float = 0.8) -> int:
+    """The indexer-logits / sparse-gather budget in bytes a run uses unless told otherwise.
+
+    On CUDA, SGLang's rule (``glm_dsa.indexer.logits_budget_bytes``, docs/conventions.md §12)
+    at ``mem_fraction_static``; elsewhere ``CPU_BUDGET_BYTES``.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return logits_budget_bytes(device, mem_fraction_static)
+    return CPU_BUDGET_BYTES
+
+
+def pages_for(lengths: Sequence[int], page_size: int) -> int:
+    """Pages that hold prompts of ``lengths`` tokens all at once, none shared (an upper bound
+    on what an engine running them needs)."""
+    return sum(-(-n // page_size) for n in lengths)
 
 
 @dataclass
@@ -142,7 +175,7 @@ class PrefillEngine:
         prefix_caching: reuse whole-page prefixes of finished requests.
         compute_logits: compute each request's last-position logits with ``lm_head``.
         timing: synchronize and record per-component seconds in each ``StepRecord``.
-        cp: context parallel (None: one rank). Every rank of the group builds the same engine
+        cp_group: context parallel (None: one rank). Every rank of the group builds the same engine
             and adds the same requests; each step then runs split over the ranks
             (``glm_dsa.cp``), and every rank ends with the same outputs and caches.
     """
@@ -157,7 +190,7 @@ class PrefillEngine:
         prefix_caching: bool = True,
         compute_logits: bool = True,
         timing: bool = False,
-        cp: CPGroup | None = None,
+        cp_group: CPGroup | None = None,
     ) -> None:
         cfg = model.config
         if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
@@ -175,12 +208,14 @@ class PrefillEngine:
         self.budget_bytes = budget_bytes
         self.compute_logits = compute_logits
         self.timing = timing
-        self.cp = cp
+        self.cp_group = cp_group
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
         self.timeline: list[StepRecord] = []
+        self.warm_rid: int | None = None
         self._next_rid = 0
+        self.reset_stats()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: torch.Tensor, max_new_tokens: int = 0) -> int:
@@ -237,10 +272,10 @@ class PrefillEngine:
         times = LayerTimes() if self.timing else None
         t0 = time.perf_counter()
         with torch.no_grad():
-            if self.cp is None:
+            if self.cp_group is None:
                 hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times)
             else:
-                hidden = self.cp.forward(self.model.model, ids, batch, cache, self.budget_bytes, times)
+                hidden = self.cp_group.forward(self.model.model, ids, batch, cache, self.budget_bytes, times)
             last_rows = []
             for i, (req, e) in enumerate(plan):
                 q0 = int(batch.cu_seqlens_q[i])
@@ -274,6 +309,7 @@ class PrefillEngine:
                 self._finish(req)
         # The one request left part-way runs first next step (PrefillAdder's new_chunked_req).
         self.running.sort(key=lambda r: r.prefix_len == 0)
+        self.pages_peak = max(self.pages_peak, self.allocator.num_pages - self.allocator.num_free)
         return record
 
     def _finish(self, req: Request) -> None:
@@ -290,8 +326,102 @@ class PrefillEngine:
                 progress(record)
         return self.finished
 
+    # ------------------------------------------------------------------ warm-up and reports
+    def reset_stats(self) -> None:
+        """Start the timeline, the peak page count, the bytes-written baseline and the CP
+        counters afresh (e.g. after a warm-up run)."""
+        self.timeline.clear()
+        self.pages_peak = 0
+        self._written_at_reset = dict(self.cache.bytes_written)
+        if self.cp_group is not None:
+            self.cp_group.reset_counters()
+
+    def warm_up(self, prefix_ids: torch.Tensor) -> int | None:
+        """Run ``prefix_ids`` (int64 ``[P]``) alone so its whole pages enter the prefix cache,
+        then ``reset_stats``; returns its request id, or None (nothing run) when ``P`` is shorter
+        than a page. Later requests sharing the prefix hit ``floor(P / page_size)`` pages."""
+        if prefix_ids.numel() < self.config.page_size:
+            return None
+        self.warm_rid = self.add_request(prefix_ids)
+        self.run()
+        self.reset_stats()
+        return self.warm_rid
+
+    def tokens_to_run(self) -> int:
+        """Tokens the queued requests will run: their prompts minus the prefix-cache hits they
+        would get now (what a progress bar counts to)."""
+        page = self.config.page_size
+        hits = 0
+        if self.prefix_cache is not None:
+            hits = sum(len(self.prefix_cache.match(r.input_ids, r.length - 1)) * page for r in self.waiting)
+        return sum(r.length for r in self.waiting) - hits
+
+    def report(self, rids: Sequence[int]) -> dict:
+        """The run since the last ``reset_stats`` as a JSON-ready dict: ``requests`` (tokens,
+        cached), ``budget_bytes``, ``total_seconds``, ``steps`` (each request named by its index
+        in ``rids``), ``cache`` usage in pages and bytes, and under CP ``context_parallel`` with
+        every rank's counters (a collective: every rank must call it)."""
+        cache, page = self.cache, self.config.page_size
+        written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
+        pool = cache.pool_bytes()
+        report = {
+            "requests": [{"tokens": self.finished[r].length, "cached": self.finished[r].cached_len}
+                         for r in rids],
+            "budget_bytes": self.budget_bytes,
+            "total_seconds": sum(s.seconds for s in self.timeline),
+            "steps": [_step_json(s, rids) for s in self.timeline],
+            "cache": {
+                "pages_total": self.allocator.num_pages,
+                "pages_peak": self.pages_peak,
+                "page_bytes_main_kv": cache.mla_row_bytes * page,
+                "page_bytes_index_k": index_k_page_bytes(page, self.config.index_head_dim),
+                "pool_bytes_main_kv": pool["mla"],
+                "pool_bytes_index_k": pool["index_k"],
+                "bytes_written_main_kv": written["mla"],
+                "bytes_written_index_k": written["index_k"],
+            },
+        }
+        if self.cp_group is not None:
+            g = self.cp_group
+            report["context_parallel"] = {"cp": g.size, "split": g.split, "ranks": g.stats()}
+        return report
+
+    def outputs(self, rids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """``request.{i}.input_ids``, ``.hidden`` (float32 ``[L, hidden]``, every token of the
+        prompt) and ``.logits`` of the finished requests ``rids``, on the host.
+
+        Tokens served from the prefix cache were computed by the ``warm_up`` request (same
+        tokens, same positions): their rows are taken from it.
+        """
+        warm = torch.cat(self.finished[self.warm_rid].hidden) if self.warm_rid is not None else None
+        out = {}
+        for i, rid in enumerate(rids):
+            r = self.finished[rid]
+            if r.cached_len and (warm is None or warm.shape[0] < r.cached_len):
+                raise ValueError(f"request {rid} hit {r.cached_len} cached tokens that no warm_up "
+                                 "request computed; run the shared prefix with warm_up first")
+            out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
+            rows = ([warm[: r.cached_len]] if r.cached_len else []) + r.hidden
+            out[f"request.{i}.hidden"] = torch.cat(rows).float().cpu().contiguous()
+            if r.logits is not None:
+                out[f"request.{i}.logits"] = r.logits.float().contiguous()
+        return out
+
     def output_hidden(self, rid: int) -> torch.Tensor:
         """The last layer's output ``[L - cached_len, hidden]`` for the tokens request ``rid`` ran,
         on the model's device (``L × hidden_size × 2`` bytes in bf16: 12.9 GB for 1M tokens of
         GLM-5.3)."""
         return torch.cat(self.finished[rid].hidden)
+
+
+def _step_json(s: StepRecord, rids: Sequence[int]) -> dict:
+    return {
+        "step": s.step,
+        "chunks": [{"request": list(rids).index(rid), "start": a, "end": b} for rid, a, b in s.chunks],
+        "prefix_at_start": list(s.prefix_at_start),
+        "seconds": s.seconds,
+        "indexer_s": s.indexer,
+        "attention_s": s.attention,
+        "moe_s": s.moe,
+        "projections_s": s.projections,
+    }

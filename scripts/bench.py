@@ -31,9 +31,10 @@ from torch import Tensor
 
 from glm_dsa import oracle, peers
 from glm_dsa.config import PRESETS, DSAConfig
-from glm_dsa.indexer import indexer_topk, logits_budget_bytes, max_logit_rows, mqa_logits, topk_per_row
+from glm_dsa.indexer import indexer_topk, max_logit_rows, mqa_logits, topk_per_row
 from glm_dsa.ledger import op_flops, sparse_mla_keys
 from glm_dsa.mla import sparse_mla_fwd
+from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
 
 GLM = PRESETS["glm-5.3"]
 GB = 1e9
@@ -124,7 +125,7 @@ def bench_indexer(ceil: dict, queries: int, keys: int) -> dict:
     prefix = keys - queries
     ks = torch.zeros(queries, dtype=torch.int32, device=dev)
     ke = (prefix + torch.arange(queries, device=dev) + 1).to(torch.int32)
-    budget = logits_budget_bytes(torch.device(dev), 0.8)
+    budget = default_budget_bytes(dev)
     inputs = sum(t.numel() * t.element_size() for t in (q_fp8, k_fp8, k_scale, w, ks, ke))
     seconds, before, peak = _peak(lambda: indexer_topk(q_fp8, w, k_fp8, k_scale, ks, ke, cfg.index_topk, budget))
     pairs = queries * prefix + queries * (queries + 1) // 2
@@ -192,17 +193,14 @@ def _one_layer_model(**changes) -> torch.nn.Module:
 def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768) -> None:
     """Chunked prefill of one ``tokens``-long prompt; fills ``entry`` step by step and calls
     ``save()`` after each step, so a run stopped by a time limit keeps its finished steps."""
-    from glm_dsa.prefill import PrefillEngine
-
     model = _one_layer_model()
     cfg = model.config
-    budget = logits_budget_bytes(torch.device("cuda"), 0.8)
+    budget = default_budget_bytes("cuda")
     warm = PrefillEngine(model, 64, "fp8", chunk, budget, compute_logits=False)
     warm.add_request(torch.arange(4096) % cfg.vocab_size)  # first-call set-up out of the timings
     warm.run()
     del warm
-    pages = -(-tokens // cfg.page_size)
-    engine = PrefillEngine(model, pages, "fp8", chunk, budget, prefix_caching=False,
+    engine = PrefillEngine(model, pages_for([tokens], cfg.page_size), "fp8", chunk, budget, prefix_caching=False,
                            compute_logits=False, timing=True)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     engine.add_request(ids)
@@ -293,10 +291,8 @@ def _index_topk(model: torch.nn.Module, hf: torch.nn.Module | None, topk: int):
 
 def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: int = 32768):
     """One chunked prefill of ``ids``: (seconds, peak bytes, hidden [L, hidden] on the GPU, engine)."""
-    from glm_dsa.prefill import PrefillEngine
-
-    budget = logits_budget_bytes(torch.device("cuda"), 0.8)
-    pages = -(-ids.numel() // model.config.page_size)
+    budget = default_budget_bytes("cuda")
+    pages = pages_for([ids.numel()], model.config.page_size)
     engine = PrefillEngine(model, pages, kv_dtype, chunk, budget, prefix_caching=False,
                            compute_logits=False, timing=timing)
     rid = engine.add_request(ids)

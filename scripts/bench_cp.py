@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import sys
@@ -25,12 +24,13 @@ import time
 
 import torch
 
+from glm_dsa.batch import CP_BOUNDARY_GATHER, CP_SPLITS, INDEX_K_ALLGATHER, LATENT_ALLGATHER
+from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import get_config
-from glm_dsa.cp import CP_SPLITS, CPGroup, init_from_env, launched_by_torchrun
-from glm_dsa.indexer import logits_budget_bytes
+from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
 from glm_dsa.layer import DSAForCausalLM
 from glm_dsa.ledger import cp_comm_bytes_per_chunk, cp_indexer_pairs_per_rank
-from glm_dsa.prefill import PrefillEngine
+from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
 from glm_dsa.weights import init_weights
 
 
@@ -46,9 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda (rank r on cuda:LOCAL_RANK) or cpu")
     ap.add_argument("--dtype", choices=["bfloat16", "float32", "float64"],
                     help="weights/activations (default bfloat16 on CUDA, float32 on CPU)")
-    ap.add_argument("--kv-dtype", choices=["fp8", "bf16", "fp32"], default="fp8")
+    ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8")
     ap.add_argument("--budget-bytes", type=int,
-                    help="indexer logits budget (default: CONVENTIONS §12 rule on CUDA, 256 MiB on CPU)")
+                    help="indexer logits budget (default: glm_dsa.prefill.default_budget_bytes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-check", action="store_true", help="skip the single-rank comparison")
     args = ap.parse_args(argv)
@@ -68,17 +68,11 @@ def _peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _engine(model, args, device, cp):
-    cfg = model.config
-    if args.budget_bytes is not None:
-        budget = args.budget_bytes
-    elif device.type == "cuda":
-        budget = logits_budget_bytes(device, 0.8)
-    else:
-        budget = 256 << 20
-    pages = math.ceil(args.tokens / cfg.page_size)
+def _engine(model, args, device, cp_group):
+    budget = default_budget_bytes(device) if args.budget_bytes is None else args.budget_bytes
+    pages = pages_for([args.tokens], model.config.page_size)
     return PrefillEngine(model, pages, args.kv_dtype, args.chunk, budget,
-                         compute_logits=False, timing=True, cp=cp)
+                         compute_logits=False, timing=True, cp_group=cp_group)
 
 
 def _comm_snapshot(group: CPGroup) -> dict:
@@ -154,11 +148,11 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict | None:
         ledger_comm = {
             op: {"collectives": rows[op].count, "bytes": rows[op].total,
                  "local_bytes": rows[op].count * rows[op].local_bytes_each}
-            for op in ("index_k_allgather", "latent_allgather")
+            for op in (INDEX_K_ALLGATHER, LATENT_ALLGATHER)
         }
         # The ledger counts the boundary gather in bf16; ours moves the activation dtype.
-        b = rows["cp_boundary_gather"]
-        ledger_comm["cp_boundary_gather"] = {
+        b = rows[CP_BOUNDARY_GATHER]
+        ledger_comm[CP_BOUNDARY_GATHER] = {
             "collectives": b.count, "bytes": b.total * elem // 2,
             "local_bytes": b.count * b.local_bytes_each * elem // 2}
         pairs = [len(cfg.full_layers) * p

@@ -32,9 +32,10 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cli import main as cli_main
 from glm_dsa.config import PRESETS
-from glm_dsa.cp import COMM_OPS, CP_SPLITS, CPGroup, launch, split_rows
+from glm_dsa.cp import CPGroup, launch, split_rows
 from glm_dsa.layer import DSAForCausalLM
 from glm_dsa.ledger import cp_comm_bytes_per_chunk, cp_indexer_pairs_per_rank, cp_rank_positions
 from glm_dsa.prefill import PrefillEngine
@@ -96,7 +97,7 @@ def _run(scenario: str, dtype: str, kv_dtype: str, group: CPGroup | None) -> dic
     """Run a scenario; returns outputs, caches, bytes written and per-step CP counters."""
     config, spec, chunk = SCENARIOS[scenario]
     eng = PrefillEngine(_model(config, dtype), num_pages=16, kv_dtype=kv_dtype,
-                        chunked_prefill_size=chunk, budget_bytes=1 << 22, cp=group)
+                        chunked_prefill_size=chunk, budget_bytes=1 << 22, cp_group=group)
     rids, steps = [], []
 
     def run_recording_each_step() -> None:

@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from glm_dsa.batch import CP_SPLITS
 from glm_dsa.config import PRESETS, get_config
 from glm_dsa.ledger import (
-    CP_SPLITS,
     GpuSpec,
     build_ledger,
     cache_bytes_written,
@@ -28,7 +28,6 @@ from glm_dsa.ledger import (
     cp_indexer_pairs_per_rank,
     cp_mean_prefix_article,
     cp_rank_positions,
-    index_k_page_bytes,
     index_k_reread_bytes,
     index_k_row_bytes,
     indexer_pairs,
@@ -96,8 +95,8 @@ def test_page_sizes_pages_per_chunk_and_bytes_written_per_chunk(ledger_1m):
     # Article, 页布局与写放大: "64×656=41,984 字节", "64×132=8,448 字节", "一个 32768 的 chunk
     # 对应 512 页", "78 层 × 512 页 × 41KB ≈ 1.68GB/chunk", "21 × 512 × 8.25KB ≈ 91MB/chunk".
     assert main_kv_page_bytes(GLM) == 64 * 656 == 41_984
-    assert index_k_page_bytes(GLM) == 64 * 132 == 8_448
     kv = ledger_1m["kv"]
+    assert kv["index_page_bytes"] == 64 * 132 == 8_448
     assert kv["pages_per_chunk"] == B_32K // 64 == 512
     assert kv["written_per_chunk"]["main_kv"] == 78 * 512 * 41_984
     assert rounds_to(kv["written_per_chunk"]["main_kv"], 1.68, 1e9, 2)
@@ -596,7 +595,8 @@ def test_row_and_page_bytes_agree_with_kv_format(name):
     for kv_dtype in ("fp8", "bf16"):
         assert main_kv_row_bytes(c, kv_dtype) == kv_format.mla_kv_row_bytes(
             c.kv_lora_rank, c.qk_rope_head_dim, kv_dtype)
-    assert index_k_page_bytes(c) == kv_format.index_k_page_bytes(c.page_size, c.index_head_dim)
+    # The ledger's own row formula, paged, against the byte layout the cache stores.
+    assert c.page_size * index_k_row_bytes(c) == kv_format.index_k_page_bytes(c.page_size, c.index_head_dim)
 
 
 @given(num_q=st.integers(1, 50_000), num_k=st.integers(1, 2_000_000), budget=st.integers(0, 10**10))
