@@ -18,6 +18,7 @@ from typing import Sequence
 
 from glm_dsa.config import get_config
 from glm_dsa.ledger import KV_DTYPES, GpuSpec, _table, build_ledger, format_ledger
+from glm_dsa.testing import cli as testing_cli
 
 __all__ = ["build_parser", "main"]
 
@@ -440,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefill(subparsers)
     _add_golden(subparsers)
     _add_compare(subparsers)
+    testing_cli.add_parser(subparsers)
     return parser
 
 
