@@ -22,6 +22,7 @@ from glm_dsa.config import get_config
 from glm_dsa.kv_format import MLA_KV_FORMATS
 from glm_dsa.ledger import GpuSpec, build_ledger, format_ledger
 from glm_dsa.report import table
+from glm_dsa.testing import cli as testing_cli
 
 __all__ = ["build_parser", "main"]
 
@@ -388,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefill(subparsers)
     _add_golden(subparsers)
     _add_compare(subparsers)
+    testing_cli.add_parser(subparsers)
     return parser
 
 

@@ -10,13 +10,13 @@ shorter than top-k, lengths that are not a multiple of 64, invalid indices and r
 valid. The manifest names, per expected output, the metric and tolerance it is checked with.
 
 ``compare(dir, candidate)`` (``glm-dsa compare``) checks a kernel's outputs, stored under the
-same names, with the upstream metric of each tensor, after masking what the contract leaves
-unspecified:
+same names, with the upstream metric of each tensor (``glm_dsa.testing.metrics``, shared with
+``check_kernel``), after masking what the contract leaves unspecified:
 
 * ``bitwise``: byte formats and quantized values, element by element.
 * ``calc_diff``: DeepGEMM's metric inside the valid region (``< 5e-6`` against this
-  dequantized-input reference); the candidate must be finite there and, for cleaned logits,
-  exactly ``-inf`` outside; uncleaned entries outside are ignored.
+  dequantized-input reference, ``< 3e-5`` for bf16 logits); the candidate must be finite
+  there and, for cleaned logits, exactly ``-inf`` outside; uncleaned entries outside are ignored.
 * ``allclose``: FlashMLA's ``check_is_allclose`` (abs / rel per element, ±inf/NaN positions,
   cos_diff) with FlashMLA's tolerances.
 * ``topk_set``: per row, the selected columns as a set, pads counted; a candidate may swap
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import zlib
 from dataclasses import dataclass, field
@@ -44,6 +43,17 @@ from torch import Tensor
 
 from glm_dsa import oracle
 from glm_dsa.config import get_config
+from glm_dsa.testing.cases import block_table, ragged_rows, relative_indices
+from glm_dsa.testing.metrics import (
+    CALC_DIFF_MAX,
+    CALC_DIFF_MAX_BF16,
+    DECODE_LSE_TOL,
+    DECODE_OUT_TOL,
+    HADAMARD_TOL,
+    SPARSE_OUT_TOL,
+    SPARSE_STAT_TOL,
+    check_tensor,
+)
 
 __all__ = [
     "FORMAT",
@@ -63,17 +73,6 @@ FORMAT = "glm-dsa-golden/1"
 MANIFEST = "manifest.json"
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-# Upstream tolerances (anchor-kernel-apis.md §1c, §2a, §2b; CONVENTIONS §14).
-CALC_DIFF_MAX = 5e-6  # DeepGEMM, against the reference on dequantized inputs
-SPARSE_OUT_TOL = {"abs_tol": 8e-4, "rel_tol": 3.01 / 128, "cos_diff_tol": 7e-6}
-SPARSE_STAT_TOL = {"abs_tol": 1e-6, "rel_tol": 2.01 / 65536, "cos_diff_tol": 1e-7}
-DECODE_OUT_TOL = {"abs_tol": 1e-3, "rel_tol": 2.01 / 128, "cos_diff_tol": 5e-6}
-DECODE_LSE_TOL = {"abs_tol": 1e-6, "rel_tol": 8.01 / 65536, "cos_diff_tol": 1e-7}
-# A bf16 Hadamard output is the float32 result rounded once (relative error ≤ 2**-8); allow one
-# bf16 ulp (2**-7) for a float32 sum that lands on the other side of a rounding boundary, and
-# 1e-5 absolute for the float32 summation error of entries that cancel to nearly zero.
-HADAMARD_TOL = {"abs_tol": 1e-5, "rel_tol": 2.01 / 256, "cos_diff_tol": 7e-6}
 
 _GLM = get_config("glm-5.3")
 _DSV32 = get_config("deepseek-v3.2")
@@ -186,20 +185,10 @@ def _kv_cache_cast_cases(seed: int) -> list[Case]:
     )]
 
 
-def _ragged_rows(requests: list[tuple[int, int]]) -> tuple[Tensor, Tensor, int]:
-    """(ks, ke, S_kv) of the extend rows of (prefix, extend) requests over their concatenated KV."""
-    ks, ke, offset = [], [], 0
-    for prefix, extend in requests:
-        for i in range(extend):
-            ks.append(offset)
-            ke.append(offset + prefix + i + 1)
-        offset += prefix + extend
-    return _i32(ks), _i32(ke), offset
-
-
 def _logits_check(clean: bool) -> dict:
     return {
-        "metric": "calc_diff", "max": CALC_DIFF_MAX, "mask": "logits_mask",
+        "metric": "calc_diff", "max": CALC_DIFF_MAX, "max_bf16": CALC_DIFF_MAX_BF16,
+        "mask": "logits_mask",
         "outside_mask": "-inf" if clean else "unspecified",
         "why": "DeepGEMM: calc_diff < 5e-6 against the reference on dequantized inputs, "
                "-inf mask exact when cleaned; uncleaned entries outside the mask are ignored",
@@ -219,7 +208,7 @@ def _mqa_logits_cases(seed: int) -> list[Case]:
          "compressed logits: max_seqlen_k = max(ke - ks), out[i, j] is key ks[i] + j"),
     ):
         g = _generator(seed, "fp8_mqa_logits", name)
-        ks, ke, s_kv = _ragged_rows(requests)
+        ks, ke, s_kv = ragged_rows(requests)
         s = ks.shape[0]
         q = _randn(g, s, heads, _INDEX_DIM).to(torch.float8_e4m3fn)
         kv_fp8, kv_scale = oracle.act_quant(_randn(g, s_kv, _INDEX_DIM, dtype=torch.bfloat16), 128)
@@ -244,17 +233,6 @@ def _mqa_logits_cases(seed: int) -> list[Case]:
     return cases
 
 
-def _block_table(g: torch.Generator, blocks_per_request: list[int], num_blocks: int) -> Tensor:
-    """int32 [B, max(blocks)]: distinct shuffled physical blocks, unused entries 0."""
-    pool = torch.randperm(num_blocks, generator=g)
-    table = torch.zeros((len(blocks_per_request), max(blocks_per_request)), dtype=torch.int32)
-    used = 0
-    for b, n in enumerate(blocks_per_request):
-        table[b, :n] = pool[used : used + n].to(torch.int32)
-        used += n
-    return table
-
-
 def _paged_logits_cases(seed: int) -> list[Case]:
     cases = []
     for name, heads, next_n, lens, max_len, clean, what in (
@@ -274,12 +252,12 @@ def _paged_logits_cases(seed: int) -> list[Case]:
         kv_cache = oracle.kv_cache_cast_to_fp8(
             _randn(g, num_blocks, _PAGE, 1, _INDEX_DIM, dtype=torch.bfloat16)
         )
-        block_table = _block_table(g, blocks, num_blocks)
+        table = block_table(g, blocks, num_blocks)
         q = _randn(g, batch, next_n, heads, _INDEX_DIM).to(torch.float8_e4m3fn)
         weights = _randn(g, batch * next_n, heads)
         context_lens = _i32(lens)
         call = lambda clean_logits: oracle.fp8_paged_mqa_logits(  # noqa: E731
-            q, kv_cache, weights, context_lens, block_table, max_len, clean_logits
+            q, kv_cache, weights, context_lens, table, max_len, clean_logits
         )
         logits = call(clean)
         cases.append(Case(
@@ -288,7 +266,7 @@ def _paged_logits_cases(seed: int) -> list[Case]:
             "max_context_len, clean_logits)",
             {"max_context_len": max_len, "clean_logits": clean},
             {"q": q, "kv_cache": kv_cache, "weights": weights, "context_lens": context_lens,
-             "block_table": block_table},
+             "block_table": table},
             {"logits": logits}, {"logits": _logits_check(clean)},
             {"logits_mask": torch.isfinite(call(True))},
         ))
@@ -339,15 +317,6 @@ def _topk_cases(seed: int) -> list[Case]:
     return cases
 
 
-def _relative_indices(g: torch.Generator, lens: list[int], topk: int) -> Tensor:
-    """int32 [R, topk]: distinct request-relative indices, -1 after min(topk, len) entries."""
-    rows = []
-    for n in lens:
-        k = min(topk, n)
-        rows.append(torch.randperm(n, generator=g)[:k].tolist() + [-1] * (topk - k))
-    return _i32(rows)
-
-
 def _index_set_check(why: str) -> dict:
     return {"metric": "index_set", "why": why}
 
@@ -355,7 +324,7 @@ def _index_set_check(why: str) -> dict:
 def _transform_cases(seed: int) -> list[Case]:
     g = _generator(seed, "topk_transform_ragged", "sglang")
     lens = [70, 70, 3, 120, 1, 33]
-    indices = _relative_indices(g, lens, 16)
+    indices = relative_indices(g, lens, 16)
     offsets = _i32([0, 0, 0, 70, 190, 190])
     cases = [Case(
         "topk_transform_ragged", "sglang",
@@ -375,7 +344,7 @@ def _transform_cases(seed: int) -> list[Case]:
         pool = torch.randperm(len(lens) * pages_per_row + 5, generator=g)
         page_table = pool[: len(lens) * pages_per_row].view(len(lens), pages_per_row)
         page_table = page_table.to(torch.int32)
-        indices = _relative_indices(g, lens, 16)
+        indices = relative_indices(g, lens, 16)
         cases.append(Case(
             "topk_transform_paged", name, what + "; -1 kept",
             "topk_transform_paged(indices, page_table, page_size)", {"page_size": page_size},
@@ -675,151 +644,10 @@ class CompareReport:
         return all(c.passed for c in self.checks)
 
 
-def _pos(index: tuple[int, ...]) -> str:
-    return "(" + ", ".join(str(i) for i in index) + ")"
-
-
-def _first(mask: Tensor) -> tuple[int, ...]:
-    return tuple(int(v) for v in mask.nonzero()[0])
-
-
-def _check_bitwise(cand: Tensor, exp: Tensor) -> tuple[bool, float, str]:
-    if cand.element_size() != exp.element_size():
-        return False, math.nan, (
-            f"{cand.dtype} has {cand.element_size()}-byte elements, the golden {exp.dtype} "
-            f"{exp.element_size()}-byte ones"
-        )
-    width = exp.element_size()
-    a = cand.contiguous().reshape(-1).view(torch.uint8).view(-1, width)
-    b = exp.contiguous().reshape(-1).view(torch.uint8).view(-1, width)
-    differ = (a != b).any(dim=1).view(exp.shape)
-    n = int(differ.sum())
-    if n == 0:
-        return True, 0.0, f"bitwise equal ({exp.numel()} elements)"
-    at = _first(differ)
-    hex_ = lambda t: "0x" + bytes(t[at].reshape(1).view(torch.uint8).tolist()).hex()  # noqa: E731
-    return False, float(n), (
-        f"{n} of {exp.numel()} elements differ; first at {_pos(at)}: {hex_(cand)} vs {hex_(exp)}"
-    )
-
-
-def _check_calc_diff(cand: Tensor, exp: Tensor, spec: dict, golden: Mapping[str, Tensor]):
-    if not cand.is_floating_point():
-        return False, math.nan, f"dtype {cand.dtype} is not floating point"
-    mask = golden[spec["mask"]]
-    c, e = cand.double(), exp.double()
-    bad_inside = mask & ~torch.isfinite(c)
-    if bool(bad_inside.any()):
-        at = _first(bad_inside)
-        return False, math.nan, (
-            f"not finite inside the valid region at {_pos(at)}: {float(c[at])} "
-            f"(expected {float(e[at])})"
-        )
-    if spec["outside_mask"] == "-inf":
-        bad_outside = ~mask & ~torch.isneginf(c)
-        if bool(bad_outside.any()):
-            at = _first(bad_outside)
-            return False, math.nan, (
-                f"{int(bad_outside.sum())} entries outside the valid region are not -inf; "
-                f"first at {_pos(at)}: {float(c[at])}"
-            )
-    d = oracle.calc_diff(torch.where(mask, c, 0.0), torch.where(mask, e, 0.0))
-    outside = "-inf outside exact" if spec["outside_mask"] == "-inf" else "outside ignored"
-    ok = d < spec["max"]
-    return ok, d, f"calc_diff {d:.3g} {'<' if ok else '>='} {spec['max']:g} ({outside})"
-
-
-def _check_allclose(cand: Tensor, exp: Tensor, spec: dict):
-    if not cand.is_floating_point():
-        return False, math.nan, f"dtype {cand.dtype} is not floating point"
-    r = oracle.check_allclose(cand, exp, spec["abs_tol"], spec["rel_tol"], spec["cos_diff_tol"])
-    text = (
-        f"max abs err {r.max_abs_err:.3g}, max rel err {r.max_rel_err:.3g}, {r.num_failed} of "
-        f"{exp.numel()} outside abs {spec['abs_tol']:g} / rel {spec['rel_tol']:.4g}; cos_diff "
-        f"{r.cos_diff:.3g} (≤ {spec['cos_diff_tol']:g})"
-    )
-    if r.anomaly is not None:
-        text = f"inf/NaN positions differ: {r.anomaly}; " + text
-    elif r.first_failure is not None:
-        at = r.first_failure
-        text += f"; first failure at {_pos(at)}: {float(cand[at])} vs {float(exp[at])}"
-    return r.passed, r.cos_diff, text
-
-
-def _selection(row: list[int], k: int, pad: int) -> list[int] | None:
-    """The k selected entries of a row once its ``len(row) - k`` pads are removed (None if the
-    row has fewer pads than that)."""
-    rest = list(row)
-    for _ in range(len(row) - k):
-        if pad not in rest:
-            return None
-        rest.remove(pad)
-    return rest
-
-
-def _check_topk_set(cand: Tensor, exp: Tensor, spec: dict, golden: Mapping[str, Tensor]):
-    if cand.is_floating_point() or cand.is_complex() or cand.dtype == torch.bool:
-        return False, math.nan, f"dtype {cand.dtype} is not an integer type"
-    scores = golden[spec["scores"]]
-    starts, ends = golden[spec["row_starts"]].tolist(), golden[spec["row_ends"]].tolist()
-    pad, absolute = spec["pad"], spec["base"] == "absolute"
-    topk = exp.shape[1]
-    bad, first = 0, None
-    for r, (c_row, e_row) in enumerate(zip(cand.tolist(), exp.tolist())):
-        s, e = starts[r], ends[r]
-        k = min(topk, e - s)
-        picked, wanted = _selection(c_row, k, pad), _selection(e_row, k, pad)
-        why = None
-        if picked is None:
-            why = f"fewer than {topk - k} pad entries ({pad})"
-        else:
-            cols = [v if absolute else v + s for v in picked]
-            if any(not s <= c < e for c in cols):
-                why = f"an index outside the row's [{s}, {e})"
-            elif len(set(cols)) != k:
-                why = "a repeated index"
-            elif e - s > topk:
-                wanted_cols = [v if absolute else v + s for v in wanted]
-                got = sorted(scores[r, cols].tolist())
-                if got != sorted(scores[r, wanted_cols].tolist()):
-                    why = "a selected score differs from the top-k scores"
-        if why is not None:
-            bad += 1
-            first = first or f"row {r}: {why}"
-    if bad == 0:
-        return True, 0.0, f"{exp.shape[0]} rows equal as sets (equal scores interchangeable)"
-    return False, float(bad), f"{bad} of {exp.shape[0]} rows differ; first {first}"
-
-
-def _check_index_set(cand: Tensor, exp: Tensor):
-    if cand.is_floating_point() or cand.is_complex() or cand.dtype == torch.bool:
-        return False, math.nan, f"dtype {cand.dtype} is not an integer type"
-    differ = (cand.long().sort(dim=-1).values != exp.long().sort(dim=-1).values).any(dim=-1)
-    n = int(differ.sum())
-    if n == 0:
-        return True, 0.0, f"{exp.shape[0]} rows equal as sets"
-    return False, float(n), f"{n} of {exp.shape[0]} rows differ as sets; first row {_first(differ)[0]}"
-
-
 def _check(name: str, spec: dict, cand: Tensor, golden: Mapping[str, Tensor]) -> TensorCheck:
-    exp = golden[name]
-    metric = spec["metric"]
-    if tuple(cand.shape) != tuple(exp.shape):
-        return TensorCheck(name, metric, False, math.nan,
-                           f"shape {tuple(cand.shape)}, golden {tuple(exp.shape)}")
-    if metric == "bitwise":
-        ok, value, detail = _check_bitwise(cand, exp)
-    elif metric == "calc_diff":
-        ok, value, detail = _check_calc_diff(cand, exp, spec, golden)
-    elif metric == "allclose":
-        ok, value, detail = _check_allclose(cand, exp, spec)
-    elif metric == "topk_set":
-        ok, value, detail = _check_topk_set(cand, exp, spec, golden)
-    elif metric == "index_set":
-        ok, value, detail = _check_index_set(cand, exp)
-    else:
-        raise ValueError(f"manifest names an unknown metric {metric!r} for {name}")
-    return TensorCheck(name, metric, bool(ok), float(value), detail)
+    verdict = check_tensor(spec, cand, golden[name], golden.__getitem__)
+    return TensorCheck(name, spec["metric"], bool(verdict.passed), float(verdict.value),
+                       verdict.detail)
 
 
 def compare(golden_dir: str | os.PathLike, candidate: Mapping[str, Tensor]) -> CompareReport:

@@ -1,0 +1,562 @@
+"""Generated inputs for every kernel contract of ``glm_dsa.oracle``: named edge cases and
+seeded random cases, with the metric each output is checked with.
+
+A case builder draws its sizes through a ``Pick`` (``int(lo, hi)``, ``choice(options)``) and its
+tensor values from a seeded CPU ``torch.Generator``; ``make_case`` backs the pick with a seeded
+``random.Random``, ``glm_dsa.testing.strategies`` with hypothesis (so sizes shrink). Inputs are
+always built on the CPU; the checker moves them to the kernel's device.
+
+Size tables (``SHAPES``): ``"small"`` for CPU runs (head counts 8-32, top-k 16-128, a few hundred
+keys); ``"glm-5.3"`` for GPU runs with GLM-5.3 / DeepSeek-V3.2 head counts (32 / 64 index heads,
+64 / 128 MLA heads), index_topk 2048, their softmax scales, and contexts of a few thousand keys.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import Tensor
+
+from glm_dsa import oracle
+from glm_dsa.config import get_config
+from glm_dsa.testing.metrics import (
+    CALC_DIFF_MAX,
+    CALC_DIFF_MAX_BF16,
+    DECODE_LSE_TOL,
+    DECODE_OUT_TOL,
+    HADAMARD_TOL,
+    SPARSE_OUT_TOL,
+    SPARSE_STAT_TOL,
+)
+
+__all__ = ["SHAPES", "CONTRACTS", "Case", "Pick", "edge_case_names", "make_case", "build_case"]
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+PAGE = 64  # tokens per KV page (both caches)
+INDEX_DIM = 128  # index head dim of GLM-5.3 and DeepSeek-V3.2
+
+_GLM, _DSV32 = get_config("glm-5.3"), get_config("deepseek-v3.2")
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "small": {
+        "index_heads": (8, 16, 32), "mla_heads": (16, 32), "topk": (16, 64),
+        "mla_topk": (64, 128), "max_prefix": 150, "max_extend": 16, "max_context": 200,
+        "max_cols": 300, "max_kv": 300, "max_rows": 8, "max_s_q": 4,
+        "sm_scale": (0.5,),  # FlashMLA's sparse tests
+    },
+    "glm-5.3": {
+        "index_heads": (_GLM.index_n_heads, _DSV32.index_n_heads),
+        "mla_heads": (_GLM.num_attention_heads, _DSV32.num_attention_heads),
+        "topk": (_GLM.index_topk,), "mla_topk": (_GLM.index_topk,), "max_prefix": 3000,
+        "max_extend": 32, "max_context": 4096, "max_cols": 6144, "max_kv": 4096, "max_rows": 8,
+        "max_s_q": 8, "sm_scale": (_GLM.softmax_scale, _DSV32.softmax_scale),
+    },
+}
+
+# FlashMLA's sparse tests draw q and kv as randn / 10 (anchor-kernel-apis.md §2a).
+MLA_INPUT_STD = 0.1
+
+
+class Pick(Protocol):
+    """Where a builder's sizes come from (random.Random or hypothesis)."""
+
+    def int(self, lo: int, hi: int) -> int: ...
+
+    def choice(self, options: tuple) -> Any: ...
+
+
+class _RandomPick:
+    def __init__(self, seed: int):
+        self._rng = random.Random(seed)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self._rng.randint(lo, hi)
+
+    def choice(self, options: tuple) -> Any:
+        return options[self._rng.randrange(len(options))]
+
+
+@dataclass
+class Case:
+    """One call of a kernel and of its oracle, and how to compare them.
+
+    Attributes:
+        contract: the oracle function (and upstream kernel) name.
+        name: the edge case's name, or ``random #i`` for a random case.
+        args: required arguments, passed positionally.
+        kwargs: optional arguments the case sets (and the pinned ``kernel_options``), passed by
+            keyword to the kernel and the oracle.
+        checks: per output name, in output order, the metric spec (``glm_dsa.testing.metrics``).
+        dtypes: per output, the dtypes the contract allows.
+        aux: tensors the checks reference (valid-region masks, scores, row ranges).
+        repro: the ``make_case`` call that rebuilds this case.
+    """
+
+    contract: str
+    name: str
+    args: tuple
+    kwargs: dict
+    checks: dict[str, dict]
+    dtypes: dict[str, tuple[torch.dtype, ...]]
+    aux: dict[str, Tensor] = field(default_factory=dict)
+    repro: str = ""
+
+
+# --------------------------------------------------------------------------- helpers
+def _i32(values) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _randn(g: torch.Generator, *shape: int, std: float = 1.0, dtype=torch.float32) -> Tensor:
+    return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+
+def ragged_rows(requests: list[tuple[int, int]]) -> tuple[Tensor, Tensor, int]:
+    """(ks, ke, S_kv) of the extend rows of (prefix, extend) requests over their concatenated KV:
+    extend row i of a request sees its prefix and itself (``ke = ks + prefix + i + 1``)."""
+    ks, ke, offset = [], [], 0
+    for prefix, extend in requests:
+        for i in range(extend):
+            ks.append(offset)
+            ke.append(offset + prefix + i + 1)
+        offset += prefix + extend
+    return _i32(ks), _i32(ke), offset
+
+
+def block_table(g: torch.Generator, blocks_per_request: list[int], num_blocks: int) -> Tensor:
+    """int32 [B, max(blocks)]: distinct shuffled physical blocks, unused entries 0."""
+    pool = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros((len(blocks_per_request), max(blocks_per_request)), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_request):
+        table[b, :n] = pool[used : used + n].to(torch.int32)
+        used += n
+    return table
+
+
+def relative_indices(g: torch.Generator, lens: list[int], topk: int) -> Tensor:
+    """int32 [R, topk]: distinct request-relative indices, -1 after min(topk, len) entries."""
+    rows = []
+    for n in lens:
+        k = min(topk, n)
+        rows.append(torch.randperm(n, generator=g)[:k].tolist() + [-1] * (topk - k))
+    return _i32(rows)
+
+
+def _ceil_page(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+# --------------------------------------------------------------------------- numerics
+def _hadamard(g, pick, shp, edge):
+    heads = pick.choice(shp["index_heads"])
+    rows, dim, scale = pick.int(1, 4), pick.choice((64, 128)), pick.choice((1.0, "orthonormal"))
+    if edge == "non_power_of_two_dim":
+        dim, scale = 80, 1.0
+    x = _randn(g, rows, heads, dim, dtype=torch.bfloat16)
+    if edge == "zeros":
+        x.zero_()
+    if edge == "large_magnitude":
+        x = (x.float() * 1e4).to(torch.bfloat16)
+    scale = dim**-0.5 if scale == "orthonormal" else scale
+    return (x,), {"scale": scale}, {}
+
+
+def _act_quant(g, pick, shp, edge):
+    rows, blocks = pick.int(1, 2 * shp["max_rows"]), pick.int(1, 4)
+    fmt = pick.choice((None, "ue8m0"))
+    x = _randn(g, rows, blocks * 128) * torch.exp(_randn(g, rows, 1) * 2)
+    if edge == "ue8m0_scales":
+        fmt = "ue8m0"
+    if edge == "fp32_scales":
+        fmt = None
+    if edge == "all_zero_block":
+        x[0, :128] = 0.0  # hits the 1e-4 amax floor
+    if edge == "tiny_block":
+        x[-1, -128:] *= 1e-6
+    kwargs = {} if fmt is None else {"scale_fmt": fmt}
+    return (x.to(torch.bfloat16),), kwargs, {}
+
+
+def _kv_cache_cast(g, pick, shp, edge):
+    num_blocks = 1 if edge == "single_block" else pick.int(1, 4)
+    k = _randn(g, num_blocks, PAGE, 1, INDEX_DIM)
+    if edge == "zero_key":
+        k[0, 7] = 0.0
+    return (k.to(torch.bfloat16),), {}, {}
+
+
+# --------------------------------------------------------------------------- indexer logits
+def _mqa_logits(g, pick, shp, edge):
+    heads = pick.choice(shp["index_heads"])
+    requests = [(pick.int(0, shp["max_prefix"]), pick.int(1, shp["max_extend"]))
+                for _ in range(pick.int(1, 3))]
+    clean, compressed = True, False
+    if edge == "no_prefix":
+        requests = [(0, shp["max_extend"])]
+    if edge in ("uncleaned", "compressed"):
+        clean, compressed = False, edge == "compressed"
+    ks, ke, s_kv = ragged_rows(requests)
+    if edge == "empty_window":
+        ke[0] = ks[0]
+    q = _randn(g, len(ks), heads, INDEX_DIM).to(torch.float8_e4m3fn)
+    k_fmt = "ue8m0" if edge == "ue8m0_k_scales" else pick.choice((None, "ue8m0"))
+    k = _randn(g, s_kv, INDEX_DIM) * torch.exp(_randn(g, s_kv, 1))
+    k_fp8, k_scale = oracle.act_quant(k.to(torch.bfloat16), INDEX_DIM, k_fmt)
+    weights = _randn(g, len(ks), heads)
+    kwargs = {}
+    if not clean:
+        kwargs["clean_logits"] = False
+    if compressed:
+        kwargs["max_seqlen_k"] = max(1, int((ke - ks).max()))
+    args = (q, (k_fp8, k_scale[:, 0]), weights, ks, ke)
+    cleaned = oracle.fp8_mqa_logits(*args) if not compressed else oracle.fp8_mqa_logits(*args, **kwargs)
+    return args, kwargs, {"mask": torch.isfinite(cleaned)}
+
+
+def _paged_logits(g, pick, shp, edge):
+    heads = pick.choice(shp["index_heads"])
+    next_n = pick.choice((1, 2))
+    lens = [pick.int(next_n, shp["max_context"]) for _ in range(pick.int(1, 3))]
+    clean = True
+    if edge == "context_63_64_65":
+        next_n, lens = 1, [63, 64, 65]
+    if edge == "context_1":
+        next_n, lens = 1, [1, 2]
+    if edge == "mtp_across_page":
+        next_n, lens = 2, [64, 65, 129]
+    if edge == "context_lens_2d":
+        next_n, lens = 2, [[63, 65], [128, 64]]  # row (b, j) sees positions < lens[b][j]
+    if edge == "uncleaned":
+        clean = False
+    longest = [max(n) if isinstance(n, list) else n for n in lens]
+    blocks = [-(-n // PAGE) for n in longest]
+    num_blocks = sum(blocks) + 2  # spare blocks hold keys no row may see
+    kv_cache = oracle.kv_cache_cast_to_fp8(_randn(g, num_blocks, PAGE, 1, INDEX_DIM, dtype=torch.bfloat16))
+    table = block_table(g, blocks, num_blocks)
+    q = _randn(g, len(lens), next_n, heads, INDEX_DIM).to(torch.float8_e4m3fn)
+    weights = _randn(g, len(lens) * next_n, heads)
+    max_len = _ceil_page(max(longest)) + (PAGE if edge == "wide_output" else 0)
+    args = (q, kv_cache, weights, _i32(lens), table, max_len)
+    kwargs = {} if clean else {"clean_logits": False}
+    return args, kwargs, {"mask": torch.isfinite(oracle.fp8_paged_mqa_logits(*args))}
+
+
+def _logits_checks(call: dict) -> dict:
+    cleaned = call.get("clean_logits", True)
+    return {"logits": {"metric": "calc_diff", "max": CALC_DIFF_MAX, "max_bf16": CALC_DIFF_MAX_BF16,
+                       "mask": "mask", "outside_mask": "-inf" if cleaned else "unspecified"}}
+
+
+# --------------------------------------------------------------------------- top-k
+def _topk(g, pick, shp, edge):
+    topk = pick.choice(shp["topk"])
+    rows, n = pick.int(1, shp["max_rows"]), pick.int(1, shp["max_cols"])
+    logits = _randn(g, rows, n)
+    if pick.choice((False, True)):
+        logits = torch.randint(0, 8, (rows, n), generator=g).float() / 2  # ties everywhere
+    starts = torch.randint(0, n, (rows,), generator=g)
+    ends = starts + (torch.rand(rows, generator=g) * (n + 1 - starts)).long()
+    if edge is not None:
+        n = 2 * topk + 37
+        lens = {"ties_at_kth": [n] * 2, "all_tied": [n], "empty_row": [0, 5],
+                "row_shorter_than_k": [topk - 1], "row_exactly_k": [topk],
+                "row_k_plus_1": [topk + 1], "offset_rows": [topk + 9, n - 20]}[edge]
+        rows = len(lens)
+        starts = torch.tensor([0 if edge != "offset_rows" else 20 * (r + 1) for r in range(rows)])
+        starts = starts.clamp(max=n - max(lens))
+        ends = starts + torch.tensor(lens)
+        logits = _randn(g, rows, n)
+        if edge == "ties_at_kth":
+            # Eight levels: the k-th best value is tied with many unselected columns.
+            logits = torch.randint(0, 8, (rows, n), generator=g).float() / 2
+        if edge == "all_tied":
+            logits.fill_(0.25)
+    col = torch.arange(n)
+    outside = (col[None, :] < starts[:, None]) | (col[None, :] >= ends[:, None])
+    # Uncleaned logits: huge values and NaN outside the range must never be selected or read.
+    garbage = torch.where(col % 2 == 0, torch.tensor(1e30), torch.tensor(float("nan")))
+    logits = torch.where(outside, garbage.expand(rows, n), logits)
+    starts, ends = starts.to(torch.int32), ends.to(torch.int32)
+    aux = {"scores": logits, "row_starts": starts, "row_ends": ends}
+    return (logits, starts, ends, topk), {}, aux
+
+
+def _transform_ragged(g, pick, shp, edge):
+    topk = pick.choice(shp["topk"])
+    lens = [pick.int(0, shp["max_cols"]) for _ in range(pick.int(1, shp["max_rows"]))]
+    if edge == "all_minus_one_row":
+        lens = [0, topk + 3]
+    if edge == "short_rows":
+        lens = [1, topk - 1, topk]
+    offsets = torch.cumsum(torch.tensor([0] + lens[:-1]), 0).to(torch.int32)
+    if edge == "zero_offsets":
+        offsets.zero_()
+    return (relative_indices(g, lens, topk), offsets), {}, {}
+
+
+def _transform_paged(g, pick, shp, edge):
+    topk = pick.choice(shp["topk"])
+    page_size = pick.choice((PAGE, PAGE, 1))
+    lens = [pick.int(0, shp["max_context"]) for _ in range(pick.int(1, shp["max_rows"]))]
+    if edge == "page_size_1":
+        page_size = 1
+    if edge in ("page_boundary_63_64_65", "all_minus_one_row"):
+        page_size, lens = PAGE, [130, 0]
+    pages = max(1, -(-max(lens) // page_size))
+    page_table = torch.randperm(len(lens) * pages + 5, generator=g)[: len(lens) * pages]
+    page_table = page_table.view(len(lens), pages).to(torch.int32)
+    indices = relative_indices(g, lens, topk)
+    if edge == "page_boundary_63_64_65":
+        indices[0, :3] = _i32([63, 64, 65])
+    kwargs = {} if page_size == PAGE else {"page_size": page_size}
+    return (indices, page_table), kwargs, {}
+
+
+# --------------------------------------------------------------------------- FP8 MLA cache
+def _latent(g: torch.Generator, num_blocks: int, std: float = 1.0) -> Tensor:
+    """float32 [num_blocks, 64, 1, 576] latent rows, per-token magnitudes over ~e^±3."""
+    kv = _randn(g, num_blocks, PAGE, 1, oracle.MLA_DIM, std=std)
+    return kv * torch.exp(_randn(g, num_blocks, PAGE, 1, 1))
+
+
+def _quantize_cache(g, pick, shp, edge):
+    kv = _latent(g, 1 if edge else pick.int(1, 3))
+    fmt = pick.choice(("ue8m0", None))
+    if edge == "ue8m0_scales":
+        fmt = "ue8m0"
+    if edge == "fp32_scales":
+        fmt = None
+    if edge == "zero_token":
+        kv[0, 5] = 0.0
+    if edge == "wide_magnitudes":
+        kv[0, :, :, :128] *= 1e3
+        kv[0, :, :, 128:256] *= 1e-3
+    return (kv.to(torch.bfloat16),), ({} if fmt == "ue8m0" else {"scale_fmt": fmt}), {}
+
+
+def _dequantize_cache(g, pick, shp, edge):
+    kv = _latent(g, 1 if edge else pick.int(1, 3))
+    fmt = pick.choice(("ue8m0", None))
+    if edge == "ue8m0_cache":
+        fmt = "ue8m0"
+    if edge == "fp32_scale_cache":
+        fmt = None
+    if edge == "zero_token":
+        kv[0, 5] = 0.0
+    return (oracle.quantize_k_cache(kv.to(torch.bfloat16), fmt),), {}, {}
+
+
+# --------------------------------------------------------------------------- sparse MLA
+_INVALID = (INT32_MIN, -123456, -1)  # plus s_kv, s_kv + 55, INT32_MAX (FlashMLA's test set)
+
+
+def _prefill_indices(g: torch.Generator, s_q: int, s_kv: int, topk: int) -> Tensor:
+    """int32 [s_q, 1, topk]: distinct valid rows, -1 padding past s_kv, up to a quarter of the
+    entries replaced by invalid values (negative or ≥ s_kv) at random places."""
+    invalid = torch.tensor(_INVALID + (s_kv, s_kv + 55, INT32_MAX))
+    rows = []
+    for _ in range(s_q):
+        valid = torch.randperm(s_kv, generator=g)[:topk]
+        row = torch.cat([valid, torch.full((topk - valid.numel(),), -1)])
+        hit = torch.rand(topk, generator=g) < float(torch.rand(1, generator=g)) / 4
+        row = torch.where(hit, invalid[torch.randint(0, 6, (topk,), generator=g)], row)
+        rows.append(row[torch.randperm(topk, generator=g)])
+    return torch.stack(rows).to(torch.int32).unsqueeze(1)
+
+
+def _sparse_fwd(g, pick, shp, edge):
+    heads, topk = pick.choice(shp["mla_heads"]), pick.choice(shp["mla_topk"])
+    s_q, s_kv = pick.int(1, shp["max_s_q"]), pick.int(1, shp["max_kv"])
+    sink, lengths = pick.choice((False, True)), pick.choice((False, True))
+    sm_scale = pick.choice(shp["sm_scale"])
+    if edge is not None:
+        s_q, s_kv, sink, lengths = 3, topk + 50, edge == "attn_sink", edge == "topk_length"
+    if edge == "topk_past_kv":
+        s_kv = topk // 2 + 3  # FlashMLA's "irregular shapes with OOB top-k"
+    q = _randn(g, s_q, heads, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
+    kv = _randn(g, s_kv, 1, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
+    indices = _prefill_indices(g, s_q, s_kv, topk)
+    if edge == "invalid_indices":
+        indices[0, 0, 3:9] = _i32(list(_INVALID) + [s_kv, s_kv + 55, INT32_MAX])
+    if edge == "lonely_row":
+        indices[1] = -1
+        indices[2, 0, ::2] = s_kv
+    kwargs = {}
+    if sink:
+        kwargs["attn_sink"] = _randn(g, heads)
+    if lengths:
+        kwargs["topk_length"] = torch.randint(0, topk + 1, (s_q,), generator=g).to(torch.int32)
+        if edge == "topk_length":
+            kwargs["topk_length"][:2] = _i32([0, topk // 2 + 1])
+    return (q, kv, indices, sm_scale), kwargs, {}
+
+
+def _sparse_decode(g, pick, shp, edge):
+    heads, topk = pick.choice(shp["mla_heads"]), pick.choice(shp["mla_topk"])
+    b, s_q, num_blocks = pick.int(1, 3), pick.int(1, 2), pick.int(1, max(2, topk // PAGE + 1))
+    sink, lengths = pick.choice((False, True)), pick.choice((False, True))
+    sm_scale = pick.choice(shp["sm_scale"])
+    if edge is not None:
+        b, s_q, num_blocks = 2, 1, topk // PAGE + 1
+        sink, lengths = edge == "attn_sink", edge == "topk_length"
+    latent = _latent(g, num_blocks, std=MLA_INPUT_STD).to(torch.bfloat16)
+    k_cache = oracle.quantize_k_cache(latent, "ue8m0")  # the decode kernel's bf16(fp8)·bf16(scale)
+    slots = num_blocks * PAGE
+    idx = torch.stack([torch.randperm(slots, generator=g)[:topk] for _ in range(b * s_q)])
+    idx = torch.cat([idx, torch.full((b * s_q, topk - idx.shape[1]), -1)], dim=1)
+    pad = torch.rand(b * s_q, topk, generator=g) < float(torch.rand(1, generator=g)) / 4
+    indices = torch.where(pad, -1, idx).view(b, s_q, topk)
+    if edge == "lonely_entry":
+        indices[1] = -1
+    if edge == "slots_across_pages":
+        indices[0, 0, :4] = _i32([PAGE - 1, PAGE, 2 * PAGE - 1, 0])
+    q = _randn(g, b, s_q, heads, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
+    kwargs = {}
+    if lengths:
+        kwargs["topk_length"] = torch.randint(0, topk + 1, (b,), generator=g).to(torch.int32)
+        if edge == "topk_length":
+            kwargs["topk_length"][:] = _i32([0, topk // 2 + 1])
+    if sink:
+        kwargs["attn_sink"] = _randn(g, heads)
+    return (q, k_cache, indices.to(torch.int32), sm_scale), kwargs, {}
+
+
+# --------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class Contract:
+    """How to build, call and check one contract.
+
+    build(g, pick, shapes, edge) → (args, kwargs, aux). checks(call) → the metric spec per
+    output, given the call's optional arguments.
+    """
+
+    build: Callable
+    edges: tuple[str, ...]
+    checks: Callable[[dict], dict]
+    dtypes: dict[str, tuple[torch.dtype, ...]]
+
+
+_F32, _BF16 = torch.float32, torch.bfloat16
+_BYTES = (torch.uint8, torch.int8, torch.float8_e4m3fn)
+
+
+def _same(metric: str, *names: str, **spec) -> Callable[[dict], dict]:
+    return lambda call: {n: {"metric": metric, **spec} for n in names}
+
+
+def _topk_checks(call: dict) -> dict:
+    return {"indices": {"metric": "topk_set", "scores": "scores", "row_starts": "row_starts",
+                        "row_ends": "row_ends", "base": call.get("base", "relative"),
+                        "pad": call.get("pad", -1)}}
+
+
+CONTRACTS: dict[str, Contract] = {
+    "hadamard_transform": Contract(
+        _hadamard, ("non_power_of_two_dim", "zeros", "large_magnitude"),
+        _same("allclose", "out", **HADAMARD_TOL), {"out": (_BF16, _F32)}),
+    "act_quant": Contract(
+        _act_quant, ("ue8m0_scales", "fp32_scales", "all_zero_block", "tiny_block"),
+        _same("bitwise", "x_fp8", "scale"),
+        {"x_fp8": (torch.float8_e4m3fn,), "scale": (_F32,)}),
+    "kv_cache_cast_to_fp8": Contract(
+        _kv_cache_cast, ("zero_key", "single_block"), _same("bitwise", "kv_cache"),
+        {"kv_cache": (torch.uint8,)}),
+    "fp8_mqa_logits": Contract(
+        _mqa_logits, ("empty_window", "no_prefix", "uncleaned", "compressed", "ue8m0_k_scales"),
+        _logits_checks, {"logits": (_F32, _BF16)}),
+    "fp8_paged_mqa_logits": Contract(
+        _paged_logits,
+        ("context_63_64_65", "context_1", "mtp_across_page", "context_lens_2d", "uncleaned",
+         "wide_output"),
+        _logits_checks, {"logits": (_F32, _BF16)}),
+    "topk_per_row": Contract(
+        _topk, ("ties_at_kth", "all_tied", "empty_row", "row_shorter_than_k", "row_exactly_k",
+                "row_k_plus_1", "offset_rows"),
+        _topk_checks, {"indices": (torch.int32,)}),
+    "topk_transform_ragged": Contract(
+        _transform_ragged, ("all_minus_one_row", "short_rows", "zero_offsets"),
+        _same("index_set", "indices_out"), {"indices_out": (torch.int32,)}),
+    "topk_transform_paged": Contract(
+        _transform_paged, ("page_boundary_63_64_65", "page_size_1", "all_minus_one_row"),
+        _same("index_set", "indices_out"), {"indices_out": (torch.int32,)}),
+    "quantize_k_cache": Contract(
+        _quantize_cache, ("ue8m0_scales", "fp32_scales", "zero_token", "wide_magnitudes"),
+        _same("bitwise", "k_cache"), {"k_cache": _BYTES}),
+    "dequantize_k_cache": Contract(
+        _dequantize_cache, ("ue8m0_cache", "fp32_scale_cache", "zero_token"),
+        _same("bitwise", "kv"), {"kv": (_BF16,)}),
+    "flash_mla_sparse_fwd": Contract(
+        _sparse_fwd, ("invalid_indices", "lonely_row", "attn_sink", "topk_length", "topk_past_kv"),
+        lambda call: {"out": {"metric": "allclose", **SPARSE_OUT_TOL},
+                      "max_logits": {"metric": "allclose", **SPARSE_STAT_TOL},
+                      "lse": {"metric": "allclose", **SPARSE_STAT_TOL}},
+        {"out": (_BF16, _F32), "max_logits": (_F32,), "lse": (_F32,)}),
+    "flash_mla_sparse_decode": Contract(
+        _sparse_decode, ("lonely_entry", "attn_sink", "topk_length", "slots_across_pages"),
+        lambda call: {"out": {"metric": "allclose", **DECODE_OUT_TOL},
+                      "lse": {"metric": "allclose", **DECODE_LSE_TOL}},
+        {"out": (_BF16, _F32), "lse": (_F32,)}),
+}
+
+
+def _contract(name: str) -> Contract:
+    if name not in CONTRACTS:
+        raise ValueError(f"unknown contract {name!r}; one of: {', '.join(CONTRACTS)}")
+    return CONTRACTS[name]
+
+
+def _shapes(name: str) -> dict:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shapes {name!r}; one of: {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def edge_case_names(contract: str) -> tuple[str, ...]:
+    """The named edge cases of ``contract``, always run by ``check_kernel``."""
+    return _contract(contract).edges
+
+
+def _mix(seed: int, *parts) -> int:
+    text = ".".join(str(p) for p in parts)
+    return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(text.encode())) % 2**63
+
+
+def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
+               edge: str | None = None, name: str | None = None,
+               kernel_options: dict | None = None) -> Case:
+    """A case of ``contract`` with sizes from ``pick`` and tensor values from ``data_seed``.
+
+    ``kernel_options`` are passed to the kernel and the oracle in every case and override the
+    case's own optional arguments (pin ``scale_fmt``, ``clean_logits``, ``lse_base`` … to the
+    convention a kernel implements).
+    """
+    spec, shp = _contract(contract), _shapes(shapes)
+    if edge is not None and edge not in spec.edges:
+        raise ValueError(f"{contract} has no edge case {edge!r}; its edge cases: {', '.join(spec.edges)}")
+    opts = dict(kernel_options or {})
+    g = torch.Generator().manual_seed(data_seed)
+    args, kwargs, aux = spec.build(g, pick, shp, edge)
+    kwargs = {**kwargs, **opts}
+    return Case(contract, name or (edge or "random"), tuple(args), kwargs, spec.checks(kwargs),
+                spec.dtypes, aux)
+
+
+def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "small",
+              **kernel_options) -> Case:
+    """Edge case ``which`` (a name) or random case number ``which`` (an int) of ``check_kernel``'s
+    run with ``seed`` and ``shapes``; the same inputs as that run."""
+    if isinstance(which, str):
+        pick, data_seed, edge, name = _RandomPick(0), _mix(seed, contract, which), which, which
+    else:
+        case_seed = _mix(seed, contract, "random", which)
+        pick, data_seed, edge, name = _RandomPick(case_seed), case_seed, None, f"random #{which}"
+    case = build_case(contract, pick, data_seed, shapes, edge, name, kernel_options)
+    options = "".join(f", {k}={v!r}" for k, v in kernel_options.items())
+    case.repro = (f"glm_dsa.testing.make_case({contract!r}, {which!r}, seed={seed}, "
+                  f"shapes={shapes!r}{options})")
+    return case

@@ -1,0 +1,324 @@
+"""glm_dsa.testing: the oracle and independent re-implementations pass every contract; planted
+mutants fail with a one-line message; tie-swapped top-k passes; the CLI's exit statuses."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from glm_dsa import cli, oracle
+from glm_dsa.testing import CONTRACTS, check_case, check_kernel, edge_case_names, make_case
+
+LN2 = math.log(2.0)
+
+
+def edges_only(contract):
+    return len(edge_case_names(contract))
+
+
+# ------------------------------------------------------------------ independent implementations
+def hadamard_bf16(x, scale=1.0):
+    """Dense float64 Sylvester matrix, H[i, j] = (-1)**popcount(i & j); output rounded to bf16."""
+    d = x.shape[-1]
+    n = 1 << (d - 1).bit_length()
+    i = torch.arange(n)
+    h = torch.tensor([[(-1.0) ** bin(int(a) & int(b)).count("1") for b in i] for a in i],
+                     dtype=torch.float64)
+    xp = torch.nn.functional.pad(x.double(), (0, n - d))
+    return ((xp @ h.T) * scale)[..., :d].to(torch.bfloat16)
+
+
+def mqa_logits_bf16(q, kv, weights, ks, ke, clean_logits=True, max_seqlen_k=0, *, relu=True,
+                    ke_shift=0, scale_power=1):
+    """Dense float64 formula over dequantized inputs, -inf outside [ks, ke); output bf16."""
+    k_fp8, k_scale = kv
+    scores = torch.einsum("shd,nd->shn", q.double(), k_fp8.double())
+    if relu:
+        scores = scores.clamp(min=0)
+    logits = (scores * weights.double()[:, :, None]).sum(1) * k_scale.double()[None, :] ** scale_power
+    col = torch.arange(logits.shape[1])
+    inside = (col[None, :] >= ks[:, None].long()) & (col[None, :] < ke[:, None].long() + ke_shift)
+    full = torch.where(inside, logits, -math.inf)
+    if max_seqlen_k:
+        out = torch.full((full.shape[0], max_seqlen_k), -math.inf, dtype=torch.float64)
+        for r in range(full.shape[0]):
+            n = int(ke[r] - ks[r])
+            out[r, :n] = full[r, int(ks[r]) : int(ks[r]) + n]
+        full = out
+    return full.to(torch.bfloat16)
+
+
+def paged_logits_bf16(q, kv_cache, weights, context_lens, block_table, max_context_len,
+                      clean_logits=True, *, floor_pages=False):
+    """Per row, gather each visible position's key from its block's bytes (fp8 payload at
+    t * D, float32 scale at block_size * D + 4 t); float64 formula; bf16 output."""
+    batch, next_n, heads, d = q.shape
+    bs = kv_cache.shape[1]
+    blocks = kv_cache.reshape(kv_cache.shape[0], -1)
+    out = torch.full((batch * next_n, max_context_len), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for j in range(next_n):
+            if context_lens.dim() == 2:
+                visible = int(context_lens[b, j])
+            else:
+                visible = int(context_lens[b]) - next_n + j + 1
+            if floor_pages:
+                visible = min(visible, int(context_lens.max()) // bs * bs)
+            for p in range(visible):
+                blk, t = int(block_table[b, p // bs]), p % bs
+                key = blocks[blk, t * d : (t + 1) * d].view(torch.float8_e4m3fn).double()
+                scale = blocks[blk, bs * d + 4 * t : bs * d + 4 * t + 4].view(torch.float32).double()
+                s = (q[b, j].double() @ key).clamp(min=0)
+                out[b * next_n + j, p] = float((s * weights[b * next_n + j].double()).sum() * scale)
+    return out.to(torch.bfloat16)
+
+
+def _attend(q, kv, idx_rows, sm_scale, attn_sink, d_v):
+    """float64 per row: (out, max_logits, lse) over the row's valid key rows; lonely rows give
+    out 0, max -inf, lse +inf."""
+    s_q, h, _ = q.shape
+    out = torch.zeros(s_q, h, d_v, dtype=torch.float64)
+    mx = torch.full((s_q, h), -math.inf, dtype=torch.float64)
+    lse = torch.full((s_q, h), math.inf, dtype=torch.float64)
+    for s, rows in enumerate(idx_rows):
+        if not rows:
+            continue
+        keys = kv[rows].double()
+        p = (q[s].double() @ keys.T) * sm_scale
+        mx[s] = p.max(-1).values
+        lse[s] = torch.logsumexp(p, -1)
+        norm = lse[s] if attn_sink is None else torch.logaddexp(lse[s], attn_sink.double())
+        out[s] = torch.exp(p - norm[:, None]) @ keys[:, :d_v]
+    return out, mx, lse
+
+
+def sparse_fwd_bf16(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, *,
+                    minus_one_is_key_0=False, base2=False, lonely_lse=math.inf):
+    s_kv = kv.shape[0]
+    rows = []
+    for s in range(q.shape[0]):
+        idx = indices[s, 0].tolist()
+        n = len(idx) if topk_length is None else int(topk_length[s])
+        if minus_one_is_key_0:
+            idx = [0 if i == -1 else i for i in idx]
+        rows.append([i for i in idx[:n] if 0 <= i < s_kv])
+    out, mx, lse = _attend(q, kv[:, 0], rows, sm_scale, attn_sink, d_v)
+    if base2:
+        mx, lse = mx / LN2, lse / LN2
+    lse = torch.where(torch.isinf(lse) & (lse > 0), lonely_lse, lse)
+    return out.to(torch.bfloat16), mx.float(), lse.float()
+
+
+def decode_bf16(q, k_cache, indices, sm_scale, d_v=512, topk_length=None, attn_sink=None):
+    """Decode each 656-byte row by hand (e4m3 × tile scale → bf16; bf16 RoPE), then attend."""
+    rows = k_cache.reshape(-1, 656)
+    nope = rows[:, :512].view(torch.float8_e4m3fn).float().view(-1, 4, 128)
+    scales = rows[:, 512:528].contiguous().view(torch.float32).view(-1, 4, 1)
+    rope = rows[:, 528:].contiguous().view(torch.bfloat16).float()
+    kv = torch.cat([(nope * scales).reshape(-1, 512).to(torch.bfloat16).float(), rope], dim=1)
+    b, s_q, h, _ = q.shape
+    outs, lses = [], []
+    for bi in range(b):
+        n = indices.shape[2] if topk_length is None else int(topk_length[bi])
+        rows_b = [[i for i in indices[bi, s, :n].tolist() if i != -1] for s in range(s_q)]
+        out, _, lse = _attend(q[bi], kv, rows_b, sm_scale, attn_sink, d_v)
+        outs.append(out)
+        lses.append(lse.T)
+    return torch.stack(outs).to(torch.bfloat16), torch.stack(lses).float()
+
+
+def topk_tie_swapped(logits, row_starts, row_ends, topk):
+    """Top-k by score descending, ties broken toward the HIGHER column (the oracle: lower)."""
+    out = torch.full((logits.shape[0], topk), -1, dtype=torch.int32)
+    for r in range(logits.shape[0]):
+        s, e = int(row_starts[r]), int(row_ends[r])
+        cols = list(range(s, e))
+        if e - s > topk:
+            cols = sorted(cols, key=lambda c: (-float(logits[r, c]), -c))[:topk]
+        out[r, : len(cols)] = torch.tensor(cols, dtype=torch.int32) - s
+    return out
+
+
+def flip_byte(writer, at):
+    def flipped(*args, **kwargs):
+        out = writer(*args, **kwargs).clone()
+        flat = out.view(torch.uint8).reshape(-1)
+        flat[at] ^= 0x10
+        return out
+    return flipped
+
+
+INDEPENDENT = {
+    "hadamard_transform": hadamard_bf16,
+    "fp8_mqa_logits": mqa_logits_bf16,
+    "fp8_paged_mqa_logits": paged_logits_bf16,
+    "flash_mla_sparse_fwd": sparse_fwd_bf16,
+    "flash_mla_sparse_decode": decode_bf16,
+}
+
+
+# ------------------------------------------------------------------ passes
+@pytest.mark.parametrize("contract", list(CONTRACTS))
+def test_the_oracle_passes_its_own_contract(contract):
+    report = check_kernel(contract, getattr(oracle, contract), cases=edges_only(contract) + 2)
+    assert report.cases_run == edges_only(contract) + 2
+    assert report.passed and set(report.worst) == set(make_case(contract, 0).checks)
+
+
+@pytest.mark.parametrize("contract", list(INDEPENDENT))
+def test_an_independent_bf16_rounded_kernel_passes(contract):
+    report = check_kernel(contract, INDEPENDENT[contract], cases=edges_only(contract) + 1)
+    assert report.passed
+
+
+def test_tie_swapped_topk_passes_and_really_differs():
+    case = make_case("topk_per_row", "ties_at_kth")
+    assert not torch.equal(topk_tie_swapped(*case.args), oracle.topk_per_row(*case.args))
+    assert check_kernel("topk_per_row", topk_tie_swapped, cases=10).passed
+
+
+def test_inputs_move_to_the_device_and_outputs_come_back():
+    case = make_case("act_quant", "ue8m0_scales")
+    expected = oracle.act_quant(*case.args, **case.kwargs)
+    seen = []
+
+    def on_meta(*args, **kwargs):
+        seen.extend(a.device.type for a in args if isinstance(a, torch.Tensor))
+        return expected  # meta tensors carry no data: answer with the known result
+
+    assert check_case(case, on_meta, device="meta")["x_fp8"].passed
+    assert seen == ["meta"]
+
+
+# ------------------------------------------------------------------ mutants fail
+MUTANTS = {
+    "missing ReLU": ("fp8_mqa_logits", lambda *a, **k: mqa_logits_bf16(*a, **k, relu=False),
+                     "calc_diff"),
+    "off-by-one ke": ("fp8_mqa_logits", lambda *a, **k: mqa_logits_bf16(*a, **k, ke_shift=-1),
+                      "calc_diff"),
+    "double-applied scale": ("fp8_mqa_logits",
+                             lambda *a, **k: mqa_logits_bf16(*a, **k, scale_power=2), "calc_diff"),
+    "page-boundary off-by-one": ("fp8_paged_mqa_logits",
+                                 lambda *a, **k: paged_logits_bf16(*a, **k, floor_pages=True),
+                                 "calc_diff"),
+    "base-2 lse": ("flash_mla_sparse_fwd", lambda *a, **k: sparse_fwd_bf16(*a, **k, base2=True),
+                   "allclose"),
+    "-1 as key 0": ("flash_mla_sparse_fwd",
+                    lambda *a, **k: sparse_fwd_bf16(*a, **k, minus_one_is_key_0=True), "allclose"),
+    "lonely lse swapped": ("flash_mla_sparse_fwd",
+                           lambda *a, **k: sparse_fwd_bf16(*a, **k, lonely_lse=-math.inf),
+                           "allclose"),
+    "absolute top-k": ("topk_per_row",
+                       lambda *a, **k: oracle.topk_per_row(*a, **k, base="absolute"), "topk_set"),
+    "flipped MLA cache byte": ("quantize_k_cache", flip_byte(oracle.quantize_k_cache, 600),
+                               "bitwise"),
+    "flipped index-K cache byte": ("kv_cache_cast_to_fp8",
+                                   flip_byte(oracle.kv_cache_cast_to_fp8, 8200), "bitwise"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_a_planted_mutant_fails(mutant):
+    contract, fn, metric = MUTANTS[mutant]
+    with pytest.raises(AssertionError) as info:
+        check_kernel(contract, fn, cases=edges_only(contract))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{contract} [case ") and f"fails {metric}" in message
+    assert "make_case(" in message
+
+
+def test_the_failure_names_case_metric_value_bound_and_element():
+    contract, fn, _ = MUTANTS["missing ReLU"]
+    with pytest.raises(AssertionError) as info:
+        check_kernel(contract, fn, cases=edges_only(contract))
+    message = str(info.value)
+    assert "[case empty_window]" in message and "value " in message and "bound 3e-05" in message  # bf16 logits
+    assert "largest error at (" in message
+    rebuilt = eval(message.split("rebuild with ")[1], {"glm_dsa": __import__("glm_dsa")})
+    with pytest.raises(AssertionError, match="calc_diff"):
+        check_case(rebuilt, fn)
+
+
+# ------------------------------------------------------------------ bad kernels, bad arguments
+def raises(*args, **kwargs):
+    raise RuntimeError("CUDA error: an illegal memory access\nsecond line")
+
+
+@pytest.mark.parametrize("fn, problem", [
+    (raises, "the kernel raised RuntimeError: CUDA error: an illegal memory access"),
+    (lambda *a, **k: oracle.act_quant(*a, **k)[0], "the kernel returned (Tensor)"),
+    (lambda *a, **k: (oracle.act_quant(*a, **k)[0][:1], oracle.act_quant(*a, **k)[1]),
+     "output 'x_fp8' has shape"),
+    (lambda *a, **k: (oracle.act_quant(*a, **k)[0].float(), oracle.act_quant(*a, **k)[1]),
+     "output 'x_fp8' has dtype torch.float32"),
+])
+def test_a_broken_kernel_is_a_one_line_failure(fn, problem):
+    with pytest.raises(AssertionError) as info:
+        check_kernel("act_quant", fn, cases=1)
+    assert problem in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unknown_contract_edge_case_or_shapes_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown contract 'mqa'"):
+        check_kernel("mqa", oracle.act_quant)
+    with pytest.raises(ValueError, match="no edge case 'nope'"):
+        make_case("act_quant", "nope")
+    with pytest.raises(ValueError, match="unknown shapes"):
+        check_kernel("act_quant", oracle.act_quant, shapes="huge")
+
+
+def test_pinned_options_reach_the_kernel_and_the_oracle():
+    calls = []
+
+    def sep2025(*args, **kwargs):
+        calls.append((kwargs["lse_base"], kwargs["lonely_lse"]))
+        return oracle.flash_mla_sparse_fwd(*args, **kwargs)
+
+    check_kernel("flash_mla_sparse_fwd", sep2025, cases=5, lse_base="2", lonely_lse="-inf")
+    assert set(calls) == {("2", "-inf")}
+
+    def newest_only(*args, lse_base="e", lonely_lse="+inf", **kwargs):
+        return oracle.flash_mla_sparse_fwd(*args, **kwargs)
+
+    with pytest.raises(AssertionError, match="'max_logits' fails allclose"):
+        check_kernel("flash_mla_sparse_fwd", newest_only, cases=5, lse_base="2")
+
+
+# ------------------------------------------------------------------ CLI
+missing_relu = MUTANTS["missing ReLU"][1]
+
+
+def test_cli_check_passes_with_status_0(capsys):
+    assert cli.main(["check", "glm_dsa.oracle:fp8_mqa_logits", "--contract", "fp8_mqa_logits",
+                     "--cases", "6"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("PASS  fp8_mqa_logits.logits  calc_diff: worst ")
+    assert "(bound 5e-06) over 6 cases" in out[0]
+
+
+def test_cli_check_fails_with_status_1(capsys):
+    assert cli.main(["check", "test_testing:missing_relu", "--contract", "fp8_mqa_logits",
+                     "--cases", "5", "--seed", "3"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("FAIL  fp8_mqa_logits.logits") and out[-1].startswith("FAIL: ")
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["glm_dsa.oracle:act_quant", "--contract", "nope"], "unknown contract 'nope'"),
+    (["no_such_module:f", "--contract", "act_quant"], "cannot import 'no_such_module'"),
+    (["glm_dsa.oracle:nope", "--contract", "act_quant"], "has no attribute 'nope'"),
+    (["glm_dsa.oracle", "--contract", "act_quant"], "must be MODULE:FUNCTION"),
+])
+def test_cli_usage_errors_are_one_line_with_status_2(capsys, argv, error):
+    assert cli.main(["check", *argv]) == 2
+    err = capsys.readouterr().err
+    assert error in err and err.count("\n") == 1
+
+
+def test_cli_runs_as_a_command_without_traceback():
+    run = subprocess.run([sys.executable, "-m", "glm_dsa.cli", "check", "glm_dsa.oracle:nope",
+                          "--contract", "act_quant"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
