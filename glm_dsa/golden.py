@@ -64,7 +64,7 @@ MANIFEST = "manifest.json"
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
-# Upstream tolerances (anchor-kernel-apis.md §1c, §2a, §2b; CONVENTIONS §14).
+# Upstream tolerances (docs/conventions.md §14).
 CALC_DIFF_MAX = 5e-6  # DeepGEMM, against the reference on dequantized inputs
 SPARSE_OUT_TOL = {"abs_tol": 8e-4, "rel_tol": 3.01 / 128, "cos_diff_tol": 7e-6}
 SPARSE_STAT_TOL = {"abs_tol": 1e-6, "rel_tol": 2.01 / 65536, "cos_diff_tol": 1e-7}
