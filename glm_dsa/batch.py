@@ -11,7 +11,7 @@ DeepGEMM's ``fp8_mqa_logits`` use exactly this ``ks``/``ke`` contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -21,6 +21,7 @@ __all__ = [
     "LATENT_ALLGATHER",
     "CP_BOUNDARY_GATHER",
     "COMM_OPS",
+    "RowGather",
     "ForwardBatch",
 ]
 
@@ -33,6 +34,24 @@ INDEX_K_ALLGATHER = "index_k_allgather"
 LATENT_ALLGATHER = "latent_allgather"
 CP_BOUNDARY_GATHER = "cp_boundary_gather"
 COMM_OPS = (INDEX_K_ALLGATHER, LATENT_ALLGATHER, CP_BOUNDARY_GATHER)
+
+
+class RowGather(Protocol):
+    """What a model layer needs of a context-parallel step: this rank holds some rows of the
+    chunk, and every rank must store the whole chunk in its caches.
+
+    ``glm_dsa.cp.CPChunk`` implements it; the model never imports ``glm_dsa.cp``.
+
+    Attributes:
+        out_slots: int64 ``[n]``, the whole chunk's cache slots, where gathered rows are stored.
+    """
+
+    out_slots: torch.Tensor
+
+    def gather(self, local: torch.Tensor, op: str) -> torch.Tensor:
+        """Every rank's ``local [L, ...]`` rows → the chunk's ``[n, ...]`` in chunk order;
+        ``op`` (one of ``COMM_OPS``) names the traffic in the counters."""
+        ...
 
 
 @dataclass(frozen=True)

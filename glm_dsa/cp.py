@@ -1,7 +1,7 @@
 """Context-parallel prefill on ``torch.distributed``: each rank scores its own share of a chunk.
 
 A prefill step (one chunk of ``n`` query tokens, possibly from several requests) is dealt to the
-``cp`` ranks of a process group (CONVENTIONS §13):
+``cp`` ranks of a process group (docs/conventions.md §13):
 
 * **Split.** ``"interleave"`` (SGLang's round-robin, the default) gives token ``i`` of the chunk
   to rank ``i % cp``, so every rank gets an even share of short and long causal rows;
@@ -242,9 +242,9 @@ class CPGroup:
         chunk = self.chunk(batch)
         x = model.embed_tokens(ids[chunk.rows])
         x = torch.cat([x, x.new_zeros(chunk.batch.num_tokens - x.shape[0], x.shape[1])])
-        out = model(x, chunk.batch, cache, budget_bytes, chunk.row_mask, times, cp=chunk)
+        out = model(x, chunk.batch, cache, budget_bytes, chunk.row_mask, times, cp_chunk=chunk)
         # What indexer_topk scores: row m against [ks[m], ke[m]); padding rows score nothing.
-        full_layers = sum(1 for layer in model.layers if layer.is_full)
+        full_layers = len(model.config.full_layers)
         self.indexer_pairs += full_layers * int((chunk.batch.ke - chunk.batch.ks).sum())
         return chunk.gather(out, CP_BOUNDARY_GATHER)
 

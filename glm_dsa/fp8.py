@@ -2,7 +2,7 @@
 
 Each block of ``block_size`` consecutive elements along the last dim gets one float32 scale
 ``s``; the stored value is ``clamp(x / s, -448, 448)`` cast to ``float8_e4m3fn`` (round to
-nearest even), and ``x ≈ x_fp8 * s``. See CONVENTIONS §2.
+nearest even), and ``x ≈ x_fp8 * s``. See docs/conventions.md §2.
 
 Every rounding is spelled out so that the bytes are the same on every device. The raw scale is
 ``amax × fl(1/448)``, a product with 1/448 rounded once to the compute dtype (``raw_scale``):

@@ -4,14 +4,17 @@ For each query token the indexer scores all keys of its context with a cheap FP8
 dot product and keeps the ``index_topk`` best; sparse MLA then attends only to those. Its
 ``n × L`` scoring is the one quadratic term of the prefill, and the float32 logits of a long
 prefill do not fit in memory at once (a 32K chunk over a 1M prefix is 137 GB), so the rows are
-cut into chunks that fit a byte budget (SGLang's rule, CONVENTIONS §12) and the top-k is taken
+cut into chunks that fit a byte budget (SGLang's rule, docs/conventions.md §12) and the top-k is taken
 chunk by chunk. Results never depend on the chunking: scores are computed the same way in
 every chunk and the top-k order is canonical (score descending, index ascending on ties).
 
 The pure functions mirror the upstream kernels a user checks against us:
 DeepGEMM ``fp8_mqa_logits`` (``mqa_logits``), ``fp8_paged_mqa_logits``
 (``paged_mqa_logits``), SGLang ``fast_topk_v2`` / vLLM ``top_k_per_row`` (``topk_per_row``)
-and the ragged / paged index transforms. ``Indexer`` owns the weights (HF names) and calls them.
+and the ragged / paged index transforms. Each checks its inputs once, then calls a bare core
+(``_mqa_logits``, ``_paged_mqa_logits``, ``_topk``); the row-chunk loop of ``indexer_topk``
+calls the cores. ``Indexer`` owns the weights (HF names) and calls ``indexer_topk``, the one
+place the scoring runs.
 
 Exactness: a dot product of two E4M3 vectors is exact in float64, so each logit is a fixed
 function of its inputs (exact dot, then float32 ReLU, gate, head sum in a fixed order, key
@@ -26,22 +29,20 @@ is the logits being returned plus one tile.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor, nn
 
-from glm_dsa.batch import ForwardBatch
+from glm_dsa.batch import INDEX_K_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.config import DSAConfig
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
 from glm_dsa.norm import LayerNorm
 from glm_dsa.rope import apply_rope, rope_cos_sin
-
-if TYPE_CHECKING:
-    from glm_dsa.cp import CPChunk
 
 __all__ = [
     "TILE_BYTES",
@@ -130,6 +131,85 @@ def _check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int,
     return S, H, D, S_kv
 
 
+def _check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke) -> tuple[list[int], list[int]]:
+    """Check ``mqa_logits``' inputs; returns ``ks``, ``ke`` as host lists (one sync)."""
+    S, _, _, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
+    _check_index_vector("ks", ks, S, q_fp8.device)
+    _check_index_vector("ke", ke, S, q_fp8.device)
+    ks_host, ke_host = ks.tolist(), ke.tolist()
+    _check_ranges(ks_host, ke_host, S_kv, "S_kv")
+    return ks_host, ke_host
+
+
+def _check_paged_inputs(
+    q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
+) -> list[list[int]]:
+    """Check ``paged_mqa_logits``' inputs; returns each request's row ends ``[B][next_n]``
+    (row ``(b, j)`` sees positions ``< ends[b][j]``)."""
+    _need(
+        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
+        f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
+    )
+    B, next_n, H, D = q_fp8.shape
+    page_bytes = index_k_page_bytes(page_size, D)
+    _need(
+        index_k_pages.dtype == torch.uint8
+        and index_k_pages.dim() == 2
+        and index_k_pages.shape[1] == page_bytes,
+        f"index_k_pages must be uint8 [num_pages, {page_bytes}] (page_size={page_size}, D={D}), "
+        f"got {index_k_pages.dtype} {tuple(index_k_pages.shape)}",
+    )
+    _need(
+        weights.dtype in (torch.float32, torch.float64)
+        and tuple(weights.shape) == (B * next_n, H),
+        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
+    _need(
+        context_lens.dtype in (torch.int32, torch.int64)
+        and tuple(context_lens.shape) in ((B,), (B, next_n)),
+        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}], got "
+        f"{context_lens.dtype} {tuple(context_lens.shape)}",
+    )
+    _need(
+        block_table.dtype in (torch.int32, torch.int64)
+        and block_table.dim() == 2
+        and block_table.shape[0] == B,
+        f"block_table must be int32 [B={B}, max_blocks], got {block_table.dtype} "
+        f"{tuple(block_table.shape)}",
+    )
+    _need(
+        isinstance(max_context_len, int) and max_context_len >= 0,
+        f"max_context_len={max_context_len!r} must be a non-negative int",
+    )
+    dev = q_fp8.device
+    for name, t in (
+        ("index_k_pages", index_k_pages),
+        ("weights", weights),
+        ("context_lens", context_lens),
+        ("block_table", block_table),
+    ):
+        _need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+    lens = context_lens.tolist()
+    if context_lens.dim() == 1:
+        # The last next_n context tokens are this step's queries, each seeing itself.
+        lens = [[max(0, n - next_n + j + 1) for j in range(next_n)] for n in lens]
+    for b, ends in enumerate(lens):
+        for j, e in enumerate(ends):
+            _need(
+                0 <= e <= max_context_len,
+                f"row (b={b}, j={j}) sees {e} tokens, outside [0, max_context_len="
+                f"{max_context_len}]",
+            )
+        n_blocks = -(-max(ends) // page_size)
+        _need(
+            n_blocks <= block_table.shape[1],
+            f"request {b} needs {n_blocks} pages for {max(ends)} tokens; block_table has "
+            f"{block_table.shape[1]} columns",
+        )
+    return lens
+
+
 # ----------------------------------------------------------------------------- logits
 def _tile_shape(S: int, H: int, itemsize: int) -> tuple[int, int]:
     """(rows, cols) of one score tile: ``rows * H * cols * itemsize`` ≲ ``TILE_BYTES``."""
@@ -214,19 +294,23 @@ def mqa_logits(
     Returns:
         ``[S, S_kv]`` float32 (float64 for float64 weights).
     """
-    S, H, D, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
-    dev = q_fp8.device
-    _check_index_vector("ks", ks, S, dev)
-    _check_index_vector("ke", ke, S, dev)
-    ks_host, ke_host = ks.tolist(), ke.tolist()
-    _check_ranges(ks_host, ke_host, S_kv, "S_kv")
+    ks_host, ke_host = _check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke)
+    return _mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, ks_host, ke_host, clean_logits)
 
+
+def _mqa_logits(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor,
+                ks_host: list[int], ke_host: list[int], clean_logits: bool) -> Tensor:
+    """``mqa_logits`` on checked inputs; ``ks_host``, ``ke_host`` are ``ks``, ``ke`` as lists
+    (the caller's one host sync). Scores ``[rows, H, cols]`` tile by tile, never the whole
+    ``[S, H, S_kv]``."""
+    S, H, D = q_fp8.shape
+    S_kv, dev = k_fp8.shape[0], q_fp8.device
     dtype = torch.promote_types(weights.dtype, torch.float32)
     fill = float("-inf") if clean_logits else 0.0
     logits = torch.full((S, S_kv), fill, dtype=dtype, device=dev)
     # Per score element: the float64 GEMM output and its rounded copy.
     rows, cols = _tile_shape(S, H, 8 + dtype.itemsize)
-    q2d = q_fp8.reshape(S * H, D)
+    q2d = rearrange(q_fp8, "s h d -> (s h) d")
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
         lo, hi = _column_span(ks_host[r0:r1], ke_host[r0:r1])
@@ -238,7 +322,8 @@ def mqa_logits(
         for c0 in range(lo, hi, cols):
             c1 = min(hi, c0 + cols)
             scores = _dot_products(q_op, _dot_operand(k_fp8[c0:c1]), dtype)  # [r * H, c]
-            tile = _weighted_relu_head_sum(scores.view(r1 - r0, H, c1 - c0), w)  # [r, c]
+            scores = rearrange(scores, "(r h) c -> r h c", h=H)
+            tile = _weighted_relu_head_sum(scores, w)  # [r, c]
             # The key scale is applied after ReLU and the head sum, as the kernel does
             # (equivalent: scales are positive).
             tile.mul_(k_scale[c0:c1].to(dtype))
@@ -278,88 +363,38 @@ def paged_mqa_logits(
     Returns:
         ``[B * next_n, max_context_len]`` float32 (float64 for float64 weights).
     """
-    _need(
-        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
-        f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
+    ends = _check_paged_inputs(
+        q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
     )
-    B, next_n, H, D = q_fp8.shape
-    page_bytes = index_k_page_bytes(page_size, D)
-    _need(
-        index_k_pages.dtype == torch.uint8
-        and index_k_pages.dim() == 2
-        and index_k_pages.shape[1] == page_bytes,
-        f"index_k_pages must be uint8 [num_pages, {page_bytes}] (page_size={page_size}, D={D}), "
-        f"got {index_k_pages.dtype} {tuple(index_k_pages.shape)}",
+    return _paged_mqa_logits(
+        q_fp8, index_k_pages, weights, ends, block_table, max_context_len, clean_logits, page_size
     )
-    _need(
-        weights.dtype in (torch.float32, torch.float64)
-        and tuple(weights.shape) == (B * next_n, H),
-        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got {weights.dtype} "
-        f"{tuple(weights.shape)}",
-    )
-    _need(
-        context_lens.dtype in (torch.int32, torch.int64)
-        and tuple(context_lens.shape) in ((B,), (B, next_n)),
-        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}], got "
-        f"{context_lens.dtype} {tuple(context_lens.shape)}",
-    )
-    _need(
-        block_table.dtype in (torch.int32, torch.int64)
-        and block_table.dim() == 2
-        and block_table.shape[0] == B,
-        f"block_table must be int32 [B={B}, max_blocks], got {block_table.dtype} "
-        f"{tuple(block_table.shape)}",
-    )
-    _need(
-        isinstance(max_context_len, int) and max_context_len >= 0,
-        f"max_context_len={max_context_len!r} must be a non-negative int",
-    )
-    dev = q_fp8.device
-    for name, t in (
-        ("index_k_pages", index_k_pages),
-        ("weights", weights),
-        ("context_lens", context_lens),
-        ("block_table", block_table),
-    ):
-        _need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
 
+
+def _paged_mqa_logits(q_fp8: Tensor, index_k_pages: Tensor, weights: Tensor, ends: list[list[int]],
+                      block_table: Tensor, max_context_len: int, clean_logits: bool,
+                      page_size: int) -> Tensor:
+    """``paged_mqa_logits`` on checked inputs: per request, gather its keys through the block
+    table and score its ``next_n`` rows (row ``(b, j)`` over positions ``< ends[b][j]``)."""
+    B, next_n, H, D = q_fp8.shape
+    dev = q_fp8.device
     dtype = torch.promote_types(weights.dtype, torch.float32)
     fill = float("-inf") if clean_logits else 0.0
     logits = torch.full((B * next_n, max_context_len), fill, dtype=dtype, device=dev)
-    lens = context_lens.tolist()
-    for b in range(B):
-        if context_lens.dim() == 1:
-            # The last next_n context tokens are this step's queries, each seeing itself.
-            ends = [max(0, lens[b] - next_n + j + 1) for j in range(next_n)]
-        else:
-            ends = lens[b]
-        for j, e in enumerate(ends):
-            _need(
-                0 <= e <= max_context_len,
-                f"row (b={b}, j={j}) sees {e} tokens, outside [0, max_context_len="
-                f"{max_context_len}]",
-            )
-        n_ctx = max(ends)
+    for b, row_ends in enumerate(ends):
+        n_ctx = max(row_ends)
         if n_ctx == 0:
             continue
-        n_blocks = -(-n_ctx // page_size)
-        _need(
-            n_blocks <= block_table.shape[1],
-            f"request {b} needs {n_blocks} pages for {n_ctx} tokens; block_table has "
-            f"{block_table.shape[1]} columns",
-        )
         pos = torch.arange(n_ctx, device=dev)
         slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
-        k_fp8, k_scale = index_k_load(index_k_pages, slots, D, page_size)
+        k_fp8, k_scale = index_k_load(index_k_pages, slots, D, page_size)  # [n_ctx, D], [n_ctx]
         rows = slice(b * next_n, (b + 1) * next_n)
-        logits[rows, :n_ctx] = mqa_logits(
-            q_fp8[b],
-            k_fp8,
-            k_scale,
-            weights[rows],
-            torch.zeros(next_n, dtype=torch.int32, device=dev),
-            torch.tensor(ends, dtype=torch.int32, device=dev),
-            clean_logits=clean_logits,
+        zeros = [0] * next_n
+        logits[rows, :n_ctx] = _mqa_logits(
+            q_fp8[b], k_fp8, k_scale, weights[rows],
+            torch.tensor(zeros, dtype=torch.int32, device=dev),
+            torch.tensor(row_ends, dtype=torch.int32, device=dev),
+            zeros, row_ends, clean_logits,
         )
     return logits
 
@@ -434,8 +469,13 @@ def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int
     _check_index_vector("row_starts", row_starts, R, dev)
     _check_index_vector("row_ends", row_ends, R, dev)
     _check_ranges(row_starts.tolist(), row_ends.tolist(), N, "N")
+    return _topk(logits, row_starts.long(), row_ends.long(), topk)
 
-    starts, ends = row_starts.long(), row_ends.long()
+
+def _topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
+    """``topk_per_row`` on checked inputs (``starts``, ``ends`` int64 ``[R]``): rows with at most
+    ``topk`` keys take them all in order; longer rows are ranked in blocks of rows."""
+    N = logits.shape[1]
     out = _prefix_indices(ends - starts, topk)
     long_rows = ((ends - starts) > topk).nonzero().flatten()
     # The [block, N] temporaries (row copy, masked copy, masks) stay within TILE_BYTES.
@@ -569,19 +609,30 @@ def indexer_topk(
     Returns:
         int32 ``[S, topk]`` relative to ``ks`` (request-relative), canonical order, ``-1`` pad.
     """
-    def chunk_topk(r0, r1, lo, hi, starts, ends):
-        logits = mqa_logits(
-            q_fp8[r0:r1],
-            k_fp8[lo:hi],
-            k_scale[lo:hi],
-            weights[r0:r1],
-            starts.to(torch.int32),
-            ends.to(torch.int32),
-            clean_logits=False,  # topk_per_row reads only [start, end)
+    def chunk_topk(chunk: RowChunk) -> Tensor:
+        r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
+        logits = _mqa_logits(
+            q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1], chunk.starts, chunk.ends,
+            chunk.starts_host, chunk.ends_host,
+            clean_logits=False,  # _topk reads only [start, end)
         )
-        return topk_per_row(logits, starts, ends, topk)
+        return _topk(logits, chunk.starts, chunk.ends, topk)
 
     return chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)
+
+
+class RowChunk(NamedTuple):
+    """Rows ``[r0, r1)`` of a budgeted row chunk over key columns ``[lo, hi)``; each row's window
+    ``[starts, ends)`` relative to ``lo`` (int64 ``[r1 − r0]``, and as host lists)."""
+
+    r0: int
+    r1: int
+    lo: int
+    hi: int
+    starts: Tensor
+    ends: Tensor
+    starts_host: list[int]
+    ends_host: list[int]
 
 
 def chunked_topk(
@@ -593,40 +644,36 @@ def chunked_topk(
     ke: Tensor,
     topk: int,
     budget_bytes: int,
-    chunk_topk: Callable[[int, int, int, int, Tensor, Tensor], Tensor],
+    chunk_topk: Callable[[RowChunk], Tensor],
 ) -> Tensor:
     """The budgeted row-chunk loop of ``indexer_topk``, with the per-chunk scoring passed in.
 
     Validates the ``indexer_topk`` arguments once, then for each chunk of at most
     ``max_logit_rows`` rows either fills ``0 … len − 1`` (every row keeps all its keys) or
-    calls ``chunk_topk(r0, r1, lo, hi, starts, ends)``: rows ``[r0, r1)`` over key columns
-    ``[lo, hi)``, each row's window ``[starts, ends)`` (int64, relative to ``lo``), returning
-    int32 ``[r1 − r0, topk]`` relative to ``starts``. The reference and the Triton backend
-    share this loop and differ only in ``chunk_topk``; whatever it allocates (the chunk's
-    logits) is freed before the next chunk.
+    calls ``chunk_topk(RowChunk)``, which returns int32 ``[r1 − r0, topk]`` relative to
+    ``starts``. The reference and the Triton backend share this loop and differ only in
+    ``chunk_topk``; whatever it allocates (the chunk's logits) is freed before the next chunk.
     """
-    S, H, D, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
-    dev = q_fp8.device
-    _check_index_vector("ks", ks, S, dev)
-    _check_index_vector("ke", ke, S, dev)
+    ks_host, ke_host = _check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke)
     _need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
-    ks_host, ke_host = ks.tolist(), ke.tolist()
-    _check_ranges(ks_host, ke_host, S_kv, "S_kv")
-
+    S, S_kv = q_fp8.shape[0], k_fp8.shape[0]
     rows = max_logit_rows(S, S_kv, budget_bytes)
-    out = torch.empty((S, topk), dtype=torch.int32, device=dev)
+    out = torch.empty((S, topk), dtype=torch.int32, device=q_fp8.device)
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
         chunk_ks, chunk_ke = ks[r0:r1].long(), ke[r0:r1].long()
-        if max(e - s for s, e in zip(ks_host[r0:r1], ke_host[r0:r1])) <= topk:
+        ks_rows, ke_rows = ks_host[r0:r1], ke_host[r0:r1]
+        if max(e - s for s, e in zip(ks_rows, ke_rows)) <= topk:
             # Every row keeps all its keys: no scores needed (SGLang's skip path).
             out[r0:r1] = _prefix_indices(chunk_ke - chunk_ks, topk)
             continue
-        lo, hi = _column_span(ks_host[r0:r1], ke_host[r0:r1])
         # Column span of the chunk; empty rows get an empty range inside it.
+        lo, hi = _column_span(ks_rows, ke_rows)
         starts = (chunk_ks - lo).clamp(0, hi - lo)
         ends = torch.where(chunk_ke > chunk_ks, chunk_ke - lo, starts)
-        out[r0:r1] = chunk_topk(r0, r1, lo, hi, starts, ends)
+        starts_host = [min(max(s - lo, 0), hi - lo) for s in ks_rows]
+        ends_host = [e - lo if e > s else s0 for s, e, s0 in zip(ks_rows, ke_rows, starts_host)]
+        out[r0:r1] = chunk_topk(RowChunk(r0, r1, lo, hi, starts, ends, starts_host, ends_host))
     return out
 
 
@@ -700,7 +747,7 @@ class Indexer(nn.Module):
             f"q_latent must be [n={n}, q_lora_rank={self.config.q_lora_rank}], got "
             f"{tuple(q_latent.shape)}",
         )
-        q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)
+        q = rearrange(self.wq_b(q_latent), "n (h d) -> n h d", h=self.n_heads)
         q = self._rope_then_rotate(q, positions)
         q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -717,7 +764,7 @@ class Indexer(nn.Module):
         batch: ForwardBatch,
         index_k_pages: Tensor,
         budget_bytes: int,
-        cp: CPChunk | None = None,
+        cp_chunk: RowGather | None = None,
     ) -> Tensor:
         """Top-k context rows of every query token of a ragged batch.
 
@@ -730,8 +777,8 @@ class Indexer(nn.Module):
             x: ``[n, hidden]``; ``q_latent``: ``[n, q_lora_rank]``; ``batch``: the step metadata.
             index_k_pages: uint8 ``[num_pages, page_size * (D + 4)]``, updated in place.
             budget_bytes: bytes the float32 logits may take at once.
-            cp: context parallel (None: one rank). ``x`` and ``batch`` are then this rank's
-                rows; the chunk's unquantized keys are gathered from every rank and stored at
+            cp_chunk: context parallel (None: one rank). ``x`` and ``batch`` are then this
+                rank's rows; the chunk's unquantized keys are gathered from every rank and stored at
                 the whole chunk's slots, so every rank holds the full index-K cache.
 
         Returns:
@@ -740,8 +787,8 @@ class Indexer(nn.Module):
         cfg = self.config
         k = self.project_k(x, batch.positions)
         out_slots = batch.out_slots
-        if cp is not None:
-            k, out_slots = cp.gather(k, "index_k_allgather"), cp.out_slots
+        if cp_chunk is not None:
+            k, out_slots = cp_chunk.gather(k, INDEX_K_ALLGATHER), cp_chunk.out_slots
         k_fp8, k_scale = act_quant(k, self.head_dim, cfg.scale_fmt)  # scale [n, 1]
         index_k_store(index_k_pages, out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
         ctx_fp8, ctx_scale = index_k_load(

@@ -1,10 +1,10 @@
 """Byte layouts of the two KV caches, as uint8 tensors (little-endian, as on every GPU host).
 
-Index-K page (DeepGEMM / SGLang / vLLM; CONVENTIONS §4): one page of ``page_size`` tokens is
+Index-K page (DeepGEMM / SGLang / vLLM; docs/conventions.md §4): one page of ``page_size`` tokens is
 ``page_size * head_dim`` e4m3 bytes (token t at ``t * head_dim``) followed by ``page_size``
 float32 scales (token t at ``page_size * head_dim + 4 t``): 8448 bytes for 64 × 128.
 
-MLA KV row (FlashMLA ``V32_FP8Sparse``; CONVENTIONS §6): per token ``R`` e4m3 bytes of the
+MLA KV row (FlashMLA ``V32_FP8Sparse``; docs/conventions.md §6): per token ``R`` e4m3 bytes of the
 latent ``c`` in tiles of 128, then ``R / 128`` float32 tile scales, then the ``P`` RoPE values
 ``k_pe`` in bf16: 656 bytes for R = 512, P = 64. The bf16 alternative is ``[c | k_pe]`` in
 bf16: 1152 bytes.

@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from glm_dsa.batch import ForwardBatch
+from glm_dsa.batch import LATENT_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.cache import KVCache
 from glm_dsa.config import DSAConfig
-from glm_dsa.indexer import Indexer
 from glm_dsa.mla import MLA
 from glm_dsa.moe import MLP, MoE
 from glm_dsa.norm import RMSNorm
-
-if TYPE_CHECKING:
-    from glm_dsa.cp import CPChunk
 
 __all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes"]
 
@@ -64,7 +59,7 @@ class _Timer:
 
 
 class DecoderLayer(nn.Module):
-    """One GLM-5.3 DSA layer: MLA (+ indexer on full layers) and a dense MLP or MoE FFN."""
+    """One GLM-5.3 DSA layer: MLA (with its indexer on full layers) and a dense MLP or MoE FFN."""
 
     def __init__(self, config: DSAConfig, layer_idx: int) -> None:
         super().__init__()
@@ -72,10 +67,7 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.is_full = config.is_full(layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLA(config)
-        if self.is_full:
-            # Registered under self_attn so the state-dict name is HF's `self_attn.indexer.*`.
-            self.self_attn.indexer = Indexer(config)
+        self.self_attn = MLA(config, has_indexer=self.is_full)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = (
             MoE(config) if config.is_moe(layer_idx) else MLP(config.hidden_size, config.intermediate_size)
@@ -90,9 +82,10 @@ class DecoderLayer(nn.Module):
         budget_bytes: int,
         row_mask: torch.Tensor | None = None,
         times: LayerTimes | None = None,
-        cp: CPChunk | None = None,
+        cp_chunk: RowGather | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the layer on the batch's query tokens.
+        """``h = x + attn(input_layernorm(x))``, ``out = h + ffn(post_attention_layernorm(h))``,
+        writing this step's KV (and index K) on the way.
 
         Args:
             x: ``[n, hidden]`` residual stream of the query tokens.
@@ -102,42 +95,51 @@ class DecoderLayer(nn.Module):
                 (required on shared layers, ignored on full ones).
             budget_bytes: memory budget for indexer logits rows and the sparse-attention gather.
             row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
-            cp: context parallel (None: one rank). ``x`` and ``batch`` are then this rank's
-                rows; the chunk's latent rows and index keys are gathered from every rank and
-                written at the whole chunk's slots (``glm_dsa.cp``).
+            cp_chunk: context parallel (None: one rank). ``x`` and ``batch`` are then this
+                rank's rows; the chunk's latent rows and index keys are gathered from every rank
+                and written at the whole chunk's slots.
         Returns:
             ``(out [n, hidden], topk)``: the topk this layer used, for the next shared layer.
         """
+        attn = self.self_attn
         timer = _Timer(times, x.device)
         timer.start()
         h_in = self.input_layernorm(x)
-        proj = self.self_attn.project(h_in, batch.positions)
-        kv_latent, out_slots = proj.kv_latent, batch.out_slots
-        if cp is not None:  # every rank stores the whole chunk's rows
-            kv_latent, out_slots = cp.gather(kv_latent, "latent_allgather"), cp.out_slots
-        cache.write_mla(self.layer_idx, out_slots, kv_latent)
+        proj = attn.project(h_in, batch.positions)
+        cache.write_mla(self.layer_idx, *_whole_chunk(proj.kv_latent, batch, cp_chunk))
         timer.stop("projections")
-        if self.is_full:
-            topk = self.self_attn.indexer(
-                h_in, proj.q_latent, batch, cache.index_k[self.layer_idx], budget_bytes, cp
-            )
-            cache.record_index_k_write(out_slots.numel())
+        if attn.indexer is not None:  # writes this step's index K, then scores the context
+            topk = attn.indexer(h_in, proj.q_latent, batch, cache.index_k[self.layer_idx],
+                                budget_bytes, cp_chunk)
+            cache.record_index_k_write(_chunk_tokens(batch, cp_chunk))
             timer.stop("indexer")
         elif topk is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
         kv_context = cache.read_mla(self.layer_idx, batch.kv_slots, x.dtype)
-        attn = self.self_attn.attend(proj, kv_context, batch, topk, budget_bytes)
+        h = x + attn.attend(proj, kv_context, batch, topk, budget_bytes)
         timer.stop("attention")
-        h = x + attn
-        ffn_in = self.post_attention_layernorm(h)
-        if isinstance(self.mlp, MoE):
-            ffn, _ = self.mlp(ffn_in, row_mask)
-        else:
-            ffn = self.mlp(ffn_in)
-            if row_mask is not None:
-                ffn = ffn * row_mask.unsqueeze(-1).to(ffn.dtype)
+        out = h + self._ffn(self.post_attention_layernorm(h), row_mask)
         timer.stop("moe")
-        return h + ffn, topk
+        return out, topk
+
+    def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+        """The MoE or dense MLP; padding rows (``row_mask`` False) give exactly 0."""
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, row_mask)[0]
+        out = self.mlp(x)
+        return out if row_mask is None else out * row_mask.unsqueeze(-1).to(out.dtype)
+
+
+def _whole_chunk(kv_latent: torch.Tensor, batch: ForwardBatch, cp_chunk: RowGather | None):
+    """``(slots, rows)`` to store: this step's rows, gathered from every rank under CP."""
+    if cp_chunk is None:
+        return batch.out_slots, kv_latent
+    return cp_chunk.out_slots, cp_chunk.gather(kv_latent, LATENT_ALLGATHER)
+
+
+def _chunk_tokens(batch: ForwardBatch, cp_chunk: RowGather | None) -> int:
+    """Tokens the step stores (the whole chunk under CP, where every rank stores every row)."""
+    return (batch.out_slots if cp_chunk is None else cp_chunk.out_slots).numel()
 
 
 class DSAModel(nn.Module):
@@ -158,11 +160,11 @@ class DSAModel(nn.Module):
         budget_bytes: int,
         row_mask: torch.Tensor | None = None,
         times: LayerTimes | None = None,
-        cp: CPChunk | None = None,
+        cp_chunk: RowGather | None = None,
     ) -> torch.Tensor:
         """``inputs``: int64 token ids ``[n]`` or hidden states ``[n, hidden]``; returns the last
-        layer's output ``[n, hidden]`` before the final norm. ``cp``: see ``DecoderLayer``;
-        ``glm_dsa.cp.CPGroup.forward`` runs a context-parallel step through here."""
+        layer's output ``[n, hidden]`` before the final norm. ``cp_chunk``: see ``DecoderLayer``
+        (the context-parallel driver passes this rank's share of the step)."""
         if inputs.dtype == torch.int64:
             x = self.embed_tokens(inputs)
         elif inputs.is_floating_point() and inputs.dim() == 2:
@@ -174,7 +176,7 @@ class DSAModel(nn.Module):
             )
         topk = None
         for layer in self.layers:
-            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times, cp)
+            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times, cp_chunk)
         return x
 
 

@@ -140,7 +140,7 @@ def cache_bytes_written(
 def chunk_plan(
     total_tokens: int, chunk: int, prefix: int = 0, page_size: int = 64
 ) -> list[tuple[int, int]]:
-    """Chunk boundaries ``[(start, end), …]`` covering ``[prefix, total_tokens)`` (CONVENTIONS §11).
+    """Chunk boundaries ``[(start, end), …]`` covering ``[prefix, total_tokens)`` (docs/conventions.md §11).
 
     A step whose remaining ``total_tokens - start`` tokens round up to at most ``chunk`` tokens
     of whole pages takes them all; otherwise the chunk ends on a page boundary in absolute
@@ -401,7 +401,7 @@ def param_counts(config: DSAConfig) -> dict[str, int]:
 def logits_budget_bytes_static(
     total_bytes: int, mem_fraction_static: float, free_fraction: float = 0.2
 ) -> int:
-    """CONVENTIONS §12 static logits budget in bytes (SGLang ``mqa_logits_static_budget_bytes``).
+    """docs/conventions.md §12 static logits budget in bytes (SGLang ``mqa_logits_static_budget_bytes``).
 
     ``min(int(free_fraction * int(total * (1 - mem_fraction_static))), int(0.3 * total))``; the
     runtime budget is further capped by ``free_fraction`` of the live free memory, which a
@@ -520,7 +520,7 @@ def cp_comm_bytes_per_chunk(
     index_k_bytes_per_token: int | None = None,
     latent_bytes_per_token: int | None = None,
 ) -> list[CommRow]:
-    """Communication of one chunk of ``chunk_tokens`` tokens (CONVENTIONS §13; article's table).
+    """Communication of one chunk of ``chunk_tokens`` tokens (docs/conventions.md §13; article's table).
 
     Rows: index-K all-gather (each full layer), latent all-gather (each layer; the article's
     table omits it), o_proj reduce-scatter (each layer, bf16), MoE dispatch (FP8, 1 byte per
@@ -1008,7 +1008,7 @@ def _render_memory(ledger: dict[str, Any]) -> list[str]:
     return [table("indexer logits, activations, MHA one-shot", ["quantity", "value", ""], [
         _q("total_mem_bytes (per GPU)", lg["total_mem_bytes"], "B"),
         _q("mem_fraction_static", lg["mem_fraction_static"]),
-        _q("budget_bytes (static, CONVENTIONS 12)", lg["budget_bytes"], "B"),
+        _q("budget_bytes (static, conventions §12)", lg["budget_bytes"], "B"),
         _q("row_bytes_at_tokens (4 L)", lg["row_bytes_at_tokens"], "B"),
         _q("rows_at_tokens (budget // 4L)", lg["rows_at_tokens"], note="rows"),
         _q("peak_bytes_one_chunk (unsliced)", lg["peak_bytes_one_chunk"], "B"),

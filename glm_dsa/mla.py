@@ -28,10 +28,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.config import DSAConfig
+from glm_dsa.indexer import Indexer
 from glm_dsa.norm import RMSNorm
 from glm_dsa.rope import apply_rope, rope_cos_sin
 
@@ -104,13 +106,13 @@ def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
     """
     if budget_bytes is None:
         return max(1, num_rows)
-    c = dtype.itemsize
+    item = dtype.itemsize
     per_row = (
-        topk * d_qk * (kv_dtype.itemsize + c)
-        + 3 * heads * topk * c
+        topk * d_qk * (kv_dtype.itemsize + item)
+        + 3 * heads * topk * item
         + heads * topk * (3 * 2 + 4)
         + 3 * topk * 8
-        + heads * (2 * d_qk + d_v) * c
+        + heads * (2 * d_qk + d_v) * item
         + heads * d_qk * (3 * 2 + 4)
     )
     return max(1, budget_bytes // per_row)
@@ -210,10 +212,24 @@ def sparse_mla_fwd(
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale={sm_scale} must be finite")
     s_q, h, d_qk = q.shape
+    rows_per_chunk = _rows_per_chunk(s_q, indices.shape[2], d_qk, d_v, h, kv.dtype,
+                                     _compute_dtype(q.dtype, kv.dtype), budget_bytes)
+    out, max_logits, lse = _sparse_mla(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                       lonely_lse == "+inf", rows_per_chunk)
+    if lse_base == "2":
+        max_logits.mul_(_LOG2E)
+        lse.mul_(_LOG2E)
+    return out, max_logits, lse
+
+
+def _sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int,
+                attn_sink: Tensor | None, topk_length: Tensor | None, lonely_lse_inf: bool,
+                rows_per_chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparse_mla_fwd`` on checked inputs, natural-log statistics, ``rows_per_chunk`` query
+    rows at a time (see ``_sparse_mla_rows``)."""
+    s_q, h, d_qk = q.shape
     s_kv, topk = kv.shape[0], indices.shape[2]
     cdt = _compute_dtype(q.dtype, kv.dtype)
-    rows_per_chunk = _rows_per_chunk(s_q, topk, d_qk, d_v, h, kv.dtype, cdt, budget_bytes)
-
     out = torch.empty((s_q, h, d_v), dtype=cdt, device=q.device)
     max_logits = torch.empty((s_q, h), dtype=cdt, device=q.device)
     lse = torch.empty((s_q, h), dtype=cdt, device=q.device)
@@ -224,43 +240,44 @@ def sparse_mla_fwd(
     row0_finite = bool(torch.isfinite(kv_rows[0]).all())
     column = torch.arange(topk, device=q.device)
     sink = None if attn_sink is None else attn_sink.to(cdt)
-
     for r0 in range(0, s_q, rows_per_chunk):
         r1 = min(s_q, r0 + rows_per_chunk)
         idx = indices[r0:r1, 0, :].to(torch.int64)                  # [r, topk]
         valid = (idx >= 0) & (idx < s_kv)
         if topk_length is not None:
             valid &= column[None, :] < topk_length[r0:r1, None]
-        # Gathered in the cache's dtype: _bmm_f32 takes bf16 rows as they are.
-        keys = kv_rows[torch.where(valid, idx, 0)]                  # [r, topk, d_qk]
-        if not row0_finite:
-            keys.masked_fill_(~valid[..., None], 0)
-        scores = _bmm_f32(q[r0:r1], keys.transpose(1, 2))          # [r, h, topk]
-        scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
-        chunk_max = scores.amax(dim=-1)                             # [r, h], -inf on lonely rows
-        # exp(P - max) ≤ 1. Lonely rows subtract 0 rather than -inf: weights 0, not NaN.
-        shift = chunk_max.masked_fill(chunk_max == -math.inf, 0.0)
-        weights = scores.sub_(shift[..., None]).exp_()              # [r, h, topk]
-        total = weights.sum(dim=-1)                                 # [r, h], ≥ 1 unless lonely
-        chunk_lse = shift + total.log()                             # -inf on lonely rows
-        denom = total if sink is None else total + torch.exp(sink - shift)
-        denom.masked_fill_(denom == 0, 1.0)                         # lonely, no sink: out = 0 / 1
-        # Normalised after the value GEMM, as FlashMLA does: [r, h, d_v] divisions, not
-        # [r, h, topk]. Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more
-        # FLOPs but no contiguous copy of the [rows, topk, d_v] values.
-        out[r0:r1] = _bmm_f32(weights, keys)[..., :d_v].div_(denom[..., None])
-        lonely = ~valid.any(dim=-1, keepdim=True).expand(-1, h)
-        if lonely_lse == "+inf":
-            chunk_lse = chunk_lse.masked_fill(lonely, math.inf)
-        max_logits[r0:r1] = chunk_max
-        lse[r0:r1] = chunk_lse
-        # Free this chunk's temporaries before the next gather, or two chunks' coexist at peak.
-        del idx, valid, keys, scores, weights, chunk_max, shift, total, chunk_lse, denom, lonely
-
-    if lse_base == "2":
-        max_logits.mul_(_LOG2E)
-        lse.mul_(_LOG2E)
+        out[r0:r1], max_logits[r0:r1], lse[r0:r1] = _sparse_mla_rows(
+            q[r0:r1], kv_rows, idx, valid, sm_scale, d_v, sink, row0_finite, lonely_lse_inf
+        )
+        del idx, valid  # before the next chunk's, or two chunks' index tensors coexist
     return out, max_logits, lse
+
+
+def _sparse_mla_rows(q, kv_rows, idx, valid, sm_scale, d_v, sink, row0_finite, lonely_lse_inf):
+    """One row chunk: ``q [r, h, d_qk]`` over the rows ``idx [r, topk]`` of ``kv_rows
+    [s_kv, d_qk]`` where ``valid``; returns ``(out [r, h, d_v], max_logits [r, h], lse [r, h])``."""
+    h = q.shape[1]
+    # Gathered in the cache's dtype: _bmm_f32 takes bf16 rows as they are.
+    keys = kv_rows[torch.where(valid, idx, 0)]                      # [r, topk, d_qk]
+    if not row0_finite:
+        keys.masked_fill_(~valid[..., None], 0)
+    scores = _bmm_f32(q, keys.transpose(1, 2))                      # [r, h, topk]
+    scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
+    row_max = scores.amax(dim=-1)                                   # [r, h], -inf on lonely rows
+    # exp(P - max) ≤ 1. Lonely rows subtract 0 rather than -inf: weights 0, not NaN.
+    shift = row_max.masked_fill(row_max == -math.inf, 0.0)
+    weights = scores.sub_(shift[..., None]).exp_()                  # [r, h, topk]
+    total = weights.sum(dim=-1)                                     # [r, h], ≥ 1 unless lonely
+    row_lse = shift + total.log()                                   # -inf on lonely rows
+    denom = total if sink is None else total + torch.exp(sink - shift)
+    denom.masked_fill_(denom == 0, 1.0)                             # lonely, no sink: out = 0 / 1
+    # Normalised after the value GEMM, as FlashMLA does: [r, h, d_v] divisions, not
+    # [r, h, topk]. Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more
+    # FLOPs but no contiguous copy of the [rows, topk, d_v] values.
+    out = _bmm_f32(weights, keys)[..., :d_v].div_(denom[..., None])
+    if lonely_lse_inf:
+        row_lse = row_lse.masked_fill(~valid.any(dim=-1, keepdim=True).expand(-1, h), math.inf)
+    return out, row_max, row_lse
 
 
 def _row_chunks(ks: list[int], ke: list[int], heads: int, itemsize: int):
@@ -357,33 +374,36 @@ class MLA(nn.Module):
 
     Weights: ``q_a_proj [q_lora, hidden]``, ``q_a_layernorm`` (RMSNorm, ``rms_norm_eps``),
     ``q_b_proj [H*(nope+rope), q_lora]``, ``kv_a_proj_with_mqa [kv_lora+rope, hidden]``,
-    ``kv_a_layernorm`` (RMSNorm, ``rms_norm_eps``; HF uses 1e-6 here, see CONVENTIONS §9),
-    ``kv_b_proj [H*(nope+v), kv_lora]``, ``o_proj [hidden, H*v]``; no biases.
+    ``kv_a_layernorm`` (RMSNorm, ``rms_norm_eps``; HF uses 1e-6 here, see docs/conventions.md §9),
+    ``kv_b_proj [H*(nope+v), kv_lora]``, ``o_proj [hidden, H*v]``; no biases. ``indexer``: the
+    layer's DSA ``Indexer`` on full layers (HF's ``self_attn.indexer.*``), None on shared layers,
+    which reuse an earlier full layer's top-k.
 
     The caller owns the KV cache: ``project`` gives the new tokens' latent rows, the caller writes
     them and gathers every request's context back as ``kv_context`` (``batch.kv_slots`` order),
     then ``attend`` runs the form the batch calls for.
     """
 
-    def __init__(self, config: DSAConfig):
+    def __init__(self, config: DSAConfig, has_indexer: bool = False):
         super().__init__()
         self.config = config
-        c = config
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
-        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_latent_dim, bias=False)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        cfg = config
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_latent_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(
-            c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False
+            cfg.kv_lora_rank, cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.indexer = Indexer(config) if has_indexer else None
 
     def project(self, x: Tensor, positions: Tensor) -> MLAProjection:
         """Queries and latent KV rows of ``x [n, hidden]`` at int64 ``positions [n]``."""
-        c = self.config
-        if x.dim() != 2 or x.shape[1] != c.hidden_size:
-            raise ValueError(f"x must be [n, hidden={c.hidden_size}], got {tuple(x.shape)}")
+        cfg = self.config
+        if x.dim() != 2 or x.shape[1] != cfg.hidden_size:
+            raise ValueError(f"x must be [n, hidden={cfg.hidden_size}], got {tuple(x.shape)}")
         if x.dtype != self.q_a_proj.weight.dtype:
             raise ValueError(
                 f"x is {x.dtype} but the weights are {self.q_a_proj.weight.dtype}; cast one of them"
@@ -393,30 +413,30 @@ class MLA(nn.Module):
                 f"positions must be int64 [n={x.shape[0]}], got {positions.dtype} "
                 f"{tuple(positions.shape)}"
             )
-        n, heads = x.shape[0], c.num_attention_heads
+        heads = cfg.num_attention_heads
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_latent).view(n, heads, c.qk_head_dim)
-        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        q = rearrange(self.q_b_proj(q_latent), "n (h d) -> n h d", h=heads)  # d = nope + rope
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
-        cos, sin = rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, c.rope_scaling,
+        cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
                                 dtype=_compute_dtype(x.dtype))
-        q_pe = apply_rope(q_pe, cos, sin, interleaved=c.rope_interleave)
-        k_pe = apply_rope(k_pe, cos, sin, interleaved=c.rope_interleave)
+        q_pe = apply_rope(q_pe, cos, sin, interleaved=cfg.rope_interleave)
+        k_pe = apply_rope(k_pe, cos, sin, interleaved=cfg.rope_interleave)
         return MLAProjection(q_latent, q_nope, q_pe, torch.cat([c_kv, k_pe], dim=-1))
 
     def use_mha(self, batch: ForwardBatch) -> bool:
         """True when the expanded one-shot form runs: every context is short enough that the
         top-k keeps all its keys (``max_kv_len ≤ min(dense_attn_kv_len_threshold, index_topk)``)."""
-        c = self.config
-        return batch.max_kv_len <= min(c.dense_attn_kv_len_threshold, c.index_topk)
+        cfg = self.config
+        return batch.max_kv_len <= min(cfg.dense_attn_kv_len_threshold, cfg.index_topk)
 
     def _check_context(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> torch.dtype:
-        c = self.config
+        cfg = self.config
         s_kv = batch.kv_slots.numel()
-        if kv_context.dim() != 2 or kv_context.shape != (s_kv, c.kv_latent_dim):
+        if kv_context.dim() != 2 or kv_context.shape != (s_kv, cfg.kv_latent_dim):
             raise ValueError(
-                f"kv_context must be [S_kv={s_kv}, {c.kv_latent_dim}] (one latent row per "
+                f"kv_context must be [S_kv={s_kv}, {cfg.kv_latent_dim}] (one latent row per "
                 f"batch.kv_slots entry), got {tuple(kv_context.shape)}"
             )
         if not kv_context.dtype.is_floating_point:
@@ -432,10 +452,8 @@ class MLA(nn.Module):
 
     def _kv_b_weight(self, dtype: torch.dtype) -> Tensor:
         """``kv_b_proj.weight`` as ``[H, nope + v, kv_lora]`` in ``dtype``."""
-        c = self.config
-        return self.kv_b_proj.weight.to(dtype).view(
-            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
-        )
+        return rearrange(self.kv_b_proj.weight.to(dtype), "(h d) c -> h d c",
+                         h=self.config.num_attention_heads)
 
     def forward_absorbed(
         self,
@@ -458,7 +476,7 @@ class MLA(nn.Module):
                 whole pipeline runs in row chunks of that size, which changes only the GEMMs'
                 row blocking (last-bit differences).
         """
-        c = self.config
+        cfg = self.config
         cdt = self._check_context(proj, kv_context, batch)
         n = batch.num_tokens
         if topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != n:
@@ -468,15 +486,15 @@ class MLA(nn.Module):
             )
         # In the weight's own dtype: _bmm_f32 multiplies bf16 weights on tensor cores exactly.
         w = self._kv_b_weight(self.kv_b_proj.weight.dtype)
-        w_uk = w[:, : c.qk_nope_head_dim]                                      # [H, nope, kv_lora]
-        w_uv_t = w[:, c.qk_nope_head_dim :].transpose(1, 2)                    # [H, kv_lora, v]
+        w_uk = w[:, : cfg.qk_nope_head_dim]                                      # [H, nope, kv_lora]
+        w_uv_t = w[:, cfg.qk_nope_head_dim :].transpose(1, 2)                    # [H, kv_lora, v]
         s_kv, kv = kv_context.shape[0], kv_context[:, None, :]                # [S_kv, 1, 576]
         act = proj.q_latent.dtype
-        out = torch.empty((n, c.hidden_size), dtype=act, device=kv_context.device)
+        out = torch.empty((n, cfg.hidden_size), dtype=act, device=kv_context.device)
         # Whole pipeline per row chunk, so q_abs, the query and o (a few GB each for a 32K-token
         # chunk of 64 heads) are bounded by the budget as well as the gather.
-        rows = _rows_per_chunk(n, topk_indices.shape[1], c.kv_latent_dim, c.kv_lora_rank,
-                               c.num_attention_heads, kv_context.dtype, cdt, budget_bytes)
+        rows = _rows_per_chunk(n, topk_indices.shape[1], cfg.kv_latent_dim, cfg.kv_lora_rank,
+                               cfg.num_attention_heads, kv_context.dtype, cdt, budget_bytes)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             q_abs = _bmm_f32(proj.q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [r, H, kv_lora]
@@ -486,10 +504,10 @@ class MLA(nn.Module):
             inside = (rel >= 0) & (rel < ke - ks)                                   # causal limit
             ragged = rel.clamp(0, s_kv).add_(ks).masked_fill_(~inside, -1)         # rows of kv
             o_lat, _, _ = sparse_mla_fwd(
-                query, kv, ragged[:, None, :], c.softmax_scale, d_v=c.kv_lora_rank
+                query, kv, ragged[:, None, :], cfg.softmax_scale, d_v=cfg.kv_lora_rank
             )                                                                       # [r, H, kv_lora]
             o = _bmm_f32(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)           # [r, H, v]
-            out[r0:r1] = self.o_proj(o.reshape(r1 - r0, -1).to(act))
+            out[r0:r1] = self.o_proj(rearrange(o, "r h v -> r (h v)").to(act))
             del q_abs, query, rel, inside, ragged, o_lat, o
         return out
 
@@ -498,17 +516,17 @@ class MLA(nn.Module):
 
         ``kv_context`` is as in ``forward_absorbed``; every row sees all of ``[ks, ke)``.
         """
-        c = self.config
+        cfg = self.config
         cdt = self._check_context(proj, kv_context, batch)
-        n, s_kv, heads = batch.num_tokens, kv_context.shape[0], c.num_attention_heads
+        s_kv, heads = kv_context.shape[0], cfg.num_attention_heads
         ctx = kv_context.to(cdt)
-        c_kv, k_pe = ctx.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         kv = torch.einsum("sc,hdc->shd", c_kv, self._kv_b_weight(cdt))         # [S_kv, H, nope+v]
-        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, None, :].expand(s_kv, heads, c.qk_rope_head_dim)], dim=-1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None, :].expand(s_kv, heads, cfg.qk_rope_head_dim)], dim=-1)
         q = torch.cat([proj.q_nope, proj.q_pe], dim=-1).to(cdt)               # [n, H, qk_head]
-        o = dense_causal_mha(q, k, v, batch.ks, batch.ke, c.softmax_scale)
-        return self.o_proj(o.reshape(n, -1).to(proj.q_latent.dtype))
+        o = dense_causal_mha(q, k, v, batch.ks, batch.ke, cfg.softmax_scale)
+        return self.o_proj(rearrange(o, "n h v -> n (h v)").to(proj.q_latent.dtype))
 
     def attend(
         self,

@@ -1,5 +1,5 @@
 """noaux_tc mixture of experts: sigmoid router with a selection-only bias, routed experts run
-as grouped GEMMs, a shared expert, and the dense MLP of the first layers (CONVENTIONS §8).
+as grouped GEMMs, a shared expert, and the dense MLP of the first layers (docs/conventions.md §8).
 
 Weight names follow the Hugging Face checkpoints under ``model.layers.{i}.mlp.``:
 ``gate.weight``, ``gate.e_score_correction_bias``, ``experts.{e}.{gate,up,down}_proj.weight``,
@@ -89,8 +89,15 @@ def route(
     compute dtype (float32 unless ``x`` is float64). Rows with ``row_mask`` False get ids -1
     and weights 0.
     """
+    _check_route_inputs(x, gate_weight, e_score_correction_bias, top_k, n_group, topk_group, row_mask)
+    return _route(x, gate_weight, e_score_correction_bias, top_k, n_group, topk_group,
+                  norm_topk_prob, routed_scaling_factor, row_mask)
+
+
+def _check_route_inputs(x, gate_weight, e_score_correction_bias, top_k, n_group, topk_group,
+                        row_mask) -> None:
     _check_rows(x, None, row_mask)
-    n, hidden = x.shape
+    hidden = x.shape[1]
     if (
         gate_weight.dim() != 2
         or gate_weight.shape[1] != hidden
@@ -126,9 +133,16 @@ def route(
             f"top_k={top_k} must lie in [1, {candidates}] (the experts in the kept groups)"
         )
 
+
+def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
+           norm_topk_prob: bool, scale: float, row_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``route`` on checked inputs (``bias``: the score correction; ``scale``: the routed
+    scaling factor)."""
+    n, num_experts = x.shape[0], gate_weight.shape[0]
+    group_size = num_experts // n_group
     cd = _compute_dtype(x.dtype)
     scores = torch.sigmoid(x.to(cd) @ gate_weight.to(cd).T)  # [n, E]
-    selection = scores + e_score_correction_bias.to(cd)  # [n, E]
+    selection = scores + bias.to(cd)  # [n, E]
     if n_group > 1:
         grouped = selection.view(n, n_group, group_size)
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [n, G]
@@ -139,7 +153,7 @@ def route(
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + _NORM_EPS)
-    topk_weights = topk_weights * routed_scaling_factor
+    topk_weights = topk_weights * scale
     if row_mask is not None:
         topk_ids = topk_ids.masked_fill(~row_mask[:, None], -1)
         topk_weights = topk_weights.masked_fill(~row_mask[:, None], 0.0)

@@ -10,8 +10,8 @@ one definition of every formula.
 
 Outputs are float32 "truth" (float64 for float64 inputs) where the kernel would round to bf16.
 Where upstream conventions changed between versions, the version is an explicit argument
-(``lse_base``, ``lonely_lse``, ``scale_fmt``, ``base``, ``pad``); the snapshots are those of
-``anchor-kernel-apis.md``: DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261 (newest);
+(``lse_base``, ``lonely_lse``, ``scale_fmt``, ``base``, ``pad``); the snapshots (Sources in
+docs/conventions.md): DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261 (newest);
 FlashMLA c28eca9 (Sep 2025), 9241ae3 (newest); tile-ai/tilelang a35008a; fast-hadamard-transform
 e7706fa; DeepSeek-V3.2-Exp 3b99a53; SGLang and vLLM unpinned.
 """
@@ -522,13 +522,7 @@ def flash_mla_sparse_decode(
         column = torch.arange(topk, device=indices.device)
         read = (column[None, None, :] < topk_length[:, None, None]).expand(b, s_q, topk)
         row_lengths = topk_length.repeat_interleave(s_q)
-    bad = read & (indices != -1) & ((indices < 0) | (indices >= num_slots))
-    if bool(bad.any()):
-        pos = tuple(int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"indices{list(pos)} = {int(indices[pos])} is neither -1 nor a slot of the "
-            f"{num_slots}-slot cache; mark unused entries with -1"
-        )
+    _check_slots_read(indices, read, num_slots)
     out, _, lse = mla.sparse_mla_fwd(
         q.reshape(b * s_q, h_q, MLA_DIM),
         kv.reshape(num_slots, 1, MLA_DIM),
@@ -540,6 +534,17 @@ def flash_mla_sparse_decode(
         budget_bytes=budget_bytes,
     )
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
+
+
+def _check_slots_read(indices: Tensor, read: Tensor, num_slots: int) -> None:
+    """Every index the kernel reads (``read``) is -1 or a slot of the cache."""
+    bad = read & (indices != -1) & ((indices < 0) | (indices >= num_slots))
+    if bool(bad.any()):
+        pos = tuple(int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"indices{list(pos)} = {int(indices[pos])} is neither -1 nor a slot of the "
+            f"{num_slots}-slot cache; mark unused entries with -1"
+        )
 
 
 # ------------------------------------------------------------------------- metrics

@@ -1,6 +1,6 @@
 """Chunked prefill: admission, the per-step chunk planner, a prefix cache, and the driver.
 
-The planner follows SGLang's ``PrefillAdder`` (CONVENTIONS §11): a step has a token budget
+The planner follows SGLang's ``PrefillAdder`` (docs/conventions.md §11): a step has a token budget
 ``chunked_prefill_size``; each admitted request takes ``ceil_to_page(extend_len)`` of it; a
 request that does not fit is truncated so its chunk ends on a page boundary in absolute
 position, and at most one request is left part-way ("chunked") at a time. Admission reserves

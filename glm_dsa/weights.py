@@ -3,7 +3,7 @@
 Names are the model's own state-dict keys, which are HF's (``model.layers.{i}.self_attn.q_a_proj.weight``,
 ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` …). FP8 checkpoints store e4m3 weights
 with a float32 ``weight_scale_inv`` of shape ``[ceil(out/128), ceil(in/128)]``; the weight is
-``W_fp8 * scale`` per 128×128 block and is dequantized at load. Never quantized (CONVENTIONS
+``W_fp8 * scale`` per 128×128 block and is dequantized at load. Never quantized (docs/conventions.md
 §10): the router ``mlp.gate.*``, ``indexer.weights_proj``, norms, biases, the embedding and the
 LM head.
 

@@ -304,6 +304,8 @@ def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: in
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated(), engine.output_hidden(rid), engine
 
 
+# One measurement script read top to bottom: build both models, then per length time, compare
+# and profile each; the steps share the models and the result dict (93 lines).
 def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
     """glm-dsa's chunked prefill against transformers' ``GlmMoeDsaModel`` (one full-width MoE layer
     with the indexer, bf16, sdpa) on the same weights, at each length in ``lengths``.

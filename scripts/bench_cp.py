@@ -79,6 +79,39 @@ def _comm_snapshot(group: CPGroup) -> dict:
     return {op: vars(c).copy() for op, c in group.comm.items()}
 
 
+def _against_ledger(cfg, steps: list, ranks: list, cp_size: int, split: str, elem: int) -> list:
+    """Each step's per-rank pairs and bytes set beside the ledger's at our element size."""
+    out_steps = []
+    for i, s in enumerate(steps):
+        rows = {r.op: r for r in cp_comm_bytes_per_chunk(
+            cfg, s["tokens"], cp_size,
+            index_k_bytes_per_token=cfg.index_head_dim * elem,
+            latent_bytes_per_token=cfg.kv_latent_dim * elem)}
+        ledger_comm = {
+            op: {"collectives": rows[op].count, "bytes": rows[op].total,
+                 "local_bytes": rows[op].count * rows[op].local_bytes_each}
+            for op in (INDEX_K_ALLGATHER, LATENT_ALLGATHER)
+        }
+        # The ledger counts the boundary gather in bf16; ours moves the activation dtype.
+        b = rows[CP_BOUNDARY_GATHER]
+        ledger_comm[CP_BOUNDARY_GATHER] = {
+            "collectives": b.count, "bytes": b.total * elem // 2,
+            "local_bytes": b.count * b.local_bytes_each * elem // 2}
+        pairs = [len(cfg.full_layers) * p
+                 for p in cp_indexer_pairs_per_rank(s["tokens"], cp_size, split, s["prefix"])]
+        per_rank = [r["steps"][i] for r in ranks]
+        out_steps.append({
+            "step": s["step"], "prefix": s["prefix"], "tokens": s["tokens"],
+            "seconds_max": max(p["seconds"] for p in per_rank),
+            "indexer_max": max(p["indexer"] for p in per_rank),
+            "per_rank": per_rank,
+            "ledger": {"indexer_pairs_per_rank": pairs, "comm": ledger_comm},
+            "matches_ledger": all(p["comm"] == ledger_comm and p["indexer_pairs"] == pairs[r]
+                                  for r, p in enumerate(per_rank)),
+        })
+    return out_steps
+
+
 def bench(args: argparse.Namespace, device: torch.device) -> dict | None:
     """Run the benchmark on this rank of an initialized group; rank 0 gets the result dict."""
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -138,35 +171,8 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict | None:
     torch.distributed.all_gather_object(ranks, mine)
     if group.rank != 0:
         return None
-    elem = torch.finfo(getattr(torch, dtype_name)).bits // 8
-    out_steps = []
-    for i, s in enumerate(steps):
-        rows = {r.op: r for r in cp_comm_bytes_per_chunk(
-            cfg, s["tokens"], group.size,
-            index_k_bytes_per_token=cfg.index_head_dim * elem,
-            latent_bytes_per_token=cfg.kv_latent_dim * elem)}
-        ledger_comm = {
-            op: {"collectives": rows[op].count, "bytes": rows[op].total,
-                 "local_bytes": rows[op].count * rows[op].local_bytes_each}
-            for op in (INDEX_K_ALLGATHER, LATENT_ALLGATHER)
-        }
-        # The ledger counts the boundary gather in bf16; ours moves the activation dtype.
-        b = rows[CP_BOUNDARY_GATHER]
-        ledger_comm[CP_BOUNDARY_GATHER] = {
-            "collectives": b.count, "bytes": b.total * elem // 2,
-            "local_bytes": b.count * b.local_bytes_each * elem // 2}
-        pairs = [len(cfg.full_layers) * p
-                 for p in cp_indexer_pairs_per_rank(s["tokens"], group.size, args.split, s["prefix"])]
-        per_rank = [r["steps"][i] for r in ranks]
-        out_steps.append({
-            "step": s["step"], "prefix": s["prefix"], "tokens": s["tokens"],
-            "seconds_max": max(p["seconds"] for p in per_rank),
-            "indexer_max": max(p["indexer"] for p in per_rank),
-            "per_rank": per_rank,
-            "ledger": {"indexer_pairs_per_rank": pairs, "comm": ledger_comm},
-            "matches_ledger": all(p["comm"] == ledger_comm and p["indexer_pairs"] == pairs[r]
-                                  for r, p in enumerate(per_rank)),
-        })
+    out_steps = _against_ledger(cfg, steps, ranks, group.size, args.split,
+                                torch.finfo(getattr(torch, dtype_name)).bits // 8)
     return {
         "config": cfg.name, "tokens": args.tokens, "chunk": args.chunk, "cp": group.size,
         "split": args.split, "device": device.type, "dtype": dtype_name, "kv_dtype": args.kv_dtype,

@@ -1,6 +1,6 @@
 """An independent float64 dense implementation of the GLM-5.3 stack, written for the tests.
 
-It reads weights from a state dict by their HF names and follows CONVENTIONS.md directly with
+It reads weights from a state dict by their HF names and follows docs/conventions.md directly with
 explicit formulas (complex-multiply RoPE, expanded K/V, a full causal softmax, a per-token MoE
 loop). It shares no code with glm_dsa, so agreeing with it means something. Attention may be
 restricted to a given key set per (layer, row) to check sparse attention against a masked

@@ -92,7 +92,7 @@ def test_cp_mean_prefix_table_equals_the_json(outputs):
 
 def test_the_article_example_prints_the_headline_numbers(outputs):
     text, led = outputs
-    # 21/57 layers, 53,940 B/token, 512 pages per 32K chunk, 1,344 rows at 1M (CONVENTIONS §12)
+    # 21/57 layers, 53,940 B/token, 512 pages per 32K chunk, 1,344 rows at 1M (docs/conventions.md §12)
     assert "21 full + 57 shared" in text
     assert re.search(r"^bytes_per_token\s+53,940\s*$", text, re.M)
     assert re.search(r"^pages_per_chunk\s+512\s+pages$", text, re.M)

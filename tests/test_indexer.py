@@ -285,7 +285,7 @@ def test_topk_is_independent_of_row_budget(requests, topk, seed, chunk_rows):
     expected = canonical_topk(logits, batch.ks, batch.ke, topk)
 
     seen_rows: list[int] = []
-    real_mqa_logits = ix.mqa_logits
+    real_mqa_logits = ix._mqa_logits
 
     def spy(q, *args, **kwargs):
         seen_rows.append(q.shape[0])
@@ -293,7 +293,7 @@ def test_topk_is_independent_of_row_budget(requests, topk, seed, chunk_rows):
 
     # One row per chunk, a few row counts, all rows in one chunk (4·S·S_kv bytes), no limit.
     budgets = [4 * S_kv] + [4 * S_kv * r for r in chunk_rows] + [4 * S * S_kv, 2**62]
-    with patched(NO_CHUNK_LOGITS=0, mqa_logits=spy):
+    with patched(NO_CHUNK_LOGITS=0, _mqa_logits=spy):
         for budget in budgets:
             seen_rows.clear()
             got = indexer_topk(q_fp8, w, k_fp8, k_scale, batch.ks, batch.ke, topk, budget)
@@ -405,7 +405,7 @@ def test_logits_budget_follows_the_sglang_rule(monkeypatch):
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, f=free: (f, total))
         # 1 − 0.8 is 0.19999999999999996 in binary, and the result is truncated to bytes.
         assert abs(logits_budget_bytes("cuda:0", mem_fraction_static=0.8) - expected) < 2
-    # ≈ 5.6 GB on a 141 GB H200 → ≈ 1340 rows of logits at 1M keys (CONVENTIONS §12).
+    # ≈ 5.6 GB on a 141 GB H200 → ≈ 1340 rows of logits at 1M keys (docs/conventions.md §12).
     rows = max_logit_rows(32768, 2**20, int(0.2 * 0.2 * total))
     assert rows == int(0.2 * 0.2 * total) // (4 * 2**20) and 1300 < rows < 1400
 

@@ -14,7 +14,7 @@ from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  
 from glm_dsa.kernels import indexer as fast_indexer  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# DeepGEMM's tolerance against a reference on the dequantized inputs (CONVENTIONS §14).
+# DeepGEMM's tolerance against a reference on the dequantized inputs (docs/conventions.md §14).
 CALC_DIFF_TOL = 5e-6
 NEG_INF = float("-inf")
 

@@ -1,7 +1,7 @@
 """KV-cache byte layouts against bytes assembled here with numpy / struct.
 
-Index-K page (CONVENTIONS §4): ``[page_size × head_dim e4m3][page_size × float32 scale]``.
-FlashMLA V32_FP8Sparse row (CONVENTIONS §6): ``[512 e4m3][4 × float32][64 × bf16]``.
+Index-K page (docs/conventions.md §4): ``[page_size × head_dim e4m3][page_size × float32 scale]``.
+FlashMLA V32_FP8Sparse row (docs/conventions.md §6): ``[512 e4m3][4 × float32][64 × bf16]``.
 """
 
 import math

@@ -52,7 +52,7 @@ def test_shared_layers_run_no_indexer_and_reuse_the_previous_full_layers_topk(mo
     full_ids = [id(layers[i].self_attn.indexer) for i in cfg.full_layers]
     assert calls == full_ids  # each full layer once, in order; shared layers none
     for i in cfg.shared_layers:
-        assert not hasattr(layers[i].self_attn, "indexer")
+        assert layers[i].self_attn.indexer is None
         src = cfg.topk_source(i)
         assert torch.equal(used[id(layers[i].self_attn)], used[id(layers[src].self_attn)])
     # Sparsity bites: 200 tokens, index_topk 64 — late rows keep 64 keys.

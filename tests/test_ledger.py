@@ -1,7 +1,7 @@
 """The cost ledger against the design article's figures and against explicit loops.
 
 Article figures are quoted with the table or sentence they come from and re-derived here from
-the GLM-5.3 dimensions (CONVENTIONS §1), never read back from the ledger. Where the article's
+the GLM-5.3 dimensions (docs/conventions.md §1), never read back from the ledger. Where the article's
 printed figure differs from its own formula, the test pins the formula and says why (the full
 list is in docs/ledger.md).
 """
@@ -45,7 +45,7 @@ from glm_dsa.ledger import (
 GLM = get_config("glm-5.3")
 L_1M = 1_048_576  # the article's "1M" (max_position_embeddings)
 B_32K = 32_768
-# GLM-5.3 dimensions written out once (CONVENTIONS §1), so expectations do not read the config.
+# GLM-5.3 dimensions written out once (docs/conventions.md §1), so expectations do not read the config.
 HID, HEADS, QLORA, KVLORA, NOPE, ROPE, V = 6144, 64, 2048, 512, 192, 64, 256
 IDX_H, IDX_D, TOPK, E, TOPK_E, MOE_I, DENSE_I = 32, 128, 2048, 256, 8, 2048, 12288
 LAYERS, FULL, MOE_LAYERS, DENSE_LAYERS = 78, 21, 75, 3
@@ -271,7 +271,7 @@ def test_indexer_logits_of_a_32k_chunk_at_1m_are_137_gb(ledger_1m):
 
 def test_logits_budget_is_5_6_gb_and_1344_rows_at_1m(ledger_1m):
     # Article, logits 的显存预算: "30% 是 42.3GB", "空闲是 28.2GB, 其中 20% 是 5.6GB", "一行 4MB",
-    # "最多一次算约 1300 行", "切成约 25 段". CONVENTIONS §12: "≈5.6 GB, ≈1340 rows".
+    # "最多一次算约 1300 行", "切成约 25 段". docs/conventions.md §12: "≈5.6 GB, ≈1340 rows".
     total = 141 * 10**9
     assert round(0.3 * total / 1e9, 1) == 42.3 and round(0.2 * total / 1e9, 1) == 28.2
     budget = logits_budget_bytes_static(total, 0.8)
@@ -367,7 +367,7 @@ def test_one_million_tokens_in_32k_chunks_is_32_equal_chunks():
 
 
 def test_unaligned_prefix_first_chunk_ends_on_a_page_boundary():
-    # end = floor((prefix + limit) / 64) * 64 (CONVENTIONS §11)
+    # end = floor((prefix + limit) / 64) * 64 (docs/conventions.md §11)
     assert chunk_plan(1000, 128, prefix=100) == [(100, 192), (192, 320), (320, 448), (448, 576),
                                                  (576, 704), (704, 832), (832, 960), (960, 1000)]
 

@@ -1,4 +1,4 @@
-"""noaux_tc MoE against explicit per-token loops written here (CONVENTIONS §8)."""
+"""noaux_tc MoE against explicit per-token loops written here (docs/conventions.md §8)."""
 
 import math
 

@@ -17,7 +17,7 @@ from glm_dsa.kv_format import index_k_store
 pytestmark = [pytest.mark.peers, pytest.mark.cuda]
 
 DEV = "cuda"
-# DeepGEMM's bound against a reference on the dequantized inputs (CONVENTIONS §14).
+# DeepGEMM's bound against a reference on the dequantized inputs (docs/conventions.md §14).
 CALC_DIFF_DEQUANTIZED = 5e-6
 # FlashMLA tests/test_flash_mla_sparse_prefill.py.
 OUT_TOL = dict(abs_tol=8e-4, rel_tol=3.01 / 128, cos_diff_tol=7e-6)

@@ -211,3 +211,29 @@ def test_bad_requests_are_rejected_with_a_reason():
         eng.add_request(torch.tensor([CFG.vocab_size]))
     with pytest.raises(ValueError, match="multiple of page_size"):
         _engine(100)
+
+
+def test_saved_outputs_splice_the_warm_up_rows_into_a_prefix_hit():
+    prefix, tail = _ids(130, 11), _ids(70, 12)
+    engine = _engine(64, "fp32")
+    warm = engine.warm_up(prefix)
+    rid = engine.add_request(torch.cat([prefix, tail]))
+    assert engine.tokens_to_run() == 200 - 128  # two whole pages of the prefix hit
+    engine.run()
+    assert engine.report([rid])["requests"] == [{"tokens": 200, "cached": 128}]
+    hidden = engine.outputs([rid])["request.0.hidden"]
+    # The first 128 rows are the warm-up's own rows; the rest are the request's.
+    assert torch.equal(hidden[:128], torch.cat(engine.finished[warm].hidden)[:128].float())
+    assert torch.equal(hidden[128:], torch.cat(engine.finished[rid].hidden).float())
+    assert rel_err(hidden, _alone(torch.cat([prefix, tail]), "fp32")[0]) <= KV_TOLERANCE["fp32"]
+
+
+def test_saved_outputs_refuse_a_prefix_hit_no_warm_up_computed():
+    prefix = _ids(130, 13)
+    engine = _engine(64, "fp32")
+    engine.add_request(prefix)
+    engine.run()
+    rid = engine.add_request(torch.cat([prefix, _ids(10, 14)]))
+    engine.run()
+    with pytest.raises(ValueError, match="warm_up"):
+        engine.outputs([rid])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_dsa.indexer import _check_logits_inputs, _prefix_indices, chunked_topk
+from glm_dsa.indexer import RowChunk, _check_logits_inputs, _prefix_indices, chunked_topk
 from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
 
 __all__ = ["indexer_topk", "select_topk"]
@@ -58,11 +58,13 @@ def indexer_topk(
     _check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
     _check_device(q_fp8)
 
-    def chunk_topk(r0, r1, lo, hi, starts, ends):
+    def chunk_topk(chunk: RowChunk) -> Tensor:
+        r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
         logits = _mqa_logits_core(
             q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1],
-            starts.to(torch.int32), ends.to(torch.int32), clean_logits=True, max_seqlen_k=0,
+            chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), clean_logits=True,
+            max_seqlen_k=0,
         )  # fmt: skip
-        return select_topk(logits, starts, ends, topk)
+        return select_topk(logits, chunk.starts, chunk.ends, topk)
 
     return chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)

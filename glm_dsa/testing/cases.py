@@ -57,7 +57,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 
-# FlashMLA's sparse tests draw q and kv as randn / 10 (anchor-kernel-apis.md §2a).
+# FlashMLA's sparse prefill tests draw q and kv as randn / 10 (docs/conventions.md §7).
 MLA_INPUT_STD = 0.1
 
 

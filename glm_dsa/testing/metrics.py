@@ -38,7 +38,7 @@ __all__ = [
     "check_tensor",
 ]
 
-# Upstream tolerances (anchor-kernel-apis.md §1c, §2a, §2b; CONVENTIONS §14).
+# Upstream tolerances (DeepGEMM and FlashMLA tests; docs/conventions.md §14).
 # DeepGEMM's newest test against the reference on dequantized inputs: float32 logits < 5e-6,
 # bf16 logits < 3e-5 (one bf16 rounding alone gives about 7e-7).
 CALC_DIFF_MAX = 5e-6
