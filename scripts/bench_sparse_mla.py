@@ -5,6 +5,8 @@ the Triton kernel's time and TFLOP/s (FLOPs = 2 * s_q * topk * h_q * (576 + 512)
 (``flash_mla_sparse_sm90.sparse_prefill_fwd``) when it imports, their ratio, the FP8 paged form
 (656-byte rows) and its ratio to bf16, and a correctness check against the oracle on a few
 hundred rows. At 32,768 queries and 64 heads also the reference ``glm_dsa.mla.sparse_mla_fwd``.
+Each form's autotune timings (one per kernel variant in ``_GPU_CONFIGS``) are recorded as
+``*_variants``: config -> milliseconds at that shape (each row re-tunes).
 Inputs as FlashMLA's tests: q and kv ``randn / 10``; each query attends 2,048 distinct rows below
 its causal limit (queries are the last s_q tokens of the 131,072). Every part is guarded: one
 failure is recorded and the rest still run. Autotune runs on first use (a few configs).
@@ -75,6 +77,18 @@ def _check(got, q, kv, idx, rows):
     return result
 
 
+def _retune(tuner) -> None:
+    """Make the next call autotune again, at this shape (the tuning key has no s_q)."""
+    tuner.cache.clear()
+    tuner.configs_timings = {}
+
+
+def _variants(tuner) -> dict:
+    """The autotuner's last timings: ``"BLOCK_H: 64, ..." -> ms`` per variant it compiled."""
+    timings = getattr(tuner, "configs_timings", None) or {}
+    return {str(cfg): (t[0] if isinstance(t, (list, tuple)) else t) for cfg, t in timings.items()}
+
+
 def _guard(record: dict, key: str, fn):
     try:
         record[key] = fn()
@@ -91,6 +105,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from glm_dsa.kernels import flash_mla_sparse_fwd, sparse_mla_fwd_fp8
+    from glm_dsa.kernels.sparse_mla import _sparse_mla_fwd_kernel as tuner
     try:
         import flash_mla_sparse_sm90
     except ImportError:
@@ -109,13 +124,17 @@ def main() -> None:
             row = {"s_q": s_q, "h_q": h, "gflop": _flops(s_q, h) / 1e9}
             rows = torch.linspace(0, s_q - 1, CHECK_ROWS, device="cuda").long()
             t0 = time.time()
+            _retune(tuner)
             _guard(row, "triton_s", lambda: _time(
                 lambda: flash_mla_sparse_fwd(q, kv, idx, SM_SCALE, D_V)))
             row["first_call_incl_autotune_s"] = time.time() - t0
+            row["triton_variants"] = _variants(tuner)
             _guard(row, "triton_check", lambda: _check(
                 flash_mla_sparse_fwd(q, kv, idx, SM_SCALE, D_V), q, kv, idx, rows))
+            _retune(tuner)
             _guard(row, "fp8_s", lambda: _time(
                 lambda: sparse_mla_fwd_fp8(q, fp8_rows, idx, SM_SCALE, D_V)))
+            row["fp8_variants"] = _variants(tuner)
             _guard(row, "fp8_check", lambda: _check(
                 sparse_mla_fwd_fp8(q, fp8_rows, idx, SM_SCALE, D_V),
                 q, kv_fp8_deq.view(-1, 1, D_QK), idx, rows))
@@ -138,6 +157,9 @@ def main() -> None:
                     row[name] = row[num] / row[den]
             report["rows"].append(row)
             print(_line(row), flush=True)
+            for form in ("triton_variants", "fp8_variants"):
+                for cfg, ms in row[form].items():
+                    print(f"    {form[:-9]:6s} {ms:8.3f} ms  {cfg}", flush=True)
             del q
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -1,11 +1,13 @@
 """Sparse MLA prefill forward in Triton: FlashMLA's ``flash_mla_sparse_fwd`` on gathered rows.
 
 One program owns one query token and ``BLOCK_H`` of its heads. It keeps ``q`` on chip (shared
-memory, as the A operand of both QK^T GEMMs) and walks the token's ``topk`` indices in tiles of
-``BLOCK_K``: each tile gathers ``BLOCK_K`` rows of the latent cache (index -> row pointer), scores
-them as ``[h, d_v]·[d_v, BLOCK_K] + [h, d_tail]·[d_tail, BLOCK_K]`` (latent part, then RoPE
-part), and accumulates ``P·V`` where V is the first ``d_v`` columns of the same gathered rows (no
-second gather). Softmax is online, in base 2 with ``log2(e)`` folded into the scale.
+memory, the B operand of the score GEMM) and walks the token's ``topk`` indices in tiles of
+``BLOCK_K``: each tile gathers ``BLOCK_K`` rows of the latent cache (index -> row pointer) in
+column chunks of ``D_CHUNK``, scores them transposed, ``s^T = K · q^T`` (``[BLOCK_K, BLOCK_H]``,
+latent chunks then the RoPE part; keys on the GEMM's M so the two warpgroups score different
+keys), and accumulates ``P·V`` per value chunk, where V is the first ``d_v`` columns of the same
+gathered rows (no second gather). Softmax is online, in base 2 with ``log2(e)`` folded into the
+scale. On the GPU the next tile's rows are prefetched into L2 while a tile computes.
 
 Two entry points share the kernel:
 
@@ -42,25 +44,31 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 # Tiling, as data, for the H200 (sm_90, 227 KB shared memory per block) at GLM-5.3's shape
-# (h_q 64, d_qk 576, d_v 512, top-2048), after FlashMLA's / TileLang's 64 heads x 64 keys on two
-# warpgroups. q [64, 576] bf16 sits in shared memory (74 KB) beside 1-3 buffers of the key tile.
-# The [64, 512] float32 accumulator is 128 registers per thread at 8 warps (Triton gives each
-# warpgroup half of V's columns); 16 warps cap registers at 128 and make Triton compute QK^T four
-# times over, so they are not listed. Checked by compiling for sm_90 without a GPU (ptxas): every
-# config below compiles at that shape (255 registers, a few spilled); a 128-head block does not
-# fit. Each config costs one compile (a few seconds), so autotune finishes in one device call.
+# (h_q 64, d_qk 576, d_v 512, top-2048). Scores are computed transposed (keys on the GEMM's M,
+# see the kernel), so a 128-key tile gives each of the two warpgroups its own 64 keys, as
+# FlashMLA's two consumer warpgroups have. Shared memory: q 72 KB + the 128 x 576 key tile
+# 144 KB (+ P, reusing freed space) = 216 KB, one buffer: no room for a second key stage, so
+# num_stages is 1 and the next tile is prefetched into L2 instead. D_CHUNK is the width of the
+# column chunks the key tile is gathered, dequantized and multiplied in (fewer live registers).
+# Measured offline for sm_90 (triton.compile for GPUTarget("cuda", 90, 32), cuobjdump/nvdisasm;
+# no GPU) at that shape: 255 registers, 216 KB shared, 36 64x64x16 wgmma per warpgroup for the
+# scores per tile; spill stack (local loads / stores inside the loop): bf16 chunk 128: 208 B
+# (38 / 27), chunk 64: 96 B (17 / 1); FP8 chunk 128: 512 B (113 / 102), chunk 64: 64 B (10 / 2).
+# Chunk 64 halves the value GEMM's wgmma width (n32), so both are listed; autotune (keyed on
+# KV_FP8) picks per form.
 _GPU_CONFIGS = [
-    triton.Config({"BLOCK_H": bh, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bh, bk, w, s in (
-        (64, 64, 8, 1),
-        (64, 32, 8, 2),
-        (64, 32, 8, 3),
-        (64, 16, 8, 3),
-        (16, 32, 4, 2),  # small configs (h_q <= 16) only
+    triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "D_CHUNK": dc}, num_warps=w, num_stages=1)
+    for bh, bk, dc, w in (
+        (64, 128, 128, 8),
+        (64, 128, 64, 8),
+        (16, 64, 128, 4),  # small configs (h_q <= 16) only
+        (16, 64, 64, 4),
     )
 ]
 # The interpreter (CPU CI) runs one small tile; its cost is per program, not per FLOP.
-_INTERPRET_CONFIGS = [triton.Config({"BLOCK_H": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+_INTERPRET_CONFIGS = [
+    triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "D_CHUNK": 64}, num_warps=4, num_stages=1)
+]
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -81,6 +89,15 @@ def _round_to(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
     return bits.to(tl.float32, bitcast=True).to(dtype) if BY_HAND else x.to(dtype)
 
 
+@triton.jit
+def _prefetch_rows(rows, ROW_BYTES: tl.constexpr):
+    """Ask L2 for the ``ROW_BYTES``-byte rows at ``rows`` (pointers, ``[BLOCK_K]``, 16-byte
+    aligned): one bulk prefetch per row, which does not wait for the data."""
+    size = tl.full(rows.shape, ROW_BYTES, tl.int32)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                              "=r,l,r", [rows, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.autotune(
     configs=_INTERPRET_CONFIGS if _INTERPRET else _GPU_CONFIGS,
     key=["h_q", "topk", "D_V", "D_TAIL", "KV_FP8", "HAS_LEN"],
@@ -91,32 +108,39 @@ def _sparse_mla_fwd_kernel(
     q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
     s_kv, h_q, topk, scale_log2,
     stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
-    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DT: tl.constexpr,
+    D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DT: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATIC_TOPK: tl.constexpr,
-    ROUND_BY_HAND: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_BY_HAND: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
+    N_CHUNK: tl.constexpr = (D_V + D_CHUNK - 1) // D_CHUNK
     # Head blocks of one query are neighbours in launch order: they gather the same rows.
     num_hb = tl.cdiv(h_q, BLOCK_H)
     pid = tl.program_id(0)
     qi = (pid // num_hb).to(tl.int64)
     offs_h = (pid % num_hb) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < h_q
-    offs_v = tl.arange(0, BLOCK_DV)
-    v_mask = offs_v < D_V
+    offs_c = tl.arange(0, D_CHUNK)
     offs_t = tl.arange(0, BLOCK_DT)
     t_mask = offs_t < D_TAIL
-
-    q_rows = q_ptr + qi * stride_qs + offs_h[:, None] * stride_qh
-    q_nope = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0)
-    q_pe = tl.load(q_rows + D_V + offs_t[None, :], mask=h_mask[:, None] & t_mask[None, :],
-                   other=0.0)
     kv_dtype = q_ptr.dtype.element_ty
-    q_nope = q_nope.to(DOT_DTYPE)
-    q_pe = q_pe.to(DOT_DTYPE)
+
+    # q and the accumulator live as D_CHUNK-wide column chunks (a tuple): the key tile is
+    # gathered, dequantized and handed to the GEMMs one chunk at a time.
+    q_rows = q_ptr + qi * stride_qs + offs_h[:, None] * stride_qh
+    q_chunks = ()
+    acc = ()
+    for c in tl.static_range(N_CHUNK):
+        cm = c * D_CHUNK + offs_c < D_V
+        q_c = tl.load(q_rows + c * D_CHUNK + offs_c[None, :], mask=h_mask[:, None] & cm[None, :],
+                      other=0.0)
+        q_chunks = q_chunks + (q_c.to(DOT_DTYPE),)
+        acc = acc + (tl.zeros([BLOCK_H, D_CHUNK], tl.float32),)
+    q_pe = tl.load(q_rows + D_V + offs_t[None, :], mask=h_mask[:, None] & t_mask[None, :],
+                   other=0.0).to(DOT_DTYPE)
 
     n_cols = topk
     if HAS_LEN:
@@ -124,50 +148,72 @@ def _sparse_mla_fwd_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of scaled logits, base 2
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     # Triton 3.6's interpreter cannot take a runtime loop bound under numpy >= 2.4; there the
     # loop runs to topk and the `cols < n_cols` mask drops the rest.
+    idx_rows = idx_ptr + qi * stride_is + tl.arange(0, BLOCK_K)
+    idx = tl.load(idx_rows, mask=tl.arange(0, BLOCK_K) < n_cols, other=-1)
+    idx_next = tl.load(idx_rows + BLOCK_K, mask=BLOCK_K + tl.arange(0, BLOCK_K) < n_cols, other=-1)
     for start in range(0, STATIC_TOPK if STATIC_TOPK > 0 else n_cols, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + qi * stride_is + cols, mask=cols < n_cols, other=-1)
         valid = (idx >= 0) & (idx < s_kv)
         rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_kv     # [BLOCK_K]
-        if KV_FP8:
-            # Row bytes: [0, D_V) e4m3 | D_V / 128 float32 tile scales | D_TAIL bf16 (RoPE).
-            NT: tl.constexpr = D_V // 128
-            k8 = tl.load(rows[:, None] + offs_v[None, :], mask=valid[:, None], other=0)
-            scale = tl.load(
-                (rows + D_V).to(tl.pointer_type(tl.float32))[:, None]
-                + tl.arange(0, NT)[None, :],
-                mask=valid[:, None], other=0.0,
-            )                                                                  # [BLOCK_K, NT]
-            k_f32 = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            k_f32 = tl.reshape(k_f32, (BLOCK_K, NT, 128)) * scale[:, :, None]
-            k_nope = _round_to(tl.reshape(k_f32, (BLOCK_K, BLOCK_DV)), kv_dtype, ROUND_BY_HAND)
-            pe_ptr = (rows + D_V + 4 * NT).to(tl.pointer_type(tl.bfloat16))
-            k_pe = tl.load(pe_ptr[:, None] + offs_t[None, :],
-                           mask=valid[:, None] & t_mask[None, :], other=0.0).to(kv_dtype)
-        else:
-            k_nope = tl.load(rows[:, None] + offs_v[None, :],
-                             mask=valid[:, None] & v_mask[None, :], other=0.0)
-            k_pe = tl.load(rows[:, None] + D_V + offs_t[None, :],
-                           mask=valid[:, None] & t_mask[None, :], other=0.0)
-        k_nope = k_nope.to(DOT_DTYPE)
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=PRECISION)
+        # The gather is latency- and bandwidth-bound (one CTA per SM, no spare shared memory
+        # for a second key buffer): the next tile's rows are fetched into L2 while this tile
+        # computes, and the indices two tiles ahead are loaded now.
+        if PREFETCH:
+            valid_next = (idx_next >= 0) & (idx_next < s_kv)
+            _prefetch_rows(kv_ptr + tl.where(valid_next, idx_next, 0).to(tl.int64) * stride_kv,
+                           ROW_BYTES)
+        cols_after = start + 2 * BLOCK_K + tl.arange(0, BLOCK_K)
+        idx_after = tl.load(idx_rows + 2 * BLOCK_K + start, mask=cols_after < n_cols, other=-1)
+        # Scores transposed, keys on the GEMM's M: s^T = K · q^T, [BLOCK_K, BLOCK_H]. Each
+        # warpgroup scores its own 64 keys for all heads, so no score is computed twice (with
+        # heads on M, Triton would give both warpgroups the whole [64, BLOCK_K] tile).
+        k_chunks = ()
+        st = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
+        for c in tl.static_range(N_CHUNK):
+            cm = c * D_CHUNK + offs_c < D_V
+            if KV_FP8:
+                # Row bytes: [0, D_V) e4m3 | D_V / 128 float32 tile scales | D_TAIL bf16 (RoPE);
+                # a chunk lies within one 128-byte scale tile.
+                k8 = tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :], mask=valid[:, None],
+                             other=0)
+                sc = tl.load((rows + D_V).to(tl.pointer_type(tl.float32)) + c * D_CHUNK // 128,
+                             mask=valid, other=0.0)
+                k_f32 = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
+                k_c = _round_to(k_f32, kv_dtype, ROUND_BY_HAND)
+            else:
+                k_c = tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :],
+                              mask=valid[:, None] & cm[None, :], other=0.0)
+            k_c = k_c.to(DOT_DTYPE)
+            k_chunks = k_chunks + (k_c,)
+            st = tl.dot(k_c, tl.trans(q_chunks[c]), st, input_precision=PRECISION)
         if D_TAIL > 0:
-            s = tl.dot(q_pe, tl.trans(k_pe.to(DOT_DTYPE)), s, input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))           # [BLOCK_H, BLOCK_K]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Until a row has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
+            if KV_FP8:
+                pe_ptr = (rows + D_V + 4 * (D_V // 128)).to(tl.pointer_type(tl.bfloat16))
+            else:
+                pe_ptr = rows + D_V
+            k_pe = tl.load(pe_ptr[:, None] + offs_t[None, :],
+                           mask=valid[:, None] & t_mask[None, :], other=0.0)
+            st = tl.dot(k_pe.to(kv_dtype).to(DOT_DTYPE), tl.trans(q_pe), st,
+                        input_precision=PRECISION)
+        st = tl.where(valid[:, None], st * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, axis=0))
+        # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
+        pt = tl.exp2(st - m_shift[None, :])
         alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        # P is rounded to the cache dtype for the value GEMM, as FlashMLA does.
-        p = _round_to(p, kv_dtype, ROUND_BY_HAND).to(DOT_DTYPE)
-        acc = tl.dot(p, k_nope, acc, input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        # P is rounded to the cache dtype for the value GEMM, as FlashMLA does; P·V takes
+        # P from shared memory, each warpgroup a half of every value chunk over all keys.
+        p = tl.trans(_round_to(pt, kv_dtype, ROUND_BY_HAND).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
+        new_acc = ()
+        for c in tl.static_range(N_CHUNK):
+            new_acc = new_acc + (tl.dot(p, k_chunks[c], acc[c] * alpha[:, None],
+                                        input_precision=PRECISION),)
+        acc = new_acc
         m_i = m_new
+        idx = idx_next
+        idx_next = idx_after
 
     m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i
@@ -175,10 +221,11 @@ def _sparse_mla_fwd_kernel(
         sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
         denom += tl.exp2(sink * LOG2E - m_shift)
     denom = tl.where(denom == 0.0, 1.0, denom)                # lonely row, no sink: out = 0 / 1
-    out = acc / denom[:, None]
     out_rows = out_ptr + qi * stride_os + offs_h[:, None] * stride_oh
-    tl.store(out_rows + offs_v[None, :], _round_to(out, out_ptr.dtype.element_ty, ROUND_BY_HAND),
-             mask=h_mask[:, None] & v_mask[None, :])
+    for c in tl.static_range(N_CHUNK):
+        cm = c * D_CHUNK + offs_c < D_V
+        out = _round_to(acc[c] / denom[:, None], out_ptr.dtype.element_ty, ROUND_BY_HAND)
+        tl.store(out_rows + c * D_CHUNK + offs_c[None, :], out, mask=h_mask[:, None] & cm[None, :])
     lonely = l_i == 0.0
     lse = tl.where(lonely, float("inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * LN2)
     tl.store(max_ptr + qi * h_q + offs_h, m_i * LN2, mask=h_mask)
@@ -217,8 +264,7 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
         sink if sink is not None else max_logits, lengths if lengths is not None else idx,
         s_kv, h_q, topk, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
-        D_V=d_v, D_TAIL=d_tail,
-        BLOCK_DV=triton.next_power_of_2(d_v), BLOCK_DT=max(16, triton.next_power_of_2(d_tail)),
+        D_V=d_v, D_TAIL=d_tail, BLOCK_DT=max(16, triton.next_power_of_2(d_tail)),
         KV_FP8=fp8, HAS_SINK=sink is not None, HAS_LEN=lengths is not None,
         # Triton 3.6's interpreter multiplies bf16 as raw integers: there the GEMMs take the
         # (exact) float32 upcast of the bf16 operands. On the GPU the cast is a no-op.
@@ -226,6 +272,8 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STATIC_TOPK=topk if _INTERPRET else 0,
         ROUND_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16,
+        # The interpreter has no PTX; prefetching changes no value.
+        PREFETCH=not _INTERPRET, ROW_BYTES=kv_rows.shape[-1] * kv_rows.element_size(),
     )
     return out, max_logits, lse
 
