@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
 
 if TYPE_CHECKING:
@@ -226,6 +227,7 @@ class CPGroup:
         cache: KVCache,
         budget_bytes: int,
         times: LayerTimes | None = None,
+        backend: Backend = REFERENCE,
     ) -> Tensor:
         """Run ``model`` on this rank's share of the step; returns the whole chunk's last-layer
         output ``[n, hidden]`` in chunk order (``DSAModel.forward`` of one rank, split).
@@ -242,7 +244,8 @@ class CPGroup:
         chunk = self.chunk(batch)
         x = model.embed_tokens(ids[chunk.rows])
         x = torch.cat([x, x.new_zeros(chunk.batch.num_tokens - x.shape[0], x.shape[1])])
-        out = model(x, chunk.batch, cache, budget_bytes, chunk.row_mask, times, cp_chunk=chunk)
+        out = model(x, chunk.batch, cache, budget_bytes, chunk.row_mask, times, cp_chunk=chunk,
+                    backend=backend)
         # What indexer_topk scores: row m against [ks[m], ke[m]); padding rows score nothing.
         full_layers = len(model.config.full_layers)
         self.indexer_pairs += full_layers * int((chunk.batch.ke - chunk.batch.ks).sum())

@@ -765,6 +765,7 @@ class Indexer(nn.Module):
         index_k_pages: Tensor,
         budget_bytes: int,
         cp_chunk: RowGather | None = None,
+        topk_fn: Callable[..., Tensor] = indexer_topk,
     ) -> Tensor:
         """Top-k context rows of every query token of a ragged batch.
 
@@ -780,6 +781,8 @@ class Indexer(nn.Module):
             cp_chunk: context parallel (None: one rank). ``x`` and ``batch`` are then this
                 rank's rows; the chunk's unquantized keys are gathered from every rank and stored at
                 the whole chunk's slots, so every rank holds the full index-K cache.
+            topk_fn: ``indexer_topk`` or a backend's function of the same contract
+                (``glm_dsa.backend``).
 
         Returns:
             int32 ``[n, index_topk]``, request-relative (relative to ``batch.ks``), ``-1`` pad.
@@ -795,6 +798,6 @@ class Indexer(nn.Module):
             index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size
         )
         q_fp8, weights = self.project_q(x, q_latent, batch.positions)
-        return indexer_topk(
+        return topk_fn(
             q_fp8, weights, ctx_fp8, ctx_scale, batch.ks, batch.ke, cfg.index_topk, budget_bytes
         )

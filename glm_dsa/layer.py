@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import LATENT_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.cache import KVCache
 from glm_dsa.config import DSAConfig
@@ -83,6 +84,7 @@ class DecoderLayer(nn.Module):
         row_mask: torch.Tensor | None = None,
         times: LayerTimes | None = None,
         cp_chunk: RowGather | None = None,
+        backend: Backend = REFERENCE,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``h = x + attn(input_layernorm(x))``, ``out = h + ffn(post_attention_layernorm(h))``,
         writing this step's KV (and index K) on the way.
@@ -98,6 +100,7 @@ class DecoderLayer(nn.Module):
             cp_chunk: context parallel (None: one rank). ``x`` and ``batch`` are then this
                 rank's rows; the chunk's latent rows and index keys are gathered from every rank
                 and written at the whole chunk's slots.
+            backend: the indexer top-k and sparse attention implementations (``glm_dsa.backend``).
         Returns:
             ``(out [n, hidden], topk)``: the topk this layer used, for the next shared layer.
         """
@@ -110,13 +113,17 @@ class DecoderLayer(nn.Module):
         timer.stop("projections")
         if attn.indexer is not None:  # writes this step's index K, then scores the context
             topk = attn.indexer(h_in, proj.q_latent, batch, cache.index_k[self.layer_idx],
-                                budget_bytes, cp_chunk)
+                                budget_bytes, cp_chunk, backend.indexer_topk)
             cache.record_index_k_write(_chunk_tokens(batch, cp_chunk))
             timer.stop("indexer")
         elif topk is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
-        kv_context = cache.read_mla(self.layer_idx, batch.kv_slots, x.dtype)
-        h = x + attn.attend(proj, kv_context, batch, topk, budget_bytes)
+        if backend.paged_sparse_mla is not None and not attn.use_mha(batch):
+            h = x + attn.forward_paged(proj, cache.mla[self.layer_idx], batch, topk,
+                                       backend.paged_sparse_mla, budget_bytes)
+        else:
+            kv_context = cache.read_mla(self.layer_idx, batch.kv_slots, x.dtype)
+            h = x + attn.attend(proj, kv_context, batch, topk, budget_bytes)
         timer.stop("attention")
         out = h + self._ffn(self.post_attention_layernorm(h), row_mask)
         timer.stop("moe")
@@ -161,6 +168,7 @@ class DSAModel(nn.Module):
         row_mask: torch.Tensor | None = None,
         times: LayerTimes | None = None,
         cp_chunk: RowGather | None = None,
+        backend: Backend = REFERENCE,
     ) -> torch.Tensor:
         """``inputs``: int64 token ids ``[n]`` or hidden states ``[n, hidden]``; returns the last
         layer's output ``[n, hidden]`` before the final norm. ``cp_chunk``: see ``DecoderLayer``
@@ -176,7 +184,7 @@ class DSAModel(nn.Module):
             )
         topk = None
         for layer in self.layers:
-            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times, cp_chunk)
+            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times, cp_chunk, backend)
         return x
 
 

@@ -25,6 +25,7 @@ bf16 tensor cores with float32 output, a float32 operand split exactly into thre
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -509,6 +510,62 @@ class MLA(nn.Module):
             o = _bmm_f32(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)           # [r, H, v]
             out[r0:r1] = self.o_proj(rearrange(o, "r h v -> r (h v)").to(act))
             del q_abs, query, rel, inside, ragged, o_lat, o
+        return out
+
+    def forward_paged(
+        self,
+        proj: MLAProjection,
+        pool: Tensor,
+        batch: ForwardBatch,
+        topk_indices: Tensor,
+        paged_sparse_mla: Callable[..., tuple[Tensor, Tensor, Tensor]],
+        budget_bytes: int | None = None,
+    ) -> Tensor:
+        """Absorbed sparse attention reading the selected rows straight from the KV pool -> ``[n, hidden]``.
+
+        The fast form of ``forward_absorbed`` (``glm_dsa.backend``): the top-k indices become
+        global slot numbers (``batch.kv_slots``), and ``paged_sparse_mla`` reads those rows of
+        ``pool`` (this layer's ``KVCache.mla`` tensor: FP8 rows, or bf16 / fp32 latents) without
+        gathering the context. Queries run in the pool's dtype (bf16 for an FP8 pool under bf16
+        activations, float32 otherwise), the absorption GEMMs as plain GEMMs in that dtype.
+
+        Args:
+            pool: ``[num_pages, page_size, row]`` uint8 (FP8 rows), bfloat16 or float32.
+            topk_indices: int32 ``[n, topk]`` request-relative, as in ``forward_absorbed``.
+            paged_sparse_mla: ``(query, pool, slots, sm_scale, d_v) -> (out, max_logits, lse)``.
+            budget_bytes: bound on the float32-sized per-chunk temporaries (queries and outputs).
+        """
+        cfg = self.config
+        n, heads = batch.num_tokens, cfg.num_attention_heads
+        if topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != n:
+            raise ValueError(
+                f"topk_indices must be int32 [n={n}, topk], got {topk_indices.dtype} "
+                f"{tuple(topk_indices.shape)}"
+            )
+        if pool.dtype not in (torch.uint8, torch.bfloat16, torch.float32):
+            raise ValueError(f"the paged sparse attention reads fp8, bf16 or fp32 KV pools, not {pool.dtype}")
+        act = proj.q_latent.dtype
+        qdt = pool.dtype if pool.dtype.is_floating_point else (
+            torch.bfloat16 if act == torch.bfloat16 else torch.float32)
+        w = self._kv_b_weight(qdt)
+        w_uk = w[:, : cfg.qk_nope_head_dim]                                      # [H, nope, kv_lora]
+        w_uv_t = w[:, cfg.qk_nope_head_dim :].transpose(1, 2)                    # [H, kv_lora, v]
+        row_bytes = heads * (cfg.kv_latent_dim + cfg.kv_lora_rank + cfg.v_head_dim) * 4
+        rows = n if budget_bytes is None else max(1, min(n, budget_bytes // row_bytes))
+        out = torch.empty((n, cfg.hidden_size), dtype=act, device=pool.device)
+        s_kv = batch.kv_slots.numel()
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            q_abs = torch.bmm(proj.q_nope[r0:r1].to(qdt).transpose(0, 1), w_uk).transpose(0, 1)
+            query = torch.cat([q_abs, proj.q_pe[r0:r1].to(qdt)], dim=-1)           # [r, H, 576]
+            rel = topk_indices[r0:r1].long()
+            ks, ke = batch.ks[r0:r1, None].long(), batch.ke[r0:r1, None].long()
+            inside = (rel >= 0) & (rel < ke - ks)                                   # causal limit
+            slots = batch.kv_slots[(rel + ks).clamp(0, max(s_kv - 1, 0))]
+            slots = slots.masked_fill(~inside, -1).to(torch.int32)                 # [r, topk]
+            o_lat, _, _ = paged_sparse_mla(query, pool, slots, cfg.softmax_scale, cfg.kv_lora_rank)
+            o = torch.bmm(o_lat.to(qdt).transpose(0, 1), w_uv_t).transpose(0, 1)  # [r, H, v]
+            out[r0:r1] = self.o_proj(rearrange(o, "r h v -> r (h v)").to(act))
         return out
 
     def forward_mha(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> Tensor:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from glm_dsa.backend import get_backend
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache, PageAllocator
 from glm_dsa.indexer import logits_budget_bytes
@@ -178,6 +179,9 @@ class PrefillEngine:
         cp_group: context parallel (None: one rank). Every rank of the group builds the same engine
             and adds the same requests; each step then runs split over the ranks
             (``glm_dsa.cp``), and every rank ends with the same outputs and caches.
+        backend: ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``: Triton indexer
+            and paged sparse attention) or ``"auto"`` (triton on CUDA when Triton imports);
+            see ``glm_dsa.backend``.
     """
 
     def __init__(
@@ -191,6 +195,7 @@ class PrefillEngine:
         compute_logits: bool = True,
         timing: bool = False,
         cp_group: CPGroup | None = None,
+        backend: str = "reference",
     ) -> None:
         cfg = model.config
         if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
@@ -201,6 +206,7 @@ class PrefillEngine:
         self.model, self.config = model, cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.backend = get_backend(backend, self.device)
         self.cache = KVCache(cfg, num_pages, kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_caching else None
@@ -273,9 +279,11 @@ class PrefillEngine:
         t0 = time.perf_counter()
         with torch.no_grad():
             if self.cp_group is None:
-                hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times)
+                hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times,
+                                          backend=self.backend)
             else:
-                hidden = self.cp_group.forward(self.model.model, ids, batch, cache, self.budget_bytes, times)
+                hidden = self.cp_group.forward(self.model.model, ids, batch, cache, self.budget_bytes,
+                                               times, self.backend)
             last_rows = []
             for i, (req, e) in enumerate(plan):
                 q0 = int(batch.cu_seqlens_q[i])
