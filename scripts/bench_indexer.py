@@ -8,7 +8,9 @@ Parts (each independent: one that fails records its error and the others still r
             ``import deep_gemm`` works, the ratio, calc_diff against the oracle on a row subset.
   paged     ``fp8_paged_mqa_logits`` at the same shapes through a shuffled block table.
   indexer   ``indexer_topk`` for a 32,768-token chunk at prefix 983,040 (1,048,576 keys) under
-            the SGLang logits budget: total time, one chunk's logits vs ``torch.topk`` time,
+            the SGLang logits budget: total time, one chunk's logits vs the Triton select's time
+            and ``torch.topk``'s (with their shares of the logits time, and the select's exactness
+            against ``torch.topk`` on a few rows),
             peak memory above the inputs, and recall against the oracle's top-k on a few rows.
 
 The first call of each kernel autotunes (``glm_dsa.kernels.mqa_logits.CONFIGS``); its time is
@@ -183,6 +185,17 @@ def part_indexer() -> dict:
     res["chunk_logits_ms"] = _time_ms(lambda: _mqa_logits_core(*args))
     res["chunk_topk_ms"] = _time_ms(lambda: select_topk(logits, cks, cke, TOPK))
     res["topk_share_of_logits"] = res["chunk_topk_ms"] / res["chunk_logits_ms"]
+    # torch.topk on the same chunk, the selection the Triton select replaced.
+    res["chunk_torch_topk_ms"] = _time_ms(lambda: logits.topk(TOPK, dim=1, sorted=False))
+    res["torch_topk_share_of_logits"] = res["chunk_torch_topk_ms"] / res["chunk_logits_ms"]
+    # Exactness on the chunk: the selected scores equal torch.topk's as multisets.
+    sel = select_topk(logits, cks, cke, TOPK)
+    exact = []
+    for m in range(0, sel.shape[0], max(1, sel.shape[0] // RECALL_ROWS)):
+        row = logits[m, int(cks[m]) : int(cke[m])]
+        got = row[sel[m].long()].sort().values
+        exact.append(bool(torch.equal(got, row.topk(TOPK).values.sort().values)))
+    res["select_exact_rows"] = f"{sum(exact)}/{len(exact)}"
     n_chunks = -(-S // rows)
     res["logits_plus_topk_over_logits"] = 1 + res["topk_share_of_logits"]
     res["n_chunks"] = n_chunks
@@ -263,7 +276,8 @@ def main(argv=None) -> int:
         r = report["parts"]["indexer"]
         print(f"\nindexer 32K @ 983,040: {r['total_s']:.3f} s total, chunk logits "
               f"{r['chunk_logits_ms']:.1f} ms, topk {r['chunk_topk_ms']:.1f} ms "
-              f"(share {r['topk_share_of_logits']:.2f}), peak +{r['peak_above_inputs_bytes'] / 2**30:.2f} GiB, "
+              f"(share {r['topk_share_of_logits']:.2f}; torch.topk {r['chunk_torch_topk_ms']:.1f} ms, "
+              f"share {r['torch_topk_share_of_logits']:.2f}; exact rows {r['select_exact_rows']}), peak +{r['peak_above_inputs_bytes'] / 2**30:.2f} GiB, "
               f"recall mean {r['recall_mean']:.4f} worst {r['recall_worst']:.4f}")  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from glm_dsa import oracle  # noqa: E402
+from glm_dsa import oracle, testing  # noqa: E402
 from glm_dsa.golden import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
 from glm_dsa.kernels import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: E402
 
@@ -187,3 +187,16 @@ def test_glm_shape_fp8_on_gpu_matches_oracle_on_dequantized_rows():
     want = oracle.flash_mla_sparse_fwd(q, kv, idx, 1 / 16, 512)
     got = sparse_mla_fwd_fp8(*_dev(q, pages.view(-1, 656), idx), 1 / 16, 512)
     _check(got, want, SPARSE_OUT_TOL, SPARSE_STAT_TOL)
+
+
+def test_flash_mla_sparse_fwd_passes_the_harness():
+    cases = len(testing.edge_case_names("flash_mla_sparse_fwd")) + 1  # every named edge, one random
+    report = testing.check_kernel("flash_mla_sparse_fwd", flash_mla_sparse_fwd, cases=cases,
+                                  device=DEVICE)
+    assert report.cases_run == cases
+
+
+@pytest.mark.cuda
+def test_flash_mla_sparse_fwd_passes_the_harness_at_glm_shapes():
+    testing.check_kernel("flash_mla_sparse_fwd", flash_mla_sparse_fwd, cases=20, device=DEVICE,
+                         shapes="glm-5.3")

@@ -6,4 +6,5 @@ Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is importe
 
 from glm_dsa.kernels.indexer import indexer_topk  # noqa: F401
 from glm_dsa.kernels.mqa_logits import fp8_mqa_logits, fp8_paged_mqa_logits  # noqa: F401
+from glm_dsa.kernels.topk import topk_per_row  # noqa: F401
 from glm_dsa.kernels.sparse_mla import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: F401

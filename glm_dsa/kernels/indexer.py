@@ -4,8 +4,9 @@ The contract of ``glm_dsa.indexer.indexer_topk`` (request-relative int32 ``[S, t
 padding, a row with ``≤ topk`` keys gives ``0 … len − 1``) except the order inside a row, which
 is free (set semantics, as every upstream top-k kernel). Logits are computed by
 ``fp8_mqa_logits``'s kernel chunk by chunk within the same byte budget as the reference, so the
-peak is one chunk's float32 logits plus the inputs. Selection is ``torch.topk`` behind
-``select_topk``, the one place a radix / threshold select kernel would go.
+peak is one chunk's float32 logits plus the inputs (and the select's candidate buffer,
+``CAND_FACTOR · topk`` keys and columns per row: 96 KiB a row at ``topk`` = 2048). Selection is
+the radix select of ``glm_dsa.kernels.topk`` behind ``select_topk``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_dsa.indexer import RowChunk, _check_logits_inputs, _prefix_indices, chunked_topk
+from glm_dsa.indexer import RowChunk, _check_logits_inputs, chunked_topk
 from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
+from glm_dsa.kernels.topk import select_rows
 
 __all__ = ["indexer_topk", "select_topk"]
 
@@ -22,14 +24,12 @@ __all__ = ["indexer_topk", "select_topk"]
 def select_topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
     """int32 ``[R, topk]`` relative to ``starts``: the ``topk`` best of each row, any order.
 
-    ``logits``: float32 ``[R, N]`` holding ``-inf`` outside ``[starts, ends)`` (clean logits),
-    ``N ≥ topk``; ``starts``/``ends``: int64 ``[R]``. Rows with ``ends − starts ≤ topk`` give
-    ``0 … len − 1`` then ``-1`` without reading scores.
+    ``logits``: float32 ``[R, N]``, read only inside ``[starts, ends)``; ``starts``/``ends``:
+    integer ``[R]``, ``0 ≤ start ≤ end ≤ N``. Rows with ``ends − starts ≤ topk`` give
+    ``0 … len − 1`` then ``-1`` without reading scores. The Triton radix select of
+    ``glm_dsa.kernels.topk``; raises ValueError on NaN inside a row it reads.
     """
-    lens = ends - starts
-    chosen = logits.topk(topk, dim=1, sorted=False).indices  # [R, topk] int64
-    rel = (chosen - starts[:, None]).to(torch.int32)
-    return torch.where((lens > topk)[:, None], rel, _prefix_indices(lens, topk))
+    return select_rows(logits, starts, ends, topk)
 
 
 def indexer_topk(
