@@ -35,6 +35,7 @@ from glm_dsa.report import number, si, table
 
 __all__ = [
     "SCHEMA",
+    "PLAN_LIST_MAX_CHUNKS",
     "GpuSpec",
     "OpFlops",
     "IndexerPairs",
@@ -45,6 +46,8 @@ __all__ = [
     "main_kv_page_bytes",
     "cache_bytes_written",
     "chunk_plan",
+    "chunk_runs",
+    "prefill_peak_bytes",
     "indexer_pairs",
     "index_k_reread_bytes",
     "op_flops",
@@ -1187,3 +1190,29 @@ _RENDERERS = (
 def format_ledger(ledger: dict[str, Any]) -> str:
     """Render a :func:`build_ledger` dict as aligned text tables (every JSON number appears)."""
     return "\n\n".join(block for render in _RENDERERS for block in render(ledger)) + "\n"
+
+
+# ============================================================================ memory of a run
+def prefill_peak_bytes(
+    config: DSAConfig,
+    lengths: Sequence[int],
+    chunk: int,
+    kv_dtype: str,
+    dtype_bytes: int,
+    budget_bytes: int,
+) -> int:
+    """A lower bound on the peak bytes of ``glm-dsa prefill`` on one device.
+
+    Weights (``param_counts`` at ``dtype_bytes``), the KV pool (``pages_for(lengths)`` pages of
+    every layer's main KV and every full layer's index K), the float32 hidden rows kept for
+    the outputs, the indexer logits budget and one chunk's hidden and MoE activations. Every
+    term is memory the run really allocates, so a run refused by it cannot fit.
+    """
+    c = config
+    pages = sum(-(-n // c.page_size) for n in lengths)
+    row_main = (main_kv_row_bytes(c, kv_dtype) if kv_dtype in MLA_KV_FORMATS
+                else {"fp32": 4, "fp64": 8}.get(kv_dtype, 2) * c.kv_latent_dim)
+    kv = pages * c.page_size * (c.num_hidden_layers * row_main + len(c.full_layers) * index_k_row_bytes(c))
+    act = min(chunk, max(lengths)) * (c.hidden_size + c.num_experts_per_tok * c.moe_intermediate_size) * dtype_bytes
+    return (param_counts(c)["total"] * dtype_bytes + kv + FP32_BYTES * c.hidden_size * sum(lengths)
+            + budget_bytes + act)
