@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+import time
 from typing import Sequence
 
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
@@ -30,6 +33,18 @@ _GPU = GpuSpec()
 
 
 def _run_ledger(args: argparse.Namespace) -> int:
+    config = get_config(args.config)
+    for flag, value, low in (("--tokens", args.tokens, 1), ("--chunk", args.chunk, 1), ("--prefix", args.prefix, 0),
+                             ("--gpus", args.gpus, 1)):
+        if value < low:
+            raise ValueError(f"{flag} {value} must be ≥ {low}")
+    if args.prefix >= args.tokens:
+        raise ValueError(f"--prefix {args.prefix} must be < --tokens {args.tokens}: at least one new token")
+    for flag in ("gpu_mem_gb", "hbm_tbps", "indexer_tflops", "backbone_tflops", "nvlink_gbps"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
+    if not 0.0 <= args.mem_fraction_static <= 1.0:
+        raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} must lie in [0, 1]")
     gpu = GpuSpec(
         name=args.gpu_name,
         gpus=args.gpus,
@@ -40,7 +55,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
         nvlink_bytes_per_s=args.nvlink_gbps * 1e9,
     )
     ledger = build_ledger(
-        get_config(args.config),
+        config,
         tokens=args.tokens,
         chunk=args.chunk,
         prefix=args.prefix,
@@ -127,22 +142,33 @@ def _add_prefill(sub) -> None:
     p.set_defaults(func=_cmd_prefill)
 
 
-def _progress_bar(total_tokens: int, enabled: bool):
+def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
+    """A tqdm bar on a terminal; otherwise a plain line at most every ``every_s`` seconds and at
+    the end (a redirected stderr gets no carriage-return frames)."""
+    if not enabled:
+        return lambda record: None, lambda: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, file=sys.stderr, desc="prefill")
+
+        def update(record) -> None:
+            bar.update(sum(end - start for _, start, end in record.chunks))
+            bar.set_postfix(step=record.step, s=f"{record.seconds:.3f}")
+
+        return update, bar.close
     done = [0]
+    last = [time.monotonic()]
 
     def update(record) -> None:
         done[0] += sum(end - start for _, start, end in record.chunks)
-        if not enabled:
-            return
-        width = 30
-        filled = int(width * done[0] / max(total_tokens, 1))
-        sys.stderr.write(
-            f"\r[{'=' * filled}{' ' * (width - filled)}] step {record.step}  "
-            f"{done[0]}/{total_tokens} tokens  {record.seconds:.3f} s"
-        )
-        sys.stderr.flush()
+        now = time.monotonic()
+        if now - last[0] >= every_s or done[0] >= total_tokens:
+            last[0] = now
+            print(f"prefill: step {record.step}, {done[0]}/{total_tokens} tokens, {record.seconds:.3f} s",
+                  file=sys.stderr, flush=True)
 
-    return update
+    return update, lambda: None
 
 
 def _cmd_prefill(args) -> int:
@@ -151,15 +177,22 @@ def _cmd_prefill(args) -> int:
 
     from glm_dsa.cp import launch, launched_by_torchrun
 
+    from glm_dsa.checks import check_device
+
     if args.cp is not None and args.cp < 1:
-        raise SystemExit(f"error: --cp {args.cp} must be ≥ 1")
+        raise ValueError(f"--cp {args.cp} must be ≥ 1")
+    check_device("--device", args.device)
     if launched_by_torchrun() or (args.cp or 1) == 1:
         return _run_prefill(args)
+    _check_prefill(args)
     try:
         launch(_run_prefill, args.cp, args.device, (args,))
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(f"glm-dsa prefill: error: a rank failed: {e}", file=sys.stderr)
-        return 1
+    except mp.ProcessRaisedException as e:
+        # the child's traceback as text; its last line is the exception
+        last = [line for line in str(e).splitlines() if line.strip()][-1]
+        raise RuntimeError(f"rank {e.error_index} of {args.cp} failed: {last}") from None
+    except mp.ProcessExitedException as e:
+        raise RuntimeError(f"rank {e.error_index} of {args.cp} exited with status {e.exit_code}") from None
     return 0
 
 
@@ -171,12 +204,93 @@ def _load_model(args, device, dtype):
     if args.weights:
         model = load_checkpoint(args.weights, dtype=dtype, device=device)
         if args.config not in (args.weights,) and get_config(args.config) != model.config:
-            raise SystemExit(f"error: --config {args.config} differs from {args.weights}/config.json; "
+            raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                              "pass the checkpoint directory as --config or leave them consistent")
     else:
         config = get_config(args.config)
         model = init_weights(DSAForCausalLM(config).to(device=device, dtype=dtype), args.seed)
     return model.eval()
+
+
+def _input_id_lengths(path: str) -> list[int]:
+    """Prompt lengths of an ``--input-ids`` file, from its header: ``request.{i}.input_ids`` for
+    i = 0..n-1, each 1-D, non-empty and of an integer dtype."""
+    from glm_dsa.checks import safetensors_header
+
+    header = safetensors_header("--input-ids", path)
+    names = [k for k in header if k.startswith("request.") and k.endswith(".input_ids")]
+    if not names:
+        raise ValueError(f"--input-ids {path} holds no request.{{i}}.input_ids tensors")
+    want = [f"request.{i}.input_ids" for i in range(len(names))]
+    if sorted(names) != sorted(want):
+        raise ValueError(f"--input-ids {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
+                         f"found {', '.join(sorted(names))}")
+    lengths = []
+    for name in want:
+        dtype, shape = header[name]["dtype"], header[name]["shape"]
+        if dtype not in ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"):
+            raise ValueError(f"--input-ids {path}: {name} has dtype {dtype}; token ids must be integers")
+        if len(shape) != 1 or shape[0] < 1:
+            raise ValueError(f"--input-ids {path}: {name} has shape {shape}; expected [L] with L ≥ 1")
+        lengths.append(shape[0])
+    return lengths
+
+
+def _check_prefill(args) -> list[int]:
+    """Every prefill input, before a model is built; returns the prompt lengths."""
+    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
+    from glm_dsa.ledger import prefill_peak_bytes
+    from glm_dsa.prefill import default_budget_bytes
+
+    device = check_device("--device", args.device)
+    if args.requests < 1:
+        raise ValueError(f"--requests {args.requests} must be ≥ 1")
+    if args.budget_bytes is not None and args.budget_bytes < 1:
+        raise ValueError(f"--budget-bytes {args.budget_bytes} must be ≥ 1")
+    if not 0.0 <= args.mem_fraction_static <= 1.0:
+        raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} must lie in [0, 1]")
+    if args.weights:
+        if not os.path.isdir(args.weights):
+            raise ValueError(f"--weights {args.weights} is not a directory (config.json + model.safetensors)")
+        for name in ("config.json", "model.safetensors"):
+            if not os.path.isfile(os.path.join(args.weights, name)):
+                raise ValueError(f"--weights {args.weights} has no {name}")
+        if not safetensors_header("--weights", os.path.join(args.weights, "model.safetensors")):
+            raise ValueError(f"--weights {args.weights}/model.safetensors holds no tensors")
+    config = get_config(args.weights or args.config)
+    if args.weights and args.config != args.weights and get_config(args.config) != config:
+        raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
+                         "pass the checkpoint directory as --config or leave them consistent")
+    if args.chunk < config.page_size:
+        raise ValueError(f"--chunk {args.chunk} is smaller than one page ({config.page_size} tokens)")
+    if args.input_ids:
+        lengths = _input_id_lengths(args.input_ids)
+        if args.tokens is not None and any(n != args.tokens for n in lengths):
+            raise ValueError(f"--tokens {args.tokens} disagrees with --input-ids (lengths {lengths}); drop --tokens")
+        if args.requests not in (1, len(lengths)):
+            raise ValueError(f"--requests {args.requests} disagrees with --input-ids ({len(lengths)} requests); "
+                             "drop --requests")
+        if args.prefix:
+            raise ValueError("--prefix does not apply to --input-ids (the file's prompts are run as given)")
+    else:
+        if args.tokens is None or args.tokens < 1:
+            raise ValueError("--tokens N (≥ 1) is required unless --input-ids is given")
+        if not 0 <= args.prefix < args.tokens:
+            raise ValueError(f"--prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
+        lengths = [args.tokens] * args.requests + ([args.prefix] if args.prefix else [])
+    if args.save_outputs:
+        check_output_file("--save-outputs", args.save_outputs)
+    if args.plot:
+        check_output_file("--plot", args.plot)
+        check_optional_module("--plot", "matplotlib", "plot")
+    dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
+                                                                             else "float32")]
+    budget = args.budget_bytes or (default_budget_bytes(device, args.mem_fraction_static) if device.type == "cpu"
+                                   else 0)
+    need = prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
+    lower = "lower --tokens / --requests / --chunk or use a smaller --config"
+    check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
+    return lengths
 
 
 def _prompts(args, config):
@@ -187,15 +301,13 @@ def _prompts(args, config):
 
     if args.input_ids:
         stored = load_file(args.input_ids)
-        prompts = [stored[f"request.{i}.input_ids"] for i in range(len(stored))
+        prompts = [stored[f"request.{i}.input_ids"].to(torch.int64) for i in range(len(stored))
                    if f"request.{i}.input_ids" in stored]
-        if not prompts:
-            raise SystemExit(f"error: {args.input_ids} holds no request.{{i}}.input_ids tensors")
-        return [p.to(torch.int64) for p in prompts], None
-    if not args.tokens or args.tokens < 1:
-        raise SystemExit("error: --tokens N (≥ 1) is required unless --input-ids is given")
-    if not 0 <= args.prefix < args.tokens:
-        raise SystemExit(f"error: --prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
+        for i, p in enumerate(prompts):
+            if p.min() < 0 or p.max() >= config.vocab_size:
+                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids has ids outside "
+                                 f"[0, vocab_size={config.vocab_size})")
+        return prompts, None
     gen = torch.Generator().manual_seed(args.seed)
     prefix_ids = torch.randint(0, config.vocab_size, (args.prefix,), generator=gen)
     prompts = [
@@ -213,16 +325,16 @@ def _run_prefill(args) -> int:
     from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
 
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda but torch sees no CUDA device")
     cp_group = None
     if launched_by_torchrun():
         device = init_from_env(device)
         cp_group = CPGroup(args.cp_split)
         if args.cp not in (None, cp_group.size):
-            raise SystemExit(f"error: --cp {args.cp} but torchrun started {cp_group.size} ranks")
+            raise ValueError(f"--cp {args.cp} but torchrun started {cp_group.size} ranks")
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if cp_group is None or cp_group.rank == 0:
+        _check_prefill(args)
     model = _load_model(args, device, getattr(torch, dtype_name))
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
@@ -236,15 +348,15 @@ def _run_prefill(args) -> int:
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
-    engine.run(_progress_bar(engine.tokens_to_run(), progress))
-    if progress:
-        sys.stderr.write("\n")
+    update, close = _progress_bar(engine.tokens_to_run(), progress)
+    engine.run(update)
+    close()
     report = {"config": config.name, "device": str(device), "dtype": dtype_name, "kv_dtype": args.kv_dtype,
               "chunk": args.chunk, **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
-        save_file(engine.outputs(rids), args.save_outputs)
+        _write_atomically(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
     if args.plot:
         _plot_steps(engine.timeline, args.plot)
     if args.json:
@@ -293,6 +405,24 @@ def _format_prefill_report(report: dict) -> str:
     return "\n\n".join(blocks)
 
 
+def _write_atomically(path: str, write) -> None:
+    """``write(tmp)`` to a temporary file beside ``path``, then rename it over ``path``, with the
+    mode a plain ``open`` would give (0666 less the umask; temporary files are 0600)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def _plot_steps(timeline, path: str) -> None:
     try:
         import matplotlib
@@ -300,7 +430,7 @@ def _plot_steps(timeline, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit("error: --plot needs matplotlib: pip install 'glm-dsa[plot]'") from exc
+        raise ValueError("--plot needs matplotlib: pip install 'glm-dsa[plot]'") from exc
     steps = [s.step for s in timeline]
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(steps)
@@ -315,12 +445,14 @@ def _plot_steps(timeline, path: str) -> None:
     ax.set_title("per-step prefill cost")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def _cmd_golden(args) -> int:
+    from glm_dsa.checks import check_output_dir
     from glm_dsa.golden import write_golden
 
+    check_output_dir("--out", args.out)
     manifest = write_golden(args.out, seed=args.seed)
     cases: dict[str, int] = {}
     for case in manifest["cases"]:
@@ -348,18 +480,19 @@ def _add_golden(sub) -> None:
 
 
 def _cmd_compare(args) -> int:
-    import os
-
     from safetensors.torch import load_file
 
     from glm_dsa.golden import compare, format_report
 
-    if not os.path.isfile(args.candidate):
-        raise ValueError(f"candidate file {args.candidate} not found")
+    from glm_dsa.checks import safetensors_header
+
+    if not os.path.isfile(os.path.join(args.golden, "manifest.json")):
+        raise ValueError(f"--golden {args.golden}: manifest.json not found; write it with glm-dsa golden --out DIR")
+    safetensors_header("--candidate", args.candidate)
     try:
         candidate = load_file(args.candidate)
     except Exception as e:  # safetensors raises its own error type for a malformed file
-        raise ValueError(f"{args.candidate} is not a readable safetensors file: {e}") from e
+        raise ValueError(f"--candidate {args.candidate} is not a readable safetensors file: {e}") from None
     report = compare(args.golden, candidate)
     print(format_report(report))
     return 0 if report.passed else 1
@@ -396,15 +529,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``glm-dsa`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
-    A ValueError from the library (bad sizes, unknown config) becomes a one-line message on
-    stderr and exit status 2, the status argparse uses for bad arguments.
+    Every error is one line ``glm-dsa <command>: error: <what and how to fix>`` on stderr: exit
+    status 2 for bad input (a ValueError: every command checks its inputs before computing),
+    1 for a failure during the run; ``--debug`` raises instead, with the traceback.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        print(f"glm-dsa {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if args.debug:
+            raise
+        bad_input = isinstance(e, ValueError)
+        what = str(e) if bad_input else f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
+        print(f"glm-dsa {args.command}: error: {what}", file=sys.stderr)
+        return 2 if bad_input else 1
 
 
 if __name__ == "__main__":

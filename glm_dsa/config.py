@@ -10,6 +10,7 @@ as extra keys that Hugging Face ignores, so the round trip is lossless.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -362,6 +363,15 @@ _DIRECT_FIELDS = (
     "vocab_size", "tie_word_embeddings",
 )
 _EXTRA_FIELDS = ("page_size", "dense_attn_kv_len_threshold", "index_k_norm_eps", "scale_fmt")
+# keys a config.json must define: each sets a tensor shape or the layer schedule
+_SHAPE_FIELDS = (
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim",
+    "index_topk", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+    "n_shared_experts", "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
+    "vocab_size",
+)
+_KNOWN_KEYS = frozenset(_DIRECT_FIELDS + _EXTRA_FIELDS)
 
 
 def _yarn_from_dict(d: Mapping[str, Any]) -> YarnScaling | None:
@@ -402,6 +412,14 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
         name = str(d.get("_name_or_path", p))
     kw: dict[str, Any] = {"name": name, "model_type": d.get("model_type", "glm_moe_dsa")}
     defaults = {"index_topk_freq": 1, "index_skip_topk_offset": 2}
+    missing = [f for f in _SHAPE_FIELDS if f not in d]
+    if missing:
+        hints = []
+        for f in missing:
+            near = difflib.get_close_matches(f, [k for k in d if k not in _KNOWN_KEYS], n=1, cutoff=0.8)
+            hints.append(f"{f} (did you mean: {near[0]!r}?)" if near else f)
+        raise ValueError(f"config {name} lacks key(s) that set tensor shapes or the layer schedule: "
+                         f"{', '.join(hints)}")
     for f in _DIRECT_FIELDS:
         if f in d:
             kw[f] = d[f]

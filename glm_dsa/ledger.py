@@ -35,6 +35,7 @@ from glm_dsa.report import number, si, table
 
 __all__ = [
     "SCHEMA",
+    "PLAN_LIST_MAX_CHUNKS",
     "GpuSpec",
     "OpFlops",
     "IndexerPairs",
@@ -45,6 +46,8 @@ __all__ = [
     "main_kv_page_bytes",
     "cache_bytes_written",
     "chunk_plan",
+    "chunk_runs",
+    "prefill_peak_bytes",
     "indexer_pairs",
     "index_k_reread_bytes",
     "op_flops",
@@ -137,6 +140,41 @@ def cache_bytes_written(
 
 
 # ============================================================================ chunk plan
+def chunk_runs(
+    total_tokens: int, chunk: int, prefix: int = 0, page_size: int = 64
+) -> list[tuple[int, int, int]]:
+    """:func:`chunk_plan` as runs ``[(start, size, count), …]`` of ``count`` consecutive chunks of
+    exactly ``size`` tokens from ``start``; at most three runs, built in constant time.
+
+    After the first chunk every start is page-aligned, so every chunk but the last takes
+    ``floor(chunk / page_size) * page_size`` tokens: the plan is a first chunk, a uniform run and
+    a last chunk. The ledger's sums over chunks are closed forms over these runs, so its time
+    does not grow with ``total_tokens``.
+    """
+    _need_int("total_tokens", total_tokens, 1)
+    _need_int("prefix", prefix, 0)
+    _need_int("page_size", page_size, 1)
+    _need_int("chunk", chunk, 1)
+    _need(prefix < total_tokens, f"prefix={prefix} must be < total_tokens={total_tokens}: the "
+          "prefill computes at least one new token")
+    _need(chunk >= page_size, f"chunk={chunk} tokens is smaller than one page (page_size="
+          f"{page_size}); a chunk must hold at least one page")
+    step = chunk // page_size * page_size
+    # the remaining tokens round up to ≤ chunk tokens of whole pages  ⟺  they are ≤ step
+    if total_tokens - prefix <= step:
+        return [(prefix, total_tokens - prefix, 1)]
+    first_end = min(total_tokens, (prefix + chunk) // page_size * page_size)
+    runs = [(prefix, first_end - prefix, 1)]
+    if first_end == total_tokens:  # an unaligned prefix whose pages reach past the end
+        return runs
+    uniform = max(0, -(-(total_tokens - step - first_end) // step))
+    if uniform:
+        runs.append((first_end, step, uniform))
+    last = first_end + uniform * step
+    runs.append((last, total_tokens - last, 1))
+    return runs
+
+
 def chunk_plan(
     total_tokens: int, chunk: int, prefix: int = 0, page_size: int = 64
 ) -> list[tuple[int, int]]:
@@ -148,25 +186,8 @@ def chunk_plan(
     Interior boundaries are therefore multiples of ``page_size``; only the first start (an
     unaligned prefix) and the last end may not be.
     """
-    _need_int("total_tokens", total_tokens, 1)
-    _need_int("prefix", prefix, 0)
-    _need_int("page_size", page_size, 1)
-    _need_int("chunk", chunk, 1)
-    _need(prefix < total_tokens, f"prefix={prefix} must be < total_tokens={total_tokens}: the "
-          "prefill computes at least one new token")
-    _need(chunk >= page_size, f"chunk={chunk} tokens is smaller than one page (page_size="
-          f"{page_size}); a chunk must hold at least one page")
-    plan = []
-    start = prefix
-    while start < total_tokens:
-        remaining = total_tokens - start
-        if -(-remaining // page_size) * page_size <= chunk:
-            end = total_tokens
-        else:
-            end = min(total_tokens, (start + chunk) // page_size * page_size)
-        plan.append((start, end))
-        start = end
-    return plan
+    return [(s + j * b, s + (j + 1) * b)
+            for s, b, n in chunk_runs(total_tokens, chunk, prefix, page_size) for j in range(n)]
 
 
 def _check_plan(plan: Sequence[tuple[int, int]]) -> None:
@@ -176,6 +197,10 @@ def _check_plan(plan: Sequence[tuple[int, int]]) -> None:
               f"starting at {s1}")
     for s, e in plan:
         _need(0 <= s < e, f"chunk ({s}, {e}) must satisfy 0 ≤ start < end")
+
+
+# Above this many chunks the ledger's JSON gives the chunk plan as runs only (docs/ledger.md).
+PLAN_LIST_MAX_CHUNKS = 100_000
 
 
 # ============================================================================ indexer pairs
@@ -209,16 +234,35 @@ def indexer_pairs(plan: Sequence[tuple[int, int]]) -> IndexerPairs:
 
     The cached prefix is ``plan[0][0]``: a query at absolute position ``i`` scores ``i + 1`` keys.
     """
+    return _indexer_pairs(_runs_of(plan))
+
+
+def _runs_of(plan: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """A checked plan as runs ``(start, size, count)`` of equal consecutive chunks."""
     _check_plan(plan)
-    prefix = plan[0][0]
-    new = plan[-1][1] - prefix
-    sizes = [e - s for s, e in plan]
-    intra = sum(b * (b + 1) // 2 for b in sizes)
-    cross = sum(b * (s - prefix) for (s, _), b in zip(plan, sizes))
-    total = _sum_positions_plus_one(prefix, plan[-1][1])
-    m = len(plan)
+    runs: list[tuple[int, int, int]] = []
+    for s, e in plan:
+        if runs and runs[-1][1] == e - s:
+            runs[-1] = (runs[-1][0], e - s, runs[-1][2] + 1)
+        else:
+            runs.append((s, e - s, 1))
+    return runs
+
+
+def _run_starts(start: int, size: int, count: int) -> int:
+    """``Σ_j (start + j · size)`` over the ``count`` chunks of one run."""
+    return count * start + size * count * (count - 1) // 2
+
+
+def _indexer_pairs(runs: Sequence[tuple[int, int, int]]) -> IndexerPairs:
+    prefix = runs[0][0]
+    end = runs[-1][0] + runs[-1][1] * runs[-1][2]
+    new = end - prefix
+    intra = sum(n * b * (b + 1) // 2 for _, b, n in runs)
+    cross = sum(b * (_run_starts(s, b, n) - n * prefix) for s, b, n in runs)
+    m = sum(n for _, _, n in runs)
     return IndexerPairs(
-        total=total,
+        total=_sum_positions_plus_one(prefix, end),
         intra_chunk=intra,
         cross_chunk=cross,
         prefix_cache=prefix * new,
@@ -235,8 +279,11 @@ def index_k_reread_bytes(config: DSAConfig, plan: Sequence[tuple[int, int]]) -> 
     included) once per full layer: ``full_layers · index_k_row_bytes · Σ_j s_j``. The article
     approximates ``Σ_j s_j`` by ``N² / (2B)`` for ``P = 0``.
     """
-    _check_plan(plan)
-    return len(config.full_layers) * index_k_row_bytes(config) * sum(s for s, _ in plan)
+    return _index_k_reread_bytes(config, _runs_of(plan))
+
+
+def _index_k_reread_bytes(config: DSAConfig, runs: Sequence[tuple[int, int, int]]) -> int:
+    return len(config.full_layers) * index_k_row_bytes(config) * sum(_run_starts(*r) for r in runs)
 
 
 def indexer_flops_per_pair(config: DSAConfig) -> int:
@@ -430,6 +477,36 @@ def logits_row_slices(num_q: int, num_k: int, budget_bytes: int) -> tuple[int, i
     return rows, -(-num_q // rows)
 
 
+def _logits_peak_bytes(runs: Sequence[tuple[int, int, int]]) -> int:
+    """Largest unsliced ``[b, end]`` float32 logits of any chunk (the last of each run is its largest)."""
+    return max(FP32_BYTES * b * (s + n * b) for s, b, n in runs)
+
+
+def _run_logits_slices(start: int, size: int, count: int, budget_bytes: int) -> int:
+    """``Σ_j slices`` of :func:`logits_row_slices` over a run's chunks ``[start + j b, start + (j+1) b)``.
+
+    Chunk ``j`` has ``num_k = e_j = start + (j + 1) b`` keys. Chunks are unsliced up to the last
+    ``e`` with ``b e < 8e6`` or ``4 b e ≤ budget``; past it ``rows = max(1, budget // (4 e))`` is
+    constant over blocks of ``e`` (at most ``2 √(budget / 4)`` of them), summed block by block.
+    """
+    quarter = budget_bytes // FP32_BYTES
+    # last e that leaves a chunk unsliced (both conditions are monotone in e)
+    e_free = max((NO_CHUNK_LOGITS - 1) // size, quarter // size)
+    first_e = start + size
+    j = max(0, min(count, (e_free - first_e) // size + 1)) if e_free >= first_e else 0
+    total = j
+    while j < count:
+        e = first_e + j * size
+        q = quarter // e
+        if q == 0:  # one row per slice from here on
+            return total + (count - j) * size
+        e_last = quarter // q  # largest e with the same quotient
+        block = min(count, (e_last - first_e) // size + 1) - j
+        total += block * -(-size // q)
+        j += block
+    return total
+
+
 # ============================================================================ context parallel
 def _rank_ranges(n: int, cp: int, split: str) -> list[list[range]]:
     """Chunk-relative token indices of each rank as arithmetic ranges, in rank order."""
@@ -619,19 +696,19 @@ def ttft_floor(
     ``critical_path_s`` overlaps the reread with indexer compute and hides the KV write, as the
     article's table notes. No CP, no queueing, no PD transfer.
     """
-    plan = chunk_plan(tokens, chunk, prefix, config.page_size)
+    runs = chunk_runs(tokens, chunk, prefix, config.page_size)
     new = tokens - prefix
     full = len(config.full_layers)
     g = gpu.gpus
-    idx_flops = full * indexer_pairs(plan).total * indexer_flops_per_pair(config)
-    reread = index_k_reread_bytes(config, plan)
+    idx_flops = full * _indexer_pairs(runs).total * indexer_flops_per_pair(config)
+    reread = _index_k_reread_bytes(config, runs)
     backbone = _model_flops_exact(config, prefix, tokens)
     keys = sparse_mla_keys(config, prefix, tokens)
     kv_read = config.num_hidden_layers * keys * main_kv_row_bytes(config, kv_dtype)
     moe = sum(
-        row.total
-        for s, e in plan
-        for row in cp_comm_bytes_per_chunk(config, e - s, 1)
+        n * row.total
+        for _, b, n in runs
+        for row in cp_comm_bytes_per_chunk(config, b, 1)
         if row.op in ("moe_dispatch", "moe_combine")
     )
     written = cache_bytes_written(config, new, kv_dtype)["total"]
@@ -656,7 +733,7 @@ def ttft_floor(
 # ============================================================================ the whole ledger
 @dataclass(frozen=True)
 class _Run:
-    """The inputs of one ledger, validated, with the chunk plan every section shares."""
+    """The inputs of one ledger, validated, with the chunk plan (as runs) every section shares."""
 
     config: DSAConfig
     tokens: int
@@ -666,11 +743,15 @@ class _Run:
     kv_dtype: str
     mem_fraction_static: float
     gpu: GpuSpec
-    plan: list[tuple[int, int]]
+    runs: list[tuple[int, int, int]]
 
     @property
     def new(self) -> int:
         return self.tokens - self.prefix
+
+    @property
+    def chunks(self) -> int:
+        return sum(n for _, _, n in self.runs)
 
 
 def _build_flops(run: _Run) -> dict[str, Any]:
@@ -697,7 +778,7 @@ def _build_flops(run: _Run) -> dict[str, Any]:
 
 def _build_indexer(run: _Run) -> dict[str, Any]:
     c, new, full = run.config, run.new, len(run.config.full_layers)
-    pairs = indexer_pairs(run.plan)
+    pairs = _indexer_pairs(run.runs)
     per_pair = indexer_flops_per_pair(c)
     intensity = per_pair // (c.index_head_dim * FP8_BYTES)
     return {
@@ -715,9 +796,9 @@ def _build_indexer(run: _Run) -> dict[str, Any]:
         "flops_approx": full * pairs.total_approx * per_pair,
         "intensity_flop_per_byte": intensity,
         "bandwidth_bound_flops_per_s": intensity * run.gpu.hbm_bytes_per_s,
-        "index_k_reread_bytes": index_k_reread_bytes(c, run.plan),
+        "index_k_reread_bytes": _index_k_reread_bytes(c, run.runs),
         "index_k_reread_bytes_approx":
-            full * index_k_row_bytes(c) * (new * new / (2 * run.chunk) + len(run.plan) * run.prefix),
+            full * index_k_row_bytes(c) * (new * new / (2 * run.chunk) + run.chunks * run.prefix),
     }
 
 
@@ -745,23 +826,27 @@ def _build_kv(run: _Run) -> dict[str, Any]:
 
 
 def _build_chunks(run: _Run) -> dict[str, Any]:
-    return {"count": len(run.plan), "plan": [list(x) for x in run.plan]}
+    section: dict[str, Any] = {"count": run.chunks, "runs": [list(r) for r in run.runs]}
+    if run.chunks <= PLAN_LIST_MAX_CHUNKS:
+        section["plan"] = [[s + j * b, s + (j + 1) * b] for s, b, n in run.runs for j in range(n)]
+    return section
 
 
 def _build_logits(run: _Run) -> dict[str, Any]:
-    total_mem, tokens, plan = run.gpu.mem_bytes, run.tokens, run.plan
+    total_mem, tokens, runs = run.gpu.mem_bytes, run.tokens, run.runs
     budget = logits_budget_bytes_static(total_mem, run.mem_fraction_static)
-    slices = [logits_row_slices(e - s, e, budget) for s, e in plan]
+    last_start, last_size, _ = runs[-1]
+    rows_last, slices_last = logits_row_slices(last_size, tokens, budget)
     return {
         "total_mem_bytes": total_mem,
         "mem_fraction_static": run.mem_fraction_static,
         "budget_bytes": budget,
         "row_bytes_at_tokens": FP32_BYTES * tokens,
         "rows_at_tokens": budget // (FP32_BYTES * tokens),
-        "peak_bytes_one_chunk": max(FP32_BYTES * (e - s) * e for s, e in plan),
-        "rows_last_chunk": slices[-1][0],
-        "slices_last_chunk": slices[-1][1],
-        "slices_total": sum(k for _, k in slices),
+        "peak_bytes_one_chunk": _logits_peak_bytes(runs),
+        "rows_last_chunk": rows_last,
+        "slices_last_chunk": slices_last,
+        "slices_total": sum(_run_logits_slices(s, b, n, budget) for s, b, n in runs),
     }
 
 
@@ -787,19 +872,19 @@ def _build_mha_one_shot(run: _Run) -> dict[str, Any]:
 
 def _build_chunk_sizes(run: _Run) -> list[dict[str, Any]]:
     c = run.config
-    reread = index_k_reread_bytes(c, run.plan)
+    reread = _index_k_reread_bytes(c, run.runs)
     rows = []
     for b in (run.chunk // 4, run.chunk, 4 * run.chunk):
         if b < c.page_size:
             continue
-        p = chunk_plan(run.tokens, b, run.prefix, c.page_size)
-        b_reread = index_k_reread_bytes(c, p)
+        p = chunk_runs(run.tokens, b, run.prefix, c.page_size)
+        b_reread = _index_k_reread_bytes(c, p)
         rows.append({
             "chunk": b,
-            "chunks": len(p),
+            "chunks": sum(n for _, _, n in p),
             "index_k_reread_bytes": b_reread,
             "index_k_reread_relative": b_reread / reread if reread else None,
-            "logits_peak_bytes": max(FP32_BYTES * (e - s) * e for s, e in p),
+            "logits_peak_bytes": _logits_peak_bytes(p),
             "hidden_bytes_per_chunk": b * c.hidden_size * BF16_BYTES,
         })
     return rows
@@ -819,10 +904,12 @@ def _build_context_parallel(run: _Run) -> dict[str, Any]:
                 [cp_mean_prefix_article(new, cp, split, r, prefix) for r in range(cp)],
             "max_over_min": max(per_rank) / min(per_rank) if min(per_rank) else None,
         }
+        # a chunk of b tokens after s: rank r scores t_r (s + 1) + Σ_i i over its t_r tokens
         req = [0] * cp
-        for s, e in run.plan:
-            for r, q in enumerate(cp_indexer_pairs_per_rank(e - s, cp, split, s)):
-                req[r] += q
+        for s, b, n in run.runs:
+            tokens_r = [sum(len(rg) for rg in ranges) for ranges in _rank_ranges(b, cp, split)]
+            for r, (t, q) in enumerate(zip(tokens_r, cp_indexer_pairs_per_rank(b, cp, split))):
+                req[r] += t * _run_starts(s, b, n) + n * q
         section["request"][split] = {
             "pairs_per_rank": req,
             "max_over_min": max(req) / min(req) if min(req) else None,
@@ -869,7 +956,7 @@ def build_ledger(
     _need_int("cp", cp, 1)
     c = config
     run = _Run(c, tokens, chunk, prefix, cp, kv_dtype, mem_fraction_static, gpu,
-               chunk_plan(tokens, chunk, prefix, c.page_size))
+               chunk_runs(tokens, chunk, prefix, c.page_size))
     layers, moe_layers = c.num_hidden_layers, c.num_hidden_layers - c.first_k_dense_replace
     return {
         "schema": SCHEMA,
@@ -991,9 +1078,19 @@ def _render_kv(ledger: dict[str, Any]) -> list[str]:
     ])]
 
 
+def _plan_chunk(runs: Sequence[Sequence[int]], j: int) -> tuple[int, int]:
+    """Chunk ``j`` (from 0) of a plan given as runs ``(start, size, count)``."""
+    for start, size, count in runs:
+        if j < count:
+            return start + j * size, start + (j + 1) * size
+        j -= count
+    raise IndexError(j)
+
+
 def _render_chunks(ledger: dict[str, Any]) -> list[str]:
-    plan = ledger["chunks"]["plan"]
-    shown = list(range(len(plan))) if len(plan) <= 4 else [0, 1, None, len(plan) - 1]
+    count = ledger["chunks"]["count"]
+    shown = list(range(count)) if count <= 4 else [0, 1, None, count - 1]
+    plan = {j: _plan_chunk(ledger["chunks"]["runs"], j) for j in shown if j is not None}
     return [table(
         f"chunk plan ({ledger['chunks']['count']} chunks)",
         ["chunk", "start", "end", "tokens"],
@@ -1093,3 +1190,29 @@ _RENDERERS = (
 def format_ledger(ledger: dict[str, Any]) -> str:
     """Render a :func:`build_ledger` dict as aligned text tables (every JSON number appears)."""
     return "\n\n".join(block for render in _RENDERERS for block in render(ledger)) + "\n"
+
+
+# ============================================================================ memory of a run
+def prefill_peak_bytes(
+    config: DSAConfig,
+    lengths: Sequence[int],
+    chunk: int,
+    kv_dtype: str,
+    dtype_bytes: int,
+    budget_bytes: int,
+) -> int:
+    """A lower bound on the peak bytes of ``glm-dsa prefill`` on one device.
+
+    Weights (``param_counts`` at ``dtype_bytes``), the KV pool (``pages_for(lengths)`` pages of
+    every layer's main KV and every full layer's index K), the float32 hidden rows kept for
+    the outputs, the indexer logits budget and one chunk's hidden and MoE activations. Every
+    term is memory the run really allocates, so a run refused by it cannot fit.
+    """
+    c = config
+    pages = sum(-(-n // c.page_size) for n in lengths)
+    row_main = (main_kv_row_bytes(c, kv_dtype) if kv_dtype in MLA_KV_FORMATS
+                else {"fp32": 4, "fp64": 8}.get(kv_dtype, 2) * c.kv_latent_dim)
+    kv = pages * c.page_size * (c.num_hidden_layers * row_main + len(c.full_layers) * index_k_row_bytes(c))
+    act = min(chunk, max(lengths)) * (c.hidden_size + c.num_experts_per_tok * c.moe_intermediate_size) * dtype_bytes
+    return (param_counts(c)["total"] * dtype_bytes + kv + FP32_BYTES * c.hidden_size * sum(lengths)
+            + budget_bytes + act)

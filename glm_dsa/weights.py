@@ -130,6 +130,9 @@ def load_state_dict(model: DSAForCausalLM, tensors: dict[str, torch.Tensor], str
         if tuple(t.shape) != tuple(target.shape):
             problems[name] = f"shape {tuple(t.shape)}, expected {tuple(target.shape)}"
             continue
+        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
+            problems[name] = "holds NaN or inf"
+            continue
         if t.dtype == torch.float8_e4m3fn:
             scale_name = name[: -len("weight")] + "weight_scale_inv"
             if not is_quantizable(name, target):

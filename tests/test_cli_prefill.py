@@ -51,5 +51,7 @@ def test_saved_outputs_replay_through_input_ids_and_cover_prefix_hits(tmp_path, 
 def test_prefill_rejects_a_prefix_longer_than_the_prompt(capsys):
     import pytest
 
-    with pytest.raises(SystemExit, match="--prefix"):
-        main(["prefill", "--config", "tiny", "--tokens", "100", "--prefix", "100"])
+    # one error style (issue 20): exit 2 and one line naming the flag, not a SystemExit
+    assert main(["prefill", "--config", "tiny", "--tokens", "100", "--prefix", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("glm-dsa prefill: error: --prefix") and err.count("\n") == 1

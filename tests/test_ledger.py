@@ -604,3 +604,60 @@ def test_logit_rows_agree_with_the_indexers_row_limit(num_q, num_k, budget):
     from glm_dsa.indexer import max_logit_rows
 
     assert logits_row_slices(num_q, num_k, budget)[0] == max_logit_rows(num_q, num_k, budget)
+
+
+# ------------------------------------------------------------------ closed forms at any length
+def _chunk_plan_stepwise(total, chunk, prefix, page):
+    """SGLang's PrefillAdder rule applied one step at a time (the definition chunk_runs condenses)."""
+    plan, start = [], prefix
+    while start < total:
+        if -(-(total - start) // page) * page <= chunk:
+            end = total
+        else:
+            end = min(total, (start + chunk) // page * page)
+        plan.append((start, end))
+        start = end
+    return plan
+
+
+@given(
+    total=st.integers(1, 20_000),
+    prefix_frac=st.floats(0, 0.999),
+    chunk=st.integers(1, 3000),
+    page=st.sampled_from([1, 7, 16, 64]),
+)
+def test_chunk_runs_expand_to_the_stepwise_plan(total, prefix_frac, chunk, page):
+    from glm_dsa.ledger import chunk_runs
+
+    prefix = int(prefix_frac * total)
+    if chunk < page:
+        return
+    runs = chunk_runs(total, chunk, prefix, page)
+    expanded = [(s + j * b, s + (j + 1) * b) for s, b, n in runs for j in range(n)]
+    assert expanded == _chunk_plan_stepwise(total, chunk, prefix, page) == chunk_plan(total, chunk, prefix, page)
+    assert len(runs) <= 3
+
+
+@given(
+    start=st.integers(0, 50_000),
+    size=st.integers(1, 5_000),
+    count=st.integers(1, 200),
+    budget=st.one_of(st.sampled_from([0, 10**5, 4 * 10**7]), st.integers(0, 10**8)),
+)
+def test_logits_slices_of_a_run_sum_the_per_chunk_slices(start, size, count, budget):
+    from glm_dsa.ledger import _run_logits_slices
+
+    expected = sum(logits_row_slices(size, start + (j + 1) * size, budget)[1] for j in range(count))
+    assert _run_logits_slices(start, size, count, budget) == expected
+
+
+def test_ledger_time_does_not_grow_with_tokens():
+    import time
+
+    t0 = time.perf_counter()
+    ledger = build_ledger(get_config("glm-5.3"), tokens=10**12, chunk=32768)
+    assert time.perf_counter() - t0 < 10
+    n = 10**12
+    assert ledger["chunks"]["count"] == -(-n // 32768)
+    assert "plan" not in ledger["chunks"]  # 30.5M chunks are given as runs only
+    assert ledger["indexer"]["pairs_per_layer"]["total"] == n * (n + 1) // 2

@@ -1,0 +1,135 @@
+"""Pre-flight checks of the command line: every input is checked before a model is built.
+
+Each check raises ``ValueError`` with one line naming the flag or file and the fix; ``glm-dsa``
+prints it as ``glm-dsa <command>: error: …`` with exit status 2. Files are checked by their
+safetensors header alone (no tensor is read), outputs by their directory, and memory by the
+ledger's estimate of the run's peak (:func:`glm_dsa.ledger.prefill_peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+
+import torch
+
+__all__ = [
+    "check_output_file",
+    "check_output_dir",
+    "safetensors_header",
+    "check_device",
+    "check_optional_module",
+    "available_bytes",
+    "check_fits",
+]
+
+_GB = 1e9
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """``path`` can be written: not a directory, its directory exists and is writable."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{flag} {path} is not writable; choose another path")
+
+
+def check_output_dir(flag: str, path: str) -> None:
+    """``path`` is a writable directory or can be created as one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path} exists and is not a directory; give a directory")
+    target = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(target):
+        raise ValueError(f"{flag} {path}: directory {target} does not exist; create it first")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path} is not writable; choose another directory")
+
+
+def safetensors_header(flag: str, path: str) -> dict[str, dict]:
+    """``{name: {"dtype", "shape", "data_offsets"}}`` of a safetensors file, checked for truncation.
+
+    Reads the 8-byte header length and the JSON header only; a file shorter than its header's
+    last data offset is reported as truncated.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {path} does not exist" if not os.path.exists(path)
+                         else f"{flag} {path} is not a file")
+    size = os.path.getsize(path)
+    bad = f"{flag} {path} is not a safetensors file"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{bad} (only {size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ValueError(f"{bad} (header of {n} bytes in a {size}-byte file)")
+            header = json.loads(f.read(n))
+    except PermissionError:
+        raise ValueError(f"{flag} {path} is not readable; check its permissions") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{bad} (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad} (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        try:
+            end = max(end, int(info["data_offsets"][1]))
+        except (TypeError, KeyError, IndexError, ValueError):
+            raise ValueError(f"{bad} (tensor {name!r} has no data offsets)") from None
+    if 8 + n + end > size:
+        raise ValueError(f"{flag} {path} is truncated: {size} bytes, its header needs {8 + n + end}")
+    return header
+
+
+def check_device(flag: str, name: str) -> torch.device:
+    """``name`` as a torch device this run can use (cpu, or cuda[:N] with that GPU present)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag} {name} is not a device; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{flag} {name}: only cpu and cuda[:N] are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{flag} {name} but torch sees no CUDA device; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{flag} {name} but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
+
+
+def check_optional_module(flag: str, module: str, extra: str) -> None:
+    """``module`` imports, or name the extra that installs it."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{flag} needs {module}: pip install 'glm-dsa[{extra}]'")
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory a run on ``device`` can take: CUDA's free bytes, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(need: int, device: torch.device, lower: str) -> None:
+    """Refuse a run whose estimated peak ``need`` bytes exceeds what ``device`` has free."""
+    have = available_bytes(device)
+    if have is not None and need > have:
+        where = "host memory" if device.type == "cpu" else f"free on {device}"
+        raise ValueError(f"needs {need / _GB:.1f} GB, {have / _GB:.1f} GB {where}; {lower}")
