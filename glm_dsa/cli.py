@@ -19,6 +19,7 @@ import tempfile
 import time
 from typing import Sequence
 
+from glm_dsa.backend import BACKENDS, get_backend
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import get_config
@@ -123,6 +124,9 @@ def _add_prefill(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
                    help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="indexer top-k and sparse attention: the reference, or the Triton kernels "
+                        "(default auto: triton on CUDA when Triton imports, else reference)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--budget-bytes", type=int,
@@ -335,6 +339,7 @@ def _run_prefill(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
         _check_prefill(args)
+    backend = get_backend(args.backend, device).name
     model = _load_model(args, device, getattr(torch, dtype_name))
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
@@ -344,7 +349,7 @@ def _run_prefill(args) -> int:
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
     engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
                            kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
-                           timing=True, cp_group=cp_group)
+                           timing=True, cp_group=cp_group, backend=backend)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
@@ -352,7 +357,7 @@ def _run_prefill(args) -> int:
     engine.run(update)
     close()
     report = {"config": config.name, "device": str(device), "dtype": dtype_name, "kv_dtype": args.kv_dtype,
-              "chunk": args.chunk, **engine.report(rids)}
+              "backend": backend, "chunk": args.chunk, **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
@@ -364,7 +369,7 @@ def _run_prefill(args) -> int:
         return 0
     print(f"prefill: config {config.name}, {len(rids)} request(s) of "
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}, kv "
-          f"{args.kv_dtype}, {dtype_name} on {device}"
+          f"{args.kv_dtype}, {dtype_name} on {device}, {backend} backend"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
     print(_format_prefill_report(report))
     return 0
