@@ -4,7 +4,8 @@
     glm-dsa prefill --config tiny --tokens 1024 --chunk 256 --requests 2
     glm-dsa golden --out golden [--seed 0]
     glm-dsa compare --golden golden --candidate my_kernel.safetensors
-    python -m glm_dsa.cli ledger ...        (same, without installing)
+    python -m glm_dsa ledger ...            (same, without installing)
+    glm-dsa --version
 
 One ``_add_<command>`` function per subcommand registers its arguments and handler.
 """
@@ -20,6 +21,7 @@ import time
 from typing import Sequence
 
 from glm_dsa.backend import BACKENDS, get_backend
+from glm_dsa import __version__
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import get_config
@@ -114,6 +116,9 @@ def _add_prefill(sub) -> None:
     )
     p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
     p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
+    p.add_argument("--layers", metavar="SPEC",
+                   help="keep only these layers of the config: a count N (the first N) or a range a:b of "
+                        "layer indices, e.g. 6:7 = GLM-5.3's first full MoE layer (default: all)")
     p.add_argument("--tokens", type=int, help="prompt length of each request, in tokens")
     p.add_argument("--requests", type=int, default=1, help="number of requests (default 1)")
     p.add_argument("--chunk", type=int, default=32768, help="chunked_prefill_size: tokens per step (default 32768)")
@@ -135,7 +140,8 @@ def _add_prefill(sub) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
-                   help="write request.{i}.input_ids, request.{i}.hidden and request.{i}.logits")
+                   help="write request.{i}.input_ids, request.{i}.hidden (every position, last layer before the "
+                        "final norm) and request.{i}.logits (float32 [vocab], the last position only)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-step cost curve (needs the 'plot' extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--cp", type=int,
@@ -201,18 +207,21 @@ def _cmd_prefill(args) -> int:
 
 
 def _load_model(args, device, dtype):
-    """The checkpoint of ``--weights`` (checked against ``--config``), or seeded random weights."""
-    from glm_dsa.layer import DSAForCausalLM
-    from glm_dsa.weights import init_weights, load_checkpoint
+    """The checkpoint of ``--weights`` (checked against ``--config``), or seeded random weights,
+    cut to ``--layers``; parameters are allocated on ``device`` directly."""
+    from glm_dsa.config import keep_layers
+    from glm_dsa.weights import build_model, init_weights, load_checkpoint
 
     if args.weights:
-        model = load_checkpoint(args.weights, dtype=dtype, device=device)
-        if args.config not in (args.weights,) and get_config(args.config) != model.config:
+        if args.config != args.weights and get_config(args.config) != get_config(args.weights):
             raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                              "pass the checkpoint directory as --config or leave them consistent")
+        model = load_checkpoint(args.weights, dtype=dtype, device=device, layers=args.layers)
     else:
         config = get_config(args.config)
-        model = init_weights(DSAForCausalLM(config).to(device=device, dtype=dtype), args.seed)
+        if args.layers is not None:
+            config = keep_layers(config, args.layers)
+        model = init_weights(build_model(config, dtype, device), args.seed)
     return model.eval()
 
 
@@ -356,21 +365,25 @@ def _run_prefill(args) -> int:
     update, close = _progress_bar(engine.tokens_to_run(), progress)
     engine.run(update)
     close()
-    report = {"config": config.name, "device": str(device), "dtype": dtype_name, "kv_dtype": args.kv_dtype,
-              "backend": backend, "chunk": args.chunk, **engine.report(rids)}
+    weights = args.weights or f"random, seed {args.seed}"
+    report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
+              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
         _write_atomically(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
     if args.plot:
-        _plot_steps(engine.timeline, args.plot)
+        lengths = [r["tokens"] for r in report["requests"]]
+        tokens = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
+        _plot_steps(engine.timeline, args.plot,
+                    f"prefill cost per step: {config.name}, {tokens} tokens, chunk {args.chunk}")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"prefill: config {config.name}, {len(rids)} request(s) of "
-          f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}, kv "
-          f"{args.kv_dtype}, {dtype_name} on {device}, {backend} backend"
+          f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
+    print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend} on {device}")
     print(_format_prefill_report(report))
     return 0
 
@@ -428,7 +441,7 @@ def _write_atomically(path: str, write) -> None:
         raise
 
 
-def _plot_steps(timeline, path: str) -> None:
+def _plot_steps(timeline, path: str, title: str) -> None:
     try:
         import matplotlib
 
@@ -437,7 +450,7 @@ def _plot_steps(timeline, path: str) -> None:
     except ImportError as exc:
         raise ValueError("--plot needs matplotlib: pip install 'glm-dsa[plot]'") from exc
     steps = [s.step for s in timeline]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     bottom = [0.0] * len(steps)
     for name in ("indexer", "attention", "moe", "projections"):
         vals = [getattr(s, name) for s in timeline]
@@ -447,8 +460,9 @@ def _plot_steps(timeline, path: str) -> None:
     ax.set_xticks(steps)
     ax.set_xlabel("step (chunk)")
     ax.set_ylabel("seconds")
-    ax.set_title("per-step prefill cost")
-    ax.legend()
+    ax.set_title(title)
+    # Outside the axes, so the legend never covers a bar.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     _write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
@@ -522,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="glm-dsa",
         description="Reference GLM-5.3 DSA layer: cost ledger and tools.",
     )
+    parser.add_argument("--version", action="version", version=f"glm-dsa {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_ledger(subparsers)
     _add_prefill(subparsers)

@@ -23,6 +23,8 @@ __all__ = [
     "PRESETS",
     "get_config",
     "indexer_types_from_rule",
+    "parse_layers",
+    "keep_layers",
     "from_hf_config",
     "to_hf_config",
 ]
@@ -156,9 +158,9 @@ class DSAConfig:
             f"page_size={self.page_size} must be a power of two",
         )
         need(
-            self.index_head_dim & (self.index_head_dim - 1) == 0 and self.index_head_dim % 128 == 0,
-            f"index_head_dim={self.index_head_dim} must be a power of two and a multiple of 128 "
-            "(Hadamard size and FP8 block)",
+            self.index_head_dim & (self.index_head_dim - 1) == 0,
+            f"index_head_dim={self.index_head_dim} must be a power of two (Hadamard size); "
+            "the index key's FP8 block is one key of any such width",
         )
         need(
             self.qk_rope_head_dim % 2 == 0,
@@ -167,10 +169,6 @@ class DSAConfig:
         need(
             self.qk_rope_head_dim <= self.index_head_dim,
             f"qk_rope_head_dim={self.qk_rope_head_dim} must be ≤ index_head_dim={self.index_head_dim}",
-        )
-        need(
-            self.kv_lora_rank % 128 == 0,
-            f"kv_lora_rank={self.kv_lora_rank} must be a multiple of 128 (FP8 KV tiles of 128)",
         )
         need(
             self.n_routed_experts % self.n_group == 0,
@@ -349,6 +347,61 @@ def get_config(name_or_path: str) -> DSAConfig:
     raise ValueError(
         f"unknown config {name_or_path!r}: use a preset ({', '.join(PRESETS)}) or a path to a "
         "Hugging Face config.json"
+    )
+
+
+# ------------------------------------------------------------------ a slice of the layer stack
+def parse_layers(spec: str | int | range, num_hidden_layers: int) -> range:
+    """``--layers`` as a range of layer indices: ``"N"`` (the first N layers) or ``"a:b"``
+    (layers a … b-1, Python's slice), checked against ``num_hidden_layers``."""
+    if isinstance(spec, range):
+        kept = spec
+    elif isinstance(spec, int):
+        kept = range(spec)
+    else:
+        text = spec.strip()
+        try:
+            if ":" in text:
+                a, b = text.split(":")
+                kept = range(int(a), int(b))
+            else:
+                kept = range(int(text))
+        except ValueError:
+            raise ValueError(
+                f"layers {spec!r} is neither a count N nor a range a:b of layer indices (e.g. 6:7)"
+            ) from None
+    if kept.step != 1 or not 0 <= kept.start < kept.stop <= num_hidden_layers:
+        raise ValueError(
+            f"layers {spec!r} must keep one or more consecutive layers of 0 … "
+            f"{num_hidden_layers - 1} (count N ≤ {num_hidden_layers}, or a:b with 0 ≤ a < b ≤ "
+            f"{num_hidden_layers})"
+        )
+    return kept
+
+
+def keep_layers(config: DSAConfig, spec: str | int | range) -> DSAConfig:
+    """``config`` cut down to the layers ``spec`` names (see ``parse_layers``), renumbered 0 … n-1.
+
+    Each kept layer keeps its kind: full or shared indexer (``indexer_types``) and dense or MoE
+    (``first_k_dense_replace`` counts the kept dense layers, which come first as in the original).
+    The first kept layer must be full, since a shared layer reuses the top-k of the full layer
+    before it. The name records the slice (``glm-5.3[6:7]``); ``weights.load_checkpoint(...,
+    layers=spec)`` maps checkpoint layer ``start + i`` to layer ``i``.
+    """
+    kept = parse_layers(spec, config.num_hidden_layers)
+    if not config.is_full(kept.start):
+        source = config.topk_source(kept.start)
+        raise ValueError(
+            f"layers {kept.start}:{kept.stop} start at shared layer {kept.start}, which reuses the "
+            f"top-k of full layer {source}; keep that layer too (e.g. {source}:{kept.stop})"
+        )
+    if kept == range(config.num_hidden_layers):
+        return config
+    return config.replace(
+        name=f"{config.name}[{kept.start}:{kept.stop}]",
+        num_hidden_layers=len(kept),
+        indexer_types=tuple(config.indexer_types[i] for i in kept),
+        first_k_dense_replace=sum(1 for i in kept if not config.is_moe(i)),
     )
 
 

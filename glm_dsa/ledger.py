@@ -988,21 +988,49 @@ def build_ledger(
 
 
 # ============================================================================ text rendering
-def _q(label: str, value: Any, unit: str | None = None, note: str = "") -> list[Any]:
-    """A ``quantity | value | human-readable`` row; ``unit`` asks for the decimal rendering."""
-    return [label, value, si(value, unit) if unit is not None else note]
+# Figures printed in the design article (the project's seed), for GLM-5.3 only; the text report
+# shows them in their own column beside ours. Per-op FLOPs: its table "一层 prefill 的算术"
+# (M FLOP per token; P FLOP for the whole model at 10**6 tokens). Quoted, never computed with.
+ARTICLE_CONFIG = "glm-5.3"
+ARTICLE_OP_FLOPS = {  # op: (MFLOP per token, PFLOP over 78/21/75/3 layers at 10**6 tokens)
+    "a_proj": (32.2, 2.5), "q_up": (67.1, 5.2), "q_absorb": (12.6, 1.0), "index_k": (1.6, 0.03),
+    "index_q": (16.8, 0.35), "index_gate": (0.4, 0.008), "sparse_mla": (285, 22.2),
+    "out_absorb": (16.8, 1.3), "o_proj": (201.3, 15.7), "moe_experts": (604, 45.3),
+    "shared_experts": (75.5, 5.7), "dense_mlp": (453, 1.4),
+}
+ARTICLE_KV = {  # KV bytes: "每 token 每层 656 字节", index K "132 字节", "≈56.6 GB" at 1,048,576
+    "main_row_bytes": "656 B", "index_row_bytes": "132 B", "bytes_per_token": "53,940 B",
+    "main_bytes": "53.7 GB at 1M", "index_bytes": "2.9 GB at 1M", "total_bytes": "56.6 GB at 1M",
+    "main_page_bytes": "41,984 B", "index_page_bytes": "8,448 B", "pages_per_chunk": "512",
+}
+ARTICLE_TTFT = "55-65 s (with its index-K reread slip)"
+
+
+def _article(ledger: dict[str, Any]) -> bool:
+    return ledger["inputs"]["config"] == ARTICLE_CONFIG
+
+
+def _q(label: str, value: Any, unit: str | None = None, note: str = "", article: str = "") -> list[Any]:
+    """A ``quantity | value | ≈ (SI) | design article`` row; ``unit`` asks for the SI rendering."""
+    return [label, value, si(value, unit) if unit is not None else note, article]
+
+
+_Q_HEADERS = ["quantity", "value", "≈ (SI units)", "design article"]
 
 
 def _render_header(ledger: dict[str, Any]) -> list[str]:
     inp, mod = ledger["inputs"], ledger["model"]
     header = [
-        f"glm-dsa ledger: config {inp['config']}, L = {number(inp['tokens'])} tokens (prefix P = "
-        f"{number(inp['prefix'])}, new N = {number(inp['new_tokens'])}), chunk B = "
-        f"{number(inp['chunk'])}, CP {inp['cp']}, KV {inp['kv_dtype']}",
+        f"glm-dsa ledger: config {inp['config']}, L = {number(inp['tokens'])} tokens "
+        f"(prefix P = {number(inp['prefix'])}, new N = {number(inp['new_tokens'])})",
+        f"chunk B = {number(inp['chunk'])}, CP {inp['cp']}, KV {inp['kv_dtype']}; TTFT floor "
+        f"(last table, critical_path_s): {si(ledger['ttft']['critical_path_s'], 's')}",
         f"model: {mod['layers']} layers = {mod['full_layers']} full + {mod['shared_layers']} shared "
-        f"indexer layers; {mod['dense_layers']} dense + {mod['moe_layers']} MoE; page "
-        f"{mod['page_size']} tokens; index_topk {mod['index_topk']}",
-        "units: FLOPs count 2 per multiply-add; B = bytes; GB = 1e9 B (decimal); s = seconds",
+        f"indexer layers; {mod['dense_layers']} dense + {mod['moe_layers']} MoE",
+        f"page {mod['page_size']} tokens; index_topk {mod['index_topk']}",
+        "units: FLOP counts 2 per multiply-add; B = bytes; SI decimal prefixes (GB = 1e9 B,",
+        "TFLOP = 1e12 FLOP); s = seconds. 'design article': figures printed in the design",
+        "article (GLM-5.3 only; per-op totals there are at 10^6 tokens), quoted, not computed.",
     ]
     if inp["tokens"] > mod["max_position_embeddings"]:
         header.append(f"note: L exceeds max_position_embeddings = {number(mod['max_position_embeddings'])}")
@@ -1011,29 +1039,46 @@ def _render_header(ledger: dict[str, Any]) -> list[str]:
 
 def _render_flops(ledger: dict[str, Any]) -> list[str]:
     fl, new = ledger["flops"], ledger["inputs"]["new_tokens"]
+    art = ARTICLE_OP_FLOPS if _article(ledger) else {}
+
+    def cited(op: str, i: int, unit: str) -> str:
+        if op == "router_gate" and _article(ledger):
+            return "not in its table"
+        return f"{art[op][i]:g} {unit}" if op in art else "-"
+
     return [
         table(
-            f"FLOPs per op (total over N = {number(new)} new tokens; sparse MLA at index_topk keys)",
-            ["op", "shape", "FLOP/token", "layers", "total FLOP", "total"],
-            [[o["op"] + ("" if o["in_article"] else " (not in article)"), o["shape"],
-              o["flops_per_token"], o["layers"], o["total"], si(o["total"], "FLOP")] for o in fl["ops"]],
+            "FLOPs per op per token (sparse MLA at index_topk keys)",
+            ["op", "shape", "layers", "FLOP/token", "≈ (SI units)", "design article"],
+            [[o["op"], o["shape"], o["layers"], o["flops_per_token"], si(o["flops_per_token"], "FLOP"),
+              cited(o["op"], 0, "MFLOP")] for o in fl["ops"]],
         ),
         table(
-            "FLOPs per layer per token (article's ops, router excluded)",
-            ["layer kind", "FLOP/token", ""],
-            [_q(k, v, "FLOP") for k, v in fl["layer_per_token"].items()],
+            f"FLOPs per op over N = {number(new)} new tokens, all layers",
+            ["op", "total FLOP", "≈ (SI units)", "design article (10^6 tokens)"],
+            [[o["op"], o["total"], si(o["total"], "FLOP"), cited(o["op"], 1, "PFLOP")]
+             for o in fl["ops"]],
         ),
-        table("model FLOPs", ["quantity", "value", ""], [
-            _q("model_total_article (article's ops, topk keys/token)", fl["model_total_article"], "FLOP"),
-            _q("sparse_mla_keys (exact sum of min(topk, i+1))", fl["sparse_mla_keys"]),
+        table(
+            "FLOPs per layer per token (the article's ops, router excluded)",
+            ["layer kind", "FLOP/token", "≈ (SI units)", "design article"],
+            [_q(k, v, "FLOP", article="1.31 GFLOP" if k == "full_moe" and _article(ledger) else "")
+             for k, v in fl["layer_per_token"].items()],
+        ),
+        table("model FLOPs", _Q_HEADERS, [
+            _q("model_total_article (article's ops)", fl["model_total_article"], "FLOP",
+               article="~100 PFLOP" if _article(ledger) else ""),
+            _q("sparse_mla_keys (sum of min(topk, i+1))", fl["sparse_mla_keys"], note="keys"),
             _q("model_total (all ops, router, exact keys)", fl["model_total"], "FLOP"),
         ]),
     ]
 
 
 def _render_params(ledger: dict[str, Any]) -> list[str]:
-    return [table("parameters (elements)", ["component", "params", ""],
-                  [_q(k, v, "") for k, v in ledger["params"].items()])]
+    art = {"indexer_per_full_layer": "9.4 M", "indexer_total": "197 M", "experts_per_moe_layer": "9.66 G",
+           "total": "744 G"} if _article(ledger) else {}
+    return [table("parameters (elements)", ["component", "params", "≈ (SI units)", "design article"],
+                  [_q(k, v, "", article=art.get(k, "")) for k, v in ledger["params"].items()])]
 
 
 def _render_indexer(ledger: dict[str, Any]) -> list[str]:
@@ -1046,11 +1091,11 @@ def _render_indexer(ledger: dict[str, Any]) -> list[str]:
             ["term", "pairs/layer", f"x {full} layers", "approx/layer"],
             [[t, pl[t], full * pl[t], pa[t]] for t in ("intra_chunk", "cross_chunk", "prefix_cache", "total")],
         ),
-        table("indexer cost", ["quantity", "value", ""], [
+        table("indexer cost", _Q_HEADERS, [
             _q("flops_per_pair", ix["flops_per_pair"]),
             _q("flops (exact)", ix["flops"], "FLOP"),
             _q("flops_approx (L^2/2 pairs)", ix["flops_approx"], "FLOP"),
-            _q("intensity_flop_per_byte", ix["intensity_flop_per_byte"], note="FLOP/B of FP8 K"),
+            _q("intensity_flop_per_byte", ix["intensity_flop_per_byte"], note="FLOP/B (FP8 K)"),
             _q("bandwidth_bound_flops_per_s", ix["bandwidth_bound_flops_per_s"], "FLOP/s"),
             _q("index_k_reread_bytes (exact)", ix["index_k_reread_bytes"], "B"),
             _q("index_k_reread_bytes_approx (N^2/(2B))", ix["index_k_reread_bytes_approx"], "B"),
@@ -1061,18 +1106,20 @@ def _render_indexer(ledger: dict[str, Any]) -> list[str]:
 def _render_kv(ledger: dict[str, Any]) -> list[str]:
     kv = ledger["kv"]
     wc, wr = kv["written_per_chunk"], kv["written_request"]
-    return [table(f"KV cache ({kv['kv_dtype']} main KV)", ["quantity", "bytes", ""], [
-        _q("main_row_bytes (per token per layer)", kv["main_row_bytes"]),
-        _q("index_row_bytes (per token per full layer)", kv["index_row_bytes"]),
-        _q("main_bytes_per_token (all layers)", kv["main_bytes_per_token"]),
-        _q("index_bytes_per_token (full layers)", kv["index_bytes_per_token"]),
-        _q("bytes_per_token", kv["bytes_per_token"]),
-        _q("main_bytes at L", kv["main_bytes"], "B"),
-        _q("index_bytes at L", kv["index_bytes"], "B"),
-        _q("total_bytes at L", kv["total_bytes"], "B"),
-        _q("main_page_bytes", kv["main_page_bytes"], note=f"{kv['main_page_bytes'] / 1024:g} KiB"),
-        _q("index_page_bytes", kv["index_page_bytes"], note=f"{kv['index_page_bytes'] / 1024:g} KiB"),
-        _q("pages_per_chunk", kv["pages_per_chunk"], note="pages"),
+    art = ARTICLE_KV if _article(ledger) and kv["kv_dtype"] == "fp8" else {}
+    return [table(f"KV cache ({kv['kv_dtype']} main KV)", ["quantity", "bytes", "≈ (SI units)", "design article"], [
+        _q("main_row_bytes (per token per layer)", kv["main_row_bytes"], "B", article=art.get("main_row_bytes", "")),
+        _q("index_row_bytes (per token per full layer)", kv["index_row_bytes"], "B",
+           article=art.get("index_row_bytes", "")),
+        _q("main_bytes_per_token (all layers)", kv["main_bytes_per_token"], "B"),
+        _q("index_bytes_per_token (full layers)", kv["index_bytes_per_token"], "B"),
+        _q("bytes_per_token", kv["bytes_per_token"], "B", article=art.get("bytes_per_token", "")),
+        _q("main_bytes at L", kv["main_bytes"], "B", article=art.get("main_bytes", "")),
+        _q("index_bytes at L", kv["index_bytes"], "B", article=art.get("index_bytes", "")),
+        _q("total_bytes at L", kv["total_bytes"], "B", article=art.get("total_bytes", "")),
+        _q("main_page_bytes", kv["main_page_bytes"], "B", article=art.get("main_page_bytes", "")),
+        _q("index_page_bytes", kv["index_page_bytes"], "B", article=art.get("index_page_bytes", "")),
+        _q("pages_per_chunk", kv["pages_per_chunk"], note="pages", article=art.get("pages_per_chunk", "")),
         *[_q(f"written_per_chunk {k}", v, "B") for k, v in wc.items()],
         *[_q(f"written_request {k} (N tokens)", v, "B") for k, v in wr.items()],
     ])]
@@ -1102,7 +1149,7 @@ def _render_chunks(ledger: dict[str, Any]) -> list[str]:
 def _render_memory(ledger: dict[str, Any]) -> list[str]:
     """The logits, activations and MHA one-shot sections share one table."""
     lg, act, mha = ledger["logits"], ledger["activations"], ledger["mha_one_shot"]
-    return [table("indexer logits, activations, MHA one-shot", ["quantity", "value", ""], [
+    return [table("indexer logits, activations, MHA one-shot", _Q_HEADERS, [
         _q("total_mem_bytes (per GPU)", lg["total_mem_bytes"], "B"),
         _q("mem_fraction_static", lg["mem_fraction_static"]),
         _q("budget_bytes (static, conventions §12)", lg["budget_bytes"], "B"),
@@ -1124,7 +1171,7 @@ def _render_memory(ledger: dict[str, Any]) -> list[str]:
 def _render_chunk_sizes(ledger: dict[str, Any]) -> list[str]:
     return [table(
         "chunk size comparison (reread relative to chunk B)",
-        ["chunk", "chunks", "index-K reread B", "relative", "logits peak B", "", "hidden act B"],
+        ["chunk", "chunks", "index-K reread B", "relative", "logits peak B", "≈ (SI)", "hidden act B"],
         [[x["chunk"], x["chunks"], x["index_k_reread_bytes"], x["index_k_reread_relative"],
           x["logits_peak_bytes"], si(x["logits_peak_bytes"], "B"), x["hidden_bytes_per_chunk"]]
          for x in ledger["chunk_sizes"]],
@@ -1166,18 +1213,17 @@ def _render_comm(ledger: dict[str, Any]) -> list[str]:
 
 def _render_ttft(ledger: dict[str, Any]) -> list[str]:
     tt, gpu = ledger["ttft"], ledger["inputs"]["gpu"]
-    rates = (f"HBM {si(gpu['hbm_bytes_per_s'], 'B/s')}, "
-             f"indexer {si(gpu['indexer_flops_per_s'], 'FLOP/s')}, "
-             f"backbone {si(gpu['backbone_flops_per_s'], 'FLOP/s')}, "
-             f"NVLink {si(gpu['nvlink_bytes_per_s'], 'B/s')} per GPU")
+    note = f"; design article: {ARTICLE_TTFT}" if _article(ledger) else ""
     return [table(
-        f"TTFT floor on {gpu['gpus']} x {gpu['name']} ({rates})",
-        ["term", "amount", "unit", "rate /s", "rate basis", "seconds", "share"],
-        [[x["name"], x["amount"], x["unit"], x["rate"], x["rate_basis"], x["seconds"],
-          f"{100 * x['share']:.1f}%"] for x in tt["components"]]
-        + [["serial_s", "", "", "", "", tt["serial_s"], ""],
-           ["critical_path_s", "", "", "", "", tt["critical_path_s"], ""]],
-    )]
+        f"TTFT floor on {gpu['gpus']} x {gpu['name']}: each term's amount at its rate",
+        ["term", "amount", "rate (basis)", "seconds", "share"],
+        [[x["name"], f"{x['amount']:,} {x['unit']}", f"{si(x['rate'], x['unit'] + '/s')} ({x['rate_basis'].removesuffix(' rate')})",
+          x["seconds"], f"{100 * x['share']:.1f}%"] for x in tt["components"]]
+        + [["serial_s", "", "", tt["serial_s"], ""],
+           ["critical_path_s", "", "", tt["critical_path_s"], ""]],
+    ) + ("\nserial_s: the terms one after another; critical_path_s: max(indexer_compute, "
+         "index_k_reread)\n+ backbone_compute + sparse_kv_read + moe_comm (kv_write overlaps).\n"
+         f"TTFT floor = critical_path_s = {si(tt['critical_path_s'], 's')}{note}")]
 
 
 # The text report, section by section, in the order the tables are printed.

@@ -590,6 +590,10 @@ class AllcloseResult:
         num_failed: elements with ``abs_err ≥ abs_tol`` and ``rel_err ≥ rel_tol``.
         anomaly: first mismatch of +inf / −inf / NaN positions, as text; None if they match.
         first_failure: index of the first element (row-major) that fails either test; None.
+        worst_element: the element test's deciding value, ``max min(abs_err / abs_tol,
+            rel_err / rel_tol)`` (a zero tolerance counts as ∞): an element fails iff its value
+            is ≥ 1, so ``num_failed == 0`` iff this is < 1. The largest ``abs_err`` and the
+            largest ``rel_err`` usually sit at different elements and do not decide.
     """
 
     passed: bool
@@ -599,6 +603,7 @@ class AllcloseResult:
     num_failed: int
     anomaly: str | None
     first_failure: tuple[int, ...] | None
+    worst_element: float = 0.0
 
 
 def _first_index(mask: Tensor) -> tuple[int, ...] | None:
@@ -656,6 +661,11 @@ def check_allclose(
         first_failure = first_anomaly
     num_failed = int(failed.sum())
     empty = abs_err.numel() == 0
+
+    def over(err: Tensor, tol: float) -> Tensor:  # err in units of its tolerance
+        return err / tol if tol > 0 else torch.full_like(err, math.inf)
+
+    worst = torch.minimum(over(abs_err, abs_tol), over(rel_err, rel_tol))
     return AllcloseResult(
         passed=anomaly is None and num_failed == 0 and abs(cos_diff) <= cos_diff_tol,
         cos_diff=cos_diff,
@@ -664,4 +674,5 @@ def check_allclose(
         num_failed=num_failed,
         anomaly=anomaly,
         first_failure=first_failure,
+        worst_element=0.0 if empty else float(worst.max()),
     )

@@ -2,7 +2,7 @@
 
 A table is a title line, a header, a rule and one line per row; the first column is
 left-aligned, the others right-aligned. Numbers are rendered exactly: integers with thousands
-separators, floats with 10 significant digits, so a reader can match every cell against the
+separators, floats with 10 significant digits (no exponent), so a reader can match every cell against the
 JSON the same command prints with ``--json``.
 """
 
@@ -24,12 +24,13 @@ def si(x: float, unit: str) -> str:
 
 
 def number(x: Any) -> str:
-    """Exact integers with thousands separators; floats with 10 significant digits; None as ``-``."""
+    """Exact integers with thousands separators; floats with 10 significant digits, without
+    exponent (``549,755,813,900`` for 5.4975581389e11); None as ``-``."""
     if x is None:
         return "-"
     if isinstance(x, int):
         return f"{x:,}"
-    return f"{x:,.10g}" if abs(x) < 1e10 else f"{x:.10e}"
+    return f"{x:,.10g}" if abs(x) < 1e10 else f"{float(f'{x:.10g}'):,.0f}"
 
 
 def table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

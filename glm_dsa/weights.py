@@ -22,7 +22,7 @@ import re
 import torch
 from safetensors.torch import load_file, save_file
 
-from glm_dsa.config import DSAConfig, from_hf_config, to_hf_config
+from glm_dsa.config import DSAConfig, from_hf_config, keep_layers, parse_layers, to_hf_config
 from glm_dsa.fp8 import FP8_E4M3_MAX
 from glm_dsa.layer import DSAForCausalLM
 
@@ -34,7 +34,9 @@ __all__ = [
     "state_dict_for_save",
     "load_state_dict",
     "save_checkpoint",
+    "build_model",
     "load_checkpoint",
+    "init_weights",
 ]
 
 WEIGHT_BLOCK = 128
@@ -187,17 +189,49 @@ def save_checkpoint(model: DSAForCausalLM, directory: str | os.PathLike, fp8: bo
     save_file(state_dict_for_save(model, fp8), os.path.join(directory, "model.safetensors"))
 
 
+def build_model(
+    config: DSAConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DSAForCausalLM:
+    """An uninitialised model whose parameters are allocated on ``device`` from the start (one
+    full-size GLM-5.3 layer is 10 G parameters: no host copy), then cast to ``dtype``."""
+    with torch.device(device):
+        model = DSAForCausalLM(config)
+    return model.to(dtype)
+
+
+def _renumber_layers(tensors: dict[str, torch.Tensor], kept: range) -> dict[str, torch.Tensor]:
+    """Checkpoint layer ``kept.start + i`` renamed to layer ``i``; the other layers dropped."""
+    out = {}
+    for name, t in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is None:
+            out[name] = t
+        elif int(m.group(1)) in kept:
+            out[f"model.layers.{int(m.group(1)) - kept.start}.{name[m.end():]}"] = t
+    return out
+
+
 def load_checkpoint(
     directory: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     strict: bool = True,
+    layers: str | int | range | None = None,
 ) -> DSAForCausalLM:
-    """Build the model from ``directory``'s ``config.json`` and load ``model.safetensors`` into it."""
+    """Build the model from ``directory``'s ``config.json`` and load ``model.safetensors`` into it.
+
+    ``layers`` keeps a slice of the stack (``config.keep_layers``): checkpoint layer
+    ``start + i`` fills the model's layer ``i``.
+    """
     config = from_hf_config(directory)
-    model = DSAForCausalLM(config).to(dtype)
-    load_state_dict(model, load_file(os.path.join(directory, "model.safetensors")), strict=strict)
-    return model.to(device)
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    if layers is not None:
+        kept = parse_layers(layers, config.num_hidden_layers)
+        config = keep_layers(config, kept)
+        tensors = _renumber_layers(tensors, kept)
+    model = build_model(config, dtype, device)
+    load_state_dict(model, tensors, strict=strict)
+    return model
 
 
 def init_weights(model: DSAForCausalLM, seed: int = 0) -> DSAForCausalLM:

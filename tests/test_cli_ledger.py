@@ -94,8 +94,9 @@ def test_the_article_example_prints_the_headline_numbers(outputs):
     text, led = outputs
     # 21/57 layers, 53,940 B/token, 512 pages per 32K chunk, 1,344 rows at 1M (docs/conventions.md §12)
     assert "21 full + 57 shared" in text
-    assert re.search(r"^bytes_per_token\s+53,940\s*$", text, re.M)
-    assert re.search(r"^pages_per_chunk\s+512\s+pages$", text, re.M)
+    # each row: quantity, exact value, SI rendering, then the design article's figure where it has one
+    assert re.search(r"^bytes_per_token\s+53,940\s+53.94 kB\s+53,940 B$", text, re.M)
+    assert re.search(r"^pages_per_chunk\s+512\s+pages\s+512$", text, re.M)
     assert re.search(r"^rows_at_tokens \(budget // 4L\)\s+1,344\s+rows$", text, re.M)
     assert led["kv"]["bytes_per_token"] == 78 * 656 + 21 * 132
     assert led["chunks"]["count"] == 1048576 // 32768
@@ -157,3 +158,30 @@ def test_module_is_runnable_with_python_dash_m():
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["chunks"]["plan"] == [[0, 128], [128, 256], [256, 300]]
+
+
+@pytest.mark.parametrize("argv", [
+    ARGS_1M,
+    ["ledger", "--config", "deepseek-v3.2", "--tokens", "163840", "--chunk", "8192", "--prefix", "4096"],
+    ["ledger", "--config", "tiny", "--tokens", "1000", "--chunk", "128", "--cp", "3"],
+])
+def test_report_fits_100_columns_and_every_column_has_a_header(capsys, argv):
+    rc, out, _ = run(capsys, argv)
+    assert rc == 0
+    assert max(len(line) for line in out.splitlines()) <= 100
+    for block in out.split("\n\n")[1:]:
+        title, header, rule = block.splitlines()[:3]
+        assert title.startswith("== ")
+        # one dash run per column; every column's header cell is non-blank
+        for m in re.finditer(r"-+", rule):
+            assert header[m.start():m.end()].strip(), (title, header, m.start())
+
+
+def test_report_names_the_ttft_floor_and_quotes_the_article_beside_our_figures(outputs):
+    text, led = outputs
+    assert f"TTFT floor (last table, critical_path_s): {led['ttft']['critical_path_s']:.4g} s" in text
+    assert "TTFT floor = critical_path_s" in text
+    # the article's a_proj figures (32.2 MFLOP/token; 2.5 PFLOP at 10**6 tokens) beside ours
+    assert re.search(r"^a_proj\s+6144->2624\s+78\s+32,243,712\s+32.24 MFLOP\s+32.2 MFLOP$", text, re.M)
+    assert re.search(r"^a_proj\s+2,637,178,639,220,736\s+2.637 PFLOP\s+2.5 PFLOP$", text, re.M)
+    assert "e+" not in text  # no exponent notation in a report people read

@@ -1,6 +1,9 @@
 """`glm-dsa prefill`: the main job's report, JSON, and the save/replay of outputs."""
 
 import json
+import os
+import subprocess
+import sys
 
 import torch
 from safetensors.torch import load_file
@@ -9,6 +12,8 @@ from glm_dsa.cli import main
 from glm_dsa.config import PRESETS
 
 from dense_reference import rel_err
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_prefill_prints_the_timeline_and_cache_usage(capsys):
@@ -55,3 +60,29 @@ def test_prefill_rejects_a_prefix_longer_than_the_prompt(capsys):
     assert main(["prefill", "--config", "tiny", "--tokens", "100", "--prefix", "100"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("glm-dsa prefill: error: --prefix") and err.count("\n") == 1
+
+
+def test_version_and_python_dash_m():
+    import glm_dsa
+
+    for argv in ([sys.executable, "-m", "glm_dsa", "--version"],):
+        out = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, check=True).stdout
+        assert out.strip() == f"glm-dsa {glm_dsa.__version__}"
+
+
+def test_layers_with_weights_renumbers_checkpoint_layers(tmp_path):
+    """--layers 2:4 of weights_stub/small: the model's layer i holds checkpoint layer 2 + i."""
+    from safetensors.torch import load_file
+
+    from glm_dsa.weights import load_checkpoint
+
+    stub = os.path.join(REPO_ROOT, "weights_stub", "small")
+    model = load_checkpoint(stub, layers="2:4")
+    stored = load_file(os.path.join(stub, "model.safetensors"))
+    assert model.config.name.endswith("[2:4]") and model.config.num_hidden_layers == 2
+    assert model.config.indexer_types == ("full", "shared") and model.config.first_k_dense_replace == 0
+    state = model.state_dict()
+    for i in range(2):
+        for key in ("self_attn.q_a_proj.weight", "mlp.experts.3.down_proj.weight", "input_layernorm.weight"):
+            assert torch.equal(state[f"model.layers.{i}.{key}"], stored[f"model.layers.{2 + i}.{key}"])
+    assert torch.equal(state["model.embed_tokens.weight"], stored["model.embed_tokens.weight"])

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from glm_dsa.config import PRESETS, DSAConfig, from_hf_config, get_config, to_hf_config
+from glm_dsa.config import PRESETS, DSAConfig, from_hf_config, get_config, keep_layers, to_hf_config
 
 
 def test_glm53_layer_schedule_matches_article():
@@ -92,7 +92,6 @@ def test_rule_with_offset_zero_makes_layer_zero_shared_and_is_rejected():
         ({"page_size": 48}, "page_size"),
         ({"index_head_dim": 96}, "index_head_dim"),
         ({"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
-        ({"kv_lora_rank": 100}, "kv_lora_rank"),
         ({"n_group": 3}, "n_routed_experts"),
         ({"n_group": 2, "topk_group": 4}, "topk_group"),
         ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
@@ -123,3 +122,38 @@ def test_config_is_frozen():
     with pytest.raises(Exception):
         PRESETS["tiny"].hidden_size = 1  # type: ignore[misc]
     assert isinstance(PRESETS["tiny"], DSAConfig)
+
+
+def test_fp8_tile_rule_applies_only_where_fp8_is_used():
+    """kv_lora_rank=100 cannot be cut into FP8 tiles of 128: the FP8 cache refuses it with the
+    fix named; the config and the plain-dtype caches accept it (no FP8 tile there)."""
+    from glm_dsa.cache import KVCache
+
+    config = PRESETS["tiny"].replace(kv_lora_rank=100, index_head_dim=64)
+    with pytest.raises(ValueError, match="kv_lora_rank=100 must be a multiple of 128"):
+        KVCache(config, num_pages=1, kv_dtype="fp8")
+    for kv_dtype in ("bf16", "fp32", "fp64"):
+        assert KVCache(config, num_pages=1, kv_dtype=kv_dtype).mla[0].shape[-1] == 100 + 16
+
+
+@pytest.mark.parametrize("spec, layers, types, dense", [
+    ("6:7", 1, ("full",), 0),
+    ("2:9", 7, ("full", "shared", "shared", "shared", "full", "shared", "shared"), 1),
+    ("4", 4, ("full", "full", "full", "shared"), 3),
+])
+def test_keep_layers_keeps_each_layers_kinds_and_renumbers(spec, layers, types, dense):
+    glm = PRESETS["glm-5.3"]  # full at 0, 1, 2, then every 4th from 6; dense 0-2
+    kept = keep_layers(glm, spec)
+    assert (kept.num_hidden_layers, kept.indexer_types, kept.first_k_dense_replace) == (layers, types, dense)
+    assert kept.hidden_size == glm.hidden_size and kept.n_routed_experts == glm.n_routed_experts
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("7:8", r"shared layer 7, which reuses the top-k of full layer 6; keep that layer too \(e\.g\. 6:8\)"),
+    ("0", "one or more consecutive layers"),
+    ("70:80", "0 ≤ a < b ≤ 78"),
+    ("6-7", "neither a count N nor a range a:b"),
+])
+def test_keep_layers_refuses_a_bad_slice_naming_the_fix(spec, message):
+    with pytest.raises(ValueError, match=message):
+        keep_layers(PRESETS["glm-5.3"], spec)

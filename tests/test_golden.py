@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 
 from glm_dsa import oracle
 from glm_dsa.cli import main
-from glm_dsa.golden import MANIFEST, check_outputs, compare, load_golden, write_golden
+from glm_dsa.golden import MANIFEST, check_outputs, compare, format_report, load_golden, write_golden
 
 LOG2E = 1 / math.log(2)
 
@@ -279,3 +280,17 @@ def test_cli_golden_and_compare_exit_with_the_verdict(golden_dir, tmp_path, caps
     assert capsys.readouterr().out.startswith("FAIL  flash_mla_sparse_fwd.dsv32.lse  allclose:")
     assert main(["compare", "--golden", str(tmp_path / "none"), "--candidate", str(good)]) == 2
     assert "manifest.json not found" in capsys.readouterr().err
+
+
+def test_compare_line_shows_the_deciding_values_beside_their_bounds(loaded):
+    """An allclose line leads with the element test (count outside both tolerances, and the
+    worst element in units of its bound) and cos_diff against its bound; max abs / rel errors,
+    which decide nothing alone, come last as information."""
+    manifest, golden = loaded
+    name = "flash_mla_sparse_fwd.glm.out"
+    line = format_report(check_outputs(manifest, golden, {name: golden[name].to(torch.bfloat16)})).splitlines()[0]
+    m = re.search(r"allclose: 0 of (\d+) elements outside both abs 0\.0008 and rel 0\.02352 "
+                  r"\(worst element ([\d.e+-]+) of its bound, fails at ≥ 1\); cos_diff ([\d.e+-]+) ≤ 7e-06; "
+                  r"info: max abs err", line)
+    assert line.startswith("PASS") and m, line
+    assert float(m.group(2)) < 1 and float(m.group(3)) <= 7e-6

@@ -699,3 +699,20 @@ def test_check_allclose_cos_diff_is_the_formula_and_can_fail_alone():
     assert r.cos_diff == pytest.approx(expected, rel=1e-9) and r.num_failed == 0 and not r.passed
     r = oracle.check_allclose(torch.full((3,), 1e-8), torch.zeros(3), 1e-6, 0.0, 0.0)
     assert r.passed and r.cos_diff == 0.0  # a (nearly) zero reference has cos_diff 0
+
+
+def test_check_allclose_worst_element_is_the_value_that_decides_each_element():
+    """worst_element < 1 iff no element fails; it is max over elements of min(abs_err / abs_tol,
+    rel_err / rel_tol), here from a plain loop (the largest rel err sits at a small ref and
+    passes by its abs err, so it decides nothing)."""
+    ref = torch.tensor([1.0, 1e-3, 2.0, -4.0], dtype=torch.float64)
+    ans = ref + torch.tensor([5e-4, 5e-4, 1e-2, 0.0], dtype=torch.float64)
+    abs_tol, rel_tol = 1e-3, 1e-2
+    worst = max(min(abs(a - r) / abs_tol, abs(a - r) / (abs(r) + 1e-6) / rel_tol)
+                for a, r in zip(ans.tolist(), ref.tolist()))
+    res = oracle.check_allclose(ans, ref, abs_tol, rel_tol, 1.0)
+    assert res.worst_element == pytest.approx(worst, rel=1e-12)
+    assert worst == pytest.approx(0.5)  # element 2: rel 0.005 / 0.01; element 1's rel err 0.5 passes on abs
+    assert res.max_rel_err > rel_tol and res.num_failed == 0 and res.passed
+    tight = oracle.check_allclose(ans, ref, abs_tol, 4e-3, 1.0)
+    assert tight.worst_element == pytest.approx(1.25) and tight.num_failed == 1
