@@ -190,23 +190,24 @@ def _one_layer_model(**changes) -> torch.nn.Module:
     return init_weights(model.to_empty(device="cuda"), 0).eval()
 
 
-def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768) -> None:
+def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768,
+                  backend: str = "reference") -> None:
     """Chunked prefill of one ``tokens``-long prompt; fills ``entry`` step by step and calls
     ``save()`` after each step, so a run stopped by a time limit keeps its finished steps."""
     model = _one_layer_model()
     cfg = model.config
     budget = default_budget_bytes("cuda")
-    warm = PrefillEngine(model, 64, "fp8", chunk, budget, compute_logits=False)
+    warm = PrefillEngine(model, 64, "fp8", chunk, budget, compute_logits=False, backend=backend)
     warm.add_request(torch.arange(4096) % cfg.vocab_size)  # first-call set-up out of the timings
     warm.run()
     del warm
     engine = PrefillEngine(model, pages_for([tokens], cfg.page_size), "fp8", chunk, budget, prefix_caching=False,
-                           compute_logits=False, timing=True)
+                           compute_logits=False, timing=True, backend=backend)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     engine.add_request(ids)
     flops = component_flops(cfg, tokens)
     floors = {k: flops[k][0] / ceil["bf16_flops_per_s"] + flops[k][1] / ceil["fp8_flops_per_s"] for k in flops}
-    entry.update(tokens=tokens, chunk=chunk, steps=[], floor_seconds=sum(floors.values()),
+    entry.update(tokens=tokens, chunk=chunk, backend=backend, steps=[], floor_seconds=sum(floors.values()),
                  component_floor_seconds=floors, component_flops=flops)
     _sync()
     torch.cuda.reset_peak_memory_stats()
@@ -289,12 +290,13 @@ def _index_topk(model: torch.nn.Module, hf: torch.nn.Module | None, topk: int):
             m.index_topk = k
 
 
-def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: int = 32768):
+def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: int = 32768,
+              backend: str = "reference"):
     """One chunked prefill of ``ids``: (seconds, peak bytes, hidden [L, hidden] on the GPU, engine)."""
     budget = default_budget_bytes("cuda")
     pages = pages_for([ids.numel()], model.config.page_size)
     engine = PrefillEngine(model, pages, kv_dtype, chunk, budget, prefix_caching=False,
-                           compute_logits=False, timing=timing)
+                           compute_logits=False, timing=timing, backend=backend)
     rid = engine.add_request(ids)
     _sync()
     torch.cuda.reset_peak_memory_stats()
@@ -306,7 +308,7 @@ def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: in
 
 # One measurement script read top to bottom: build both models, then per length time, compare
 # and profile each; the steps share the models and the result dict (93 lines).
-def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
+def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = "reference") -> list[dict]:
     """glm-dsa's chunked prefill against transformers' ``GlmMoeDsaModel`` (one full-width MoE layer
     with the indexer, bf16, sdpa) on the same weights, at each length in ``lengths``.
 
@@ -334,14 +336,14 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
         row: dict = {"tokens": n}
         captured.clear()
         with torch.no_grad():
-            _run_ours(model, ids, "fp8")  # warm-up
+            _run_ours(model, ids, "fp8", backend=backend)  # warm-up
             base = torch.cuda.memory_allocated()
-            runs = [_run_ours(model, ids, "fp8") for _ in range(2)]
+            runs = [_run_ours(model, ids, "fp8", backend=backend) for _ in range(2)]
             row["ours_seconds"] = min(r[0] for r in runs)
             row["ours_peak_gb"] = (max(r[1] for r in runs) - base + ours_w) / GB
             ours_hidden = model.model.norm(runs[0][2])
             ours_topk = captured.get("ours")
-            engine = _run_ours(model, ids, "fp8", timing=True)[3]
+            engine = _run_ours(model, ids, "fp8", timing=True, backend=backend)[3]
             s = engine.timeline[0]
             row["ours_components"] = {k: getattr(s, k) for k in ("projections", "indexer", "attention", "moe")}
             if profile:
@@ -349,7 +351,7 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
                 from torch.profiler import profile as prof
 
                 with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                    _run_ours(model, ids, "fp8")
+                    _run_ours(model, ids, "fp8", backend=backend)
                 with open(os.path.join(out_dir, f"profile_{n}.txt"), "w") as f:
                     for shapes in (False, True):
                         f.write(p.key_averages(group_by_input_shape=shapes).table(
@@ -389,7 +391,7 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool) -> list[dict]:
     for n in (2048, 8192):
         ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
         with torch.no_grad(), _index_topk(model, hf, max(n, cfg.index_topk)):
-            ours = model.model.norm(_run_ours(model, ids, "bf16")[2]).float()
+            ours = model.model.norm(_run_ours(model, ids, "bf16", backend=backend)[2]).float()
             theirs = hf(input_ids=ids.cuda()[None]).last_hidden_state[0].float()
         eq = {"tokens": n, "index_topk": max(n, cfg.index_topk), "calc_diff": calc_diff(ours, theirs),
               "max_abs_diff": float((ours - theirs).abs().max()), "max_abs": float(theirs.abs().max())}
@@ -564,6 +566,8 @@ def main() -> int:
     ap.add_argument("--hf-tokens", default="2048,8192,16384,24576")
     ap.add_argument("--profile", action="store_true", help="profile glm-dsa at each --hf-tokens length")
     ap.add_argument("--peer-queries", default="4096,32768", help="query rows of the peers part")
+    ap.add_argument("--backend", choices=("reference", "triton"), default="reference",
+                    help="the engine's indexer top-k and sparse attention (prefill and hf parts)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     res: dict = {
@@ -606,7 +610,7 @@ def main() -> int:
         for tokens in map(int, args.prefill_tokens.split(",")):
             entry: dict = {}
             res["prefill"].append(entry)
-            bench_prefill(res["ceilings"], tokens, entry, save)
+            bench_prefill(res["ceilings"], tokens, entry, save, backend=args.backend)
             print("prefill", json.dumps({k: v for k, v in entry.items() if k != "steps"}), flush=True)
             save()
             torch.cuda.empty_cache()
@@ -619,7 +623,8 @@ def main() -> int:
                 print("peers", json.dumps(r), flush=True)
             save()
     if "hf" in parts:
-        res["hf"] = bench_vs_hf([int(n) for n in args.hf_tokens.split(",")], args.out, args.profile)
+        res["hf"] = bench_vs_hf([int(n) for n in args.hf_tokens.split(",")], args.out, args.profile,
+                                args.backend)
         save()
     return 0
 
