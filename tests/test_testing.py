@@ -192,6 +192,20 @@ def test_inputs_move_to_the_device_and_outputs_come_back():
     assert seen == ["meta"]
 
 
+def test_keyword_tensors_move_to_the_device_too():
+    """attn_sink and topk_length travel as keywords: they must reach the device with the rest."""
+    case = make_case("flash_mla_sparse_fwd", "attn_sink")
+    expected = oracle.flash_mla_sparse_fwd(*case.args, **case.kwargs)
+    seen = []
+
+    def on_meta(*args, **kwargs):
+        seen.extend(v.device.type for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor))
+        return tuple(t.to(torch.bfloat16) if i == 0 else t for i, t in enumerate(expected))
+
+    check_case(case, on_meta, device="meta")
+    assert "attn_sink" in case.kwargs and set(seen) == {"meta"}
+
+
 # ------------------------------------------------------------------ mutants fail
 MUTANTS = {
     "missing ReLU": ("fp8_mqa_logits", lambda *a, **k: mqa_logits_bf16(*a, **k, relu=False),

@@ -73,6 +73,8 @@ def _to(x, device):
         return x.to(device)
     if isinstance(x, (tuple, list)):
         return type(x)(_to(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
     return x
 
 
