@@ -274,6 +274,10 @@ def _check_prefill(args) -> list[int]:
     if args.weights and args.config != args.weights and get_config(args.config) != config:
         raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                          "pass the checkpoint directory as --config or leave them consistent")
+    if args.layers is not None:  # the memory check below is for the layers that will run
+        from glm_dsa.config import keep_layers
+
+        config = keep_layers(config, args.layers)
     if args.chunk < config.page_size:
         raise ValueError(f"--chunk {args.chunk} is smaller than one page ({config.page_size} tokens)")
     if args.input_ids:

@@ -29,6 +29,8 @@ import time
 import torch
 from torch import Tensor
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
 from glm_dsa import oracle, peers
 from glm_dsa.config import PRESETS, DSAConfig
 from glm_dsa.indexer import indexer_topk, max_logit_rows, mqa_logits, topk_per_row

@@ -178,3 +178,14 @@ def test_outputs_are_written_with_the_umask(tmp_path, capsys):
         os.umask(old)
     assert out.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["o.safetensors"]  # no temporary left behind
+
+
+def test_memory_check_counts_only_the_kept_layers(capsys, monkeypatch):
+    """--layers 6:7 of GLM-5.3 at 131,072 tokens: the estimate is one layer's (its weights alone
+    are 9.8e9 parameters = 19.6 GB in bf16 on CUDA, 39 GB in float32 here), not the whole
+    model's 1.5 TB; with 1 GB available it is refused before any model is built."""
+    monkeypatch.setattr("glm_dsa.checks.available_bytes", lambda device: 10**9)
+    assert main(["prefill", "--config", "glm-5.3", "--layers", "6:7", "--tokens", "131072"]) == 2
+    err = capsys.readouterr().err
+    need = float(err.split("needs ")[1].split(" GB")[0])
+    assert 39 < need < 100, err
