@@ -11,7 +11,10 @@ float64 and float32-accurate sparse attention over the gathered context. The ``t
   656-byte rows dequantized in the kernel, or bf16 / fp32 rows), so no layer gathers its whole
   context; queries and the absorption GEMMs run in the activation dtype (bf16 on the GPU).
 
-Everything else (projections, MoE, the MHA one-shot path for short contexts) is shared.
+The triton backend takes the absorbed sparse form at every length: where a context has no
+more than ``index_topk`` keys, the top-k keeps them all and sparse attention is the dense result,
+so the reference's MHA one-shot form (float32, expanded per head) is not needed. Projections and
+the MoE are shared.
 """
 
 from __future__ import annotations

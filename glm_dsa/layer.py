@@ -118,7 +118,7 @@ class DecoderLayer(nn.Module):
             timer.stop("indexer")
         elif topk is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
-        if backend.paged_sparse_mla is not None and not attn.use_mha(batch):
+        if backend.paged_sparse_mla is not None:  # every context length: no MHA one-shot form
             h = x + attn.forward_paged(proj, cache.mla[self.layer_idx], batch, topk,
                                        backend.paged_sparse_mla, budget_bytes)
         else:

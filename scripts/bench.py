@@ -199,8 +199,11 @@ def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768
     model = _one_layer_model()
     cfg = model.config
     budget = default_budget_bytes("cuda")
-    warm = PrefillEngine(model, 64, "fp8", chunk, budget, compute_logits=False, backend=backend)
-    warm.add_request(torch.arange(4096) % cfg.vocab_size)  # first-call set-up out of the timings
+    warm = PrefillEngine(model, pages_for([2 * chunk], cfg.page_size), "fp8", chunk, budget,
+                         compute_logits=False, backend=backend)
+    # First-call set-up (Triton's autotuning, per shape class: a first chunk and one over a
+    # prefix) out of the timings.
+    warm.add_request(torch.arange(2 * chunk) % cfg.vocab_size)
     warm.run()
     del warm
     engine = PrefillEngine(model, pages_for([tokens], cfg.page_size), "fp8", chunk, budget, prefix_caching=False,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from glm_dsa.backend import REFERENCE, get_backend
+from glm_dsa.batch import ForwardBatch
 from glm_dsa.config import PRESETS
 from glm_dsa.indexer import mqa_logits
 from glm_dsa.layer import DSAForCausalLM
@@ -96,3 +97,20 @@ def test_triton_attention_equals_reference_for_the_same_selection(kv_dtype):
                                         generator=torch.Generator().manual_seed(3)))
     eng.run()
     assert calc_diff(eng.output_hidden(rid).double(), ref.double()) <= 1e-5
+
+
+def test_triton_backend_replaces_the_mha_form_of_short_contexts():
+    """Contexts ≤ index_topk: the reference runs its expanded MHA one-shot form, the triton
+    backend absorbed sparse attention over every key; the two are one function."""
+    cfg = PRESETS["tiny"].replace(num_hidden_layers=2, indexer_types=("full", "shared"))
+    model = init_weights(DSAForCausalLM(cfg), seed=5).eval()
+    ids = torch.randint(0, cfg.vocab_size, (60,), generator=torch.Generator().manual_seed(4))
+    hidden = {}
+    for backend in ("reference", "triton"):
+        eng = PrefillEngine(model, num_pages=2, kv_dtype="fp32", chunked_prefill_size=64,
+                            budget_bytes=1 << 20, backend=backend)
+        rid = eng.add_request(ids)
+        eng.run()
+        hidden[backend] = eng.output_hidden(rid).double()
+    assert model.model.layers[0].self_attn.use_mha(ForwardBatch.contiguous([60]))  # the reference's form
+    assert calc_diff(hidden["triton"], hidden["reference"]) <= 1e-5
