@@ -7,9 +7,7 @@ column chunks of ``D_CHUNK``, scores them transposed, ``s^T = K · q^T`` (``[BLO
 latent chunks then the RoPE part; keys on the GEMM's M so the two warpgroups score different
 keys), and accumulates ``P·V`` per value chunk, where V is the first ``d_v`` columns of the same
 gathered rows (no second gather). Softmax is online, in base 2 with ``log2(e)`` folded into the
-scale. On the GPU the gather of later tiles overlaps a tile's GEMMs: rows ``AHEAD`` tiles on
-are prefetched into L2, and with ``num_stages`` 2 Triton's pipeliner gathers the next tile
-into a second shared-memory buffer (cp.async).
+scale. On the GPU the next tile's rows are prefetched into L2 while a tile computes.
 
 Two entry points share the kernel:
 
@@ -47,39 +45,28 @@ _LN2 = math.log(2.0)
 
 # Tiling, as data, for the H200 (sm_90, 227 KB shared memory per block) at GLM-5.3's shape
 # (h_q 64, d_qk 576, d_v 512, top-2048). Scores are computed transposed (keys on the GEMM's M,
-# see the kernel). The kernel is bound by the latency of the row gather (2.36 MB per query),
-# so the configs differ in how the next tiles' loads overlap this tile's GEMMs:
-# - 128-key tile, one buffer (q 72 KB + keys 144 KB = 216 KB; num_stages 1): the next tile's
-#   rows are only prefetched into L2 (AHEAD 1 tile) while this tile computes.
-# - 64-key tiles, two buffers (q 72 KB + 2 x 72 KB + P = 225 KB; num_stages 2): Triton's
-#   pipeliner gathers tile i+1 with cp.async into the second buffer while tile i's value GEMM
-#   runs, and tile i+2 is prefetched into L2 (AHEAD 2), a third stage that costs no shared
-#   memory. At 64 keys Triton's chained-dot rule (warps along M only) gives both warpgroups
-#   the whole score tile, so scores are computed twice (+53 % tensor work); the first 64-key
-#   version, which did so without overlap, ran as fast as the 128-key one (181 vs 175 TFLOP/s),
-#   so the gather, not the tensor cores, is what these configs race on.
-# D_CHUNK is the width of the column chunks the key tile is gathered, dequantized and
-# multiplied in. Measured offline for sm_90 (triton.compile for GPUTarget("cuda", 90, 32),
-# cuobjdump -res-usage / nvdisasm; no GPU), all at 255 registers; spill stack in bytes,
-# bf16 / FP8: 128 keys chunk 128: 72 / 424, chunk 64: 16 / 40; 64 keys two stages chunk 128:
-# 144 / 88, chunk 64: 64 / 232 (shared 225 KB bf16, 194 KB FP8). Autotune (keyed on KV_FP8)
-# picks per form.
+# see the kernel). The kernel is bound by the latency of the row gather (2.36 MB per query): a
+# 128-key tile in one buffer (q 72 KB + keys 144 KB = 216 KB; num_stages 1) leaves one block
+# per SM, and the next tile's rows are prefetched into L2 while this tile computes. D_CHUNK is
+# the width of the column chunks the key tile is gathered, dequantized and multiplied in.
+# Measured on one H200 on 2026-12-01 (scripts/bench_sparse_mla.py, 32,768 queries over 131,072
+# keys): bf16 48.2 ms with chunk 128, 56.6 ms with 64; FP8 rows 65.7 / 59.0 ms. Double-buffered
+# 64-key tiles (num_stages 2, 225 KB; Triton's chained-dot rule then computes each score tile
+# on both warpgroups) ran 68-70 ms bf16 and 81-96 ms FP8, and were dropped. Offline sm_90
+# compiles (no GPU): 255 registers, spill stack 72 / 424 bytes (bf16 / FP8) at chunk 128 and
+# 16 / 40 at chunk 64. Autotune (keyed on KV_FP8) picks per form.
 _GPU_CONFIGS = [
-    triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "D_CHUNK": dc, "AHEAD": stages},
-                  num_warps=w, num_stages=stages)
-    for bh, bk, dc, w, stages in (
-        (64, 128, 128, 8, 1),
-        (64, 128, 64, 8, 1),
-        (64, 64, 128, 8, 2),
-        (64, 64, 64, 8, 2),
-        (16, 64, 128, 4, 1),  # small configs (h_q <= 16) only
-        (16, 64, 64, 4, 1),
+    triton.Config({"BLOCK_H": bh, "BLOCK_K": bk, "D_CHUNK": dc}, num_warps=w, num_stages=1)
+    for bh, bk, dc, w in (
+        (64, 128, 128, 8),
+        (64, 128, 64, 8),
+        (16, 64, 128, 4),  # small configs (h_q <= 16) only
+        (16, 64, 64, 4),
     )
 ]
 # The interpreter (CPU CI) runs one small tile; its cost is per program, not per FLOP.
 _INTERPRET_CONFIGS = [
-    triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "D_CHUNK": 64, "AHEAD": 1}, num_warps=4,
-                  num_stages=1)
+    triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "D_CHUNK": 64}, num_warps=4, num_stages=1)
 ]
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -124,7 +111,7 @@ def _sparse_mla_fwd_kernel(
     KV_FP8: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATIC_TOPK: tl.constexpr,
     ROUND_BY_HAND: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr, AHEAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -167,12 +154,9 @@ def _sparse_mla_fwd_kernel(
         idx = tl.load(idx_rows + start, mask=start + tl.arange(0, BLOCK_K) < n_cols, other=-1)
         valid = (idx >= 0) & (idx < s_kv)
         rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_kv     # [BLOCK_K]
-        # Indices are loaded in the loop so that the pipeliner can hoist the next tile's
-        # gather (num_stages 2); the L2 prefetch reaches one tile further than that.
-        if PREFETCH:
-            cols_ahead = start + AHEAD * BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_ahead = tl.load(idx_rows + start + AHEAD * BLOCK_K, mask=cols_ahead < n_cols,
-                                other=-1)
+        if PREFETCH:  # the next tile's rows into L2 while this tile computes
+            cols_ahead = start + BLOCK_K + tl.arange(0, BLOCK_K)
+            idx_ahead = tl.load(idx_rows + start + BLOCK_K, mask=cols_ahead < n_cols, other=-1)
             ok_ahead = (idx_ahead >= 0) & (idx_ahead < s_kv)
             _prefetch_rows(kv_ptr + tl.where(ok_ahead, idx_ahead, 0).to(tl.int64) * stride_kv,
                            ROW_BYTES)
