@@ -85,14 +85,13 @@ def _check_pages(pages: Tensor, page_size: int, head_dim: int) -> None:
         )
 
 
-def _index_k_byte_columns(offsets: Tensor, page_size: int, head_dim: int) -> tuple[Tensor, Tensor]:
-    """Byte columns inside a page of each token's fp8 payload [n, head_dim] and scale [n, 4]."""
-    payload = offsets.unsqueeze(-1) * head_dim + torch.arange(head_dim, device=offsets.device)
-    scale = (
-        page_size * head_dim
-        + _SCALE_BYTES * offsets.unsqueeze(-1)
-        + torch.arange(_SCALE_BYTES, device=offsets.device)
-    )
+def _index_k_views(pages: Tensor, page_size: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """Views of index-K pages: the fp8 payloads uint8 ``[num_pages, page_size, head_dim]`` and the
+    scales float32 ``[num_pages, page_size]``, sharing the pages' storage. Indexing them by
+    ``(page, offset)`` moves one row per token (an index per byte would cost 8 bytes per byte)."""
+    num_pages, split = pages.shape[0], page_size * head_dim
+    payload = pages[:, :split].view(num_pages, page_size, head_dim)
+    scale = pages[:, split:].view(torch.float32)
     return payload, scale
 
 
@@ -120,10 +119,10 @@ def index_k_store(
     if slots.shape[0] != n:
         raise ValueError(f"slots has {slots.shape[0]} entries for {n} tokens of k_fp8")
     _check_unique(slots)
-    page = (slots // page_size).unsqueeze(-1)
-    payload_cols, scale_cols = _index_k_byte_columns(slots % page_size, page_size, head_dim)
-    pages[page, payload_cols] = k_fp8.view(torch.uint8)
-    pages[page, scale_cols] = k_scale.contiguous().view(torch.uint8).reshape(n, _SCALE_BYTES)
+    payload, scale = _index_k_views(pages, page_size, head_dim)
+    page, offset = slots // page_size, slots % page_size
+    payload[page, offset] = k_fp8.view(torch.uint8)
+    scale[page, offset] = k_scale
 
 
 def index_k_load(
@@ -136,11 +135,9 @@ def index_k_load(
     """
     _check_pages(pages, page_size, head_dim)
     _check_slots(slots, pages.shape[0] * page_size)
-    page = (slots // page_size).unsqueeze(-1)
-    payload_cols, scale_cols = _index_k_byte_columns(slots % page_size, page_size, head_dim)
-    k_fp8 = pages[page, payload_cols].view(torch.float8_e4m3fn)
-    k_scale = pages[page, scale_cols].view(torch.float32).reshape(-1)
-    return k_fp8, k_scale
+    payload, scale = _index_k_views(pages, page_size, head_dim)
+    page, offset = slots // page_size, slots % page_size
+    return payload[page, offset].view(torch.float8_e4m3fn), scale[page, offset]
 
 
 # ------------------------------------------------------------------ MLA KV rows

@@ -237,6 +237,17 @@ def test_indexer_topk_selects_the_reference_sets(monkeypatch, rows_per_chunk):
     assert min(recalls) >= 0.9 and sum(recalls) / len(recalls) >= 0.99
 
 
+def test_indexer_topk_names_the_first_row_whose_logits_are_nan(monkeypatch):
+    """NaN is reported once, after every row chunk is queued, with the row's absolute index."""
+    S, H, D, N, topk = 29, 4, 128, 260, 24
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=21)
+    ks, ke = _windows("causal", S, N, seed=22)
+    w[17, 2] = float("nan")
+    monkeypatch.setattr(indexer, "max_logit_rows", lambda *a: 7)  # row 17 is in the third chunk
+    with pytest.raises(ValueError, match="logits row 17 holds NaN"):
+        indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+
+
 def test_select_topk_fills_short_rows_and_offsets_long_ones():
     logits = torch.full((3, 8), NEG_INF, device=DEV)
     logits[0, 2:7] = torch.tensor([5.0, 1.0, 4.0, 3.0, 2.0], device=DEV)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from glm_dsa.indexer import RowChunk, _check_logits_inputs, chunked_topk
 from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
-from glm_dsa.kernels.topk import select_rows
+from glm_dsa.kernels.topk import launch_select, raise_on_nan, select_rows
 
 __all__ = ["indexer_topk", "select_topk"]
 
@@ -58,13 +58,19 @@ def indexer_topk(
     _check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
     _check_device(q_fp8)
 
+    nans = torch.zeros(q_fp8.shape[0], dtype=torch.int32, device=q_fp8.device)
+
     def chunk_topk(chunk: RowChunk) -> Tensor:
         r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
         logits = _mqa_logits_core(
             q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1],
-            chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), clean_logits=True,
+            chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), clean_logits=False,
             max_seqlen_k=0,
         )  # fmt: skip
-        return select_topk(logits, chunk.starts, chunk.ends, topk)
+        picked, nans[r0:r1] = launch_select(logits, chunk.starts, chunk.ends, topk)
+        return picked
 
-    return chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)
+    out = chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)
+    # One wait for the whole call, not one per row chunk: the host keeps queueing chunks.
+    raise_on_nan(nans)
+    return out

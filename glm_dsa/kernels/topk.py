@@ -178,33 +178,45 @@ def _topk_kernel(
     tl.store(counters + _NANS, nans)
 
 
-def select_rows(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
-    """The kernel on checked inputs: int32 ``[R, topk]`` relative to ``starts``, ``-1`` padded.
+def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """The kernel on checked inputs, without waiting for it: ``(indices, nans)``.
 
-    ``logits``: float32 ``[R, N]`` (unit column stride); ``starts``/``ends``: integer ``[R]``
-    with ``0 ≤ start ≤ end ≤ N``; entries outside ``[start, end)`` are never read. Raises
-    ValueError on NaN inside a row with more than ``topk`` keys.
+    ``indices``: int32 ``[R, topk]`` relative to ``starts``, ``-1`` padded; ``nans``: int32
+    ``[R]``, the NaNs met inside each row that was read (a row with more than ``topk`` keys).
+    ``logits``: float32 ``[R, N]``; ``starts``/``ends``: integer ``[R]`` with
+    ``0 ≤ start ≤ end ≤ N``; entries outside ``[start, end)`` are never read.
     """
     R = logits.shape[0]
     dev = logits.device
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty((R, topk), dtype=torch.int32, device=dev)
+    counters = torch.zeros((R, 4), dtype=torch.int32, device=dev)
     if R == 0:
-        return out
+        return out, counters[:, _NANS.value]
     cand = CAND_FACTOR * topk
     cand_key = torch.empty((R, cand), dtype=torch.int32, device=dev)
     cand_idx = torch.empty((R, cand), dtype=torch.int32, device=dev)
-    counters = torch.zeros((R, 4), dtype=torch.int32, device=dev)
     _topk_kernel[(R,)](
         logits, logits.stride(0), logits.shape[1], starts, ends, out, cand_key, cand_idx, counters,
         topk, int(TARGET_FACTOR * topk), CAND=cand, SAMPLE=SAMPLE, BLOCK=BLOCK,
         num_warps=NUM_WARPS,
     )  # fmt: skip
-    bad = counters[:, _NANS.value] > 0
+    return out, counters[:, _NANS.value]
+
+
+def raise_on_nan(nans: Tensor, first_row: int = 0) -> None:
+    """ValueError naming the first row (``first_row`` + its index) whose ``nans`` count is not 0."""
+    bad = nans > 0
     if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
+        row = first_row + int(bad.nonzero()[0, 0])
         raise ValueError(f"logits row {row} holds NaN inside [row_start, row_end)")
+
+
+def select_rows(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
+    """``launch_select``, then a ValueError on NaN inside a row with more than ``topk`` keys."""
+    out, nans = launch_select(logits, starts, ends, topk)
+    raise_on_nan(nans)
     return out
 
 
