@@ -199,11 +199,13 @@ def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768
     model = _one_layer_model()
     cfg = model.config
     budget = default_budget_bytes("cuda")
-    warm = PrefillEngine(model, pages_for([2 * chunk], cfg.page_size), "fp8", chunk, budget,
-                         compute_logits=False, backend=backend)
-    # First-call set-up (Triton's autotuning, per shape class: a first chunk and one over a
-    # prefix) out of the timings.
-    warm.add_request(torch.arange(2 * chunk) % cfg.vocab_size)
+    # First-call set-up out of the timings: the allocator, and on the triton backend Triton's
+    # autotuning, which runs once per shape class (the logits kernel's classes change with the
+    # prefix), so that backend warms up with a prefill of the same length.
+    warm_tokens = tokens if backend == "triton" else 2 * chunk
+    warm = PrefillEngine(model, pages_for([warm_tokens], cfg.page_size), "fp8", chunk, budget,
+                         compute_logits=False, prefix_caching=False, backend=backend)
+    warm.add_request(torch.arange(warm_tokens) % cfg.vocab_size)
     warm.run()
     del warm
     engine = PrefillEngine(model, pages_for([tokens], cfg.page_size), "fp8", chunk, budget, prefix_caching=False,

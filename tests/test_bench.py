@@ -109,3 +109,30 @@ def test_peer_rows_report_rate_and_time_over_the_peer():
     table = bench.render_peers(rows)
     assert table[0].startswith("| op | shape | implementation |") and len(table) == 2 + 3 + 1
     assert "| Triton | 3.00 s | 1.3 | 1.50× |" in table[3]
+
+
+def test_plot_floor_of_the_steps_adds_up_to_the_whole_prefill(tmp_path):
+    """Every component's FLOPs are causal in the prefix, so the per-step floors of a chunked
+    prefill add up to the floor of the whole prompt; and a bench log's step lines parse."""
+    sys_path = str(_PATH.parent)
+    import sys
+
+    sys.path.insert(0, sys_path)
+    try:
+        spec = importlib.util.spec_from_file_location("glm_dsa_plot", _PATH.parent / "plot_prefill.py")
+        plot = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(plot)
+    finally:
+        sys.path.remove(sys_path)
+    ceilings = {"bf16_flops_per_s": 7e14, "fp8_flops_per_s": 1.3e15}
+    tokens, chunk = 300_000, 32_768
+    bounds = [(a, min(a + chunk, tokens)) for a in range(0, tokens, chunk)]
+    whole = bench.component_flops(bench.GLM, tokens)
+    expect = (sum(v[0] for v in whole.values()) / ceilings["bf16_flops_per_s"]
+              + sum(v[1] for v in whole.values()) / ceilings["fp8_flops_per_s"])
+    got = sum(plot.step_floor(a, b, ceilings) for a, b in bounds)
+    assert abs(got - expect) <= 1e-9 * expect
+    log = tmp_path / "prefill.log"
+    log.write_text("ceilings {}\n  step 1 ((0, 0, 32768),) 2.22 s (indexer 0.58)\n"
+                   "  step 2 ((0, 32768, 65536),) 2.31 s (indexer 1.26)\n")
+    assert plot.read_steps(str(log), 65536) == [(0, 32768, 2.22), (32768, 65536, 2.31)]
