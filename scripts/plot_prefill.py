@@ -1,7 +1,8 @@
 """Plot step time against prefix length for chunked prefills, beside the per-step floor.
 
 Series come from ``scripts/bench.py`` outputs: a ``bench.json`` (its prefill entry of
-``--tokens`` tokens) or a bench log (lines ``step N ((0, start, end),) S s ...``). The floor of
+``--tokens`` tokens) or a bench log (``  step {json}`` lines closed by ``prefill {json}``, or
+the older ``step N ((0, start, end),) S s ...`` lines). The floor of
 a step is its FLOPs (the ledger's, ``bench.component_flops`` of ``end`` minus that of
 ``start``: every component is causal in the prefix) at the bf16 and fp8 ceilings of the JSON
 given with ``--ceilings``.
@@ -31,7 +32,28 @@ def read_steps(path: str, tokens: int) -> list[tuple[int, int, float]]:
             entry = next(p for p in json.load(f)["prefill"] if p["tokens"] == tokens)
         return [(s["start"], s["end"], s["seconds"]) for s in entry["steps"]]
     with open(path) as f:
-        return [(int(m[2]), int(m[3]), float(m[4])) for m in _STEP.finditer(f.read())]
+        text = f.read()
+    if "  step {" not in text:  # an older log: "step N ((0, start, end),) S s ..."
+        return [(int(m[2]), int(m[3]), float(m[4])) for m in _STEP.finditer(text)]
+    steps: list[tuple[int, int, float]] = []
+    for line in text.splitlines():  # "  step {json}" lines, then "prefill {json}" per prompt
+        if line.startswith("  step {"):
+            s = json.loads(line[len("  step "):])
+            steps.append((s["start"], s["end"], s["seconds"]))
+        elif line.startswith("prefill {"):
+            if json.loads(line[len("prefill "):])["tokens"] == tokens:
+                return steps
+            steps = []
+    raise ValueError(f"{path} holds no prefill of {tokens} tokens")
+
+
+def read_ceilings(path: str) -> dict:
+    """The measured ceilings of a ``bench.json``, or of a bench log's ``ceilings {json}`` line."""
+    with open(path) as f:
+        if path.endswith(".json"):
+            return json.load(f)["ceilings"]
+        line = next(line for line in f if line.startswith("ceilings {"))
+    return json.loads(line[len("ceilings "):])
 
 
 def step_floor(start: int, end: int, ceilings: dict) -> float:
@@ -46,7 +68,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=1048576)
-    ap.add_argument("--ceilings", required=True, help="bench.json whose ceilings set the floor")
+    ap.add_argument("--ceilings", required=True, help="bench.json or bench log whose ceilings set the floor")
     ap.add_argument("--series", action="append", required=True, help="LABEL=PATH (.json or .log)")
     ap.add_argument("--title", default="one GLM-5.3 layer (full indexer, MoE, FP8 KV), H200\n"
                                        "chunked prefill of 1,048,576 tokens, chunk 32,768")
@@ -56,8 +78,7 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(args.ceilings) as f:
-        ceilings = json.load(f)["ceilings"]
+    ceilings = read_ceilings(args.ceilings)
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
     steps = []
     for spec in args.series:
