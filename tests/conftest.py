@@ -26,27 +26,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_triton_interpreter_for_numpy_2_4() -> None:
-    """Triton ≤ 3.6's interpreter takes ``int()`` of 1-element arrays, an error since numpy 2.4,
-    so any loop with a runtime bound fails (triton-lang/triton#9171); apply upstream's fix."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None:
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_triton_interpreter_for_numpy_2_4()
-
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

@@ -4,7 +4,14 @@ Imported only on request (``import glm_dsa`` never imports Triton); on the CPU t
 Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is imported.
 """
 
-from glm_dsa.kernels.indexer import indexer_topk  # noqa: F401
-from glm_dsa.kernels.mqa_logits import fp8_mqa_logits, fp8_paged_mqa_logits  # noqa: F401
-from glm_dsa.kernels.topk import topk_per_row  # noqa: F401
-from glm_dsa.kernels.sparse_mla import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: F401
+import os
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from glm_dsa.kernels._interpreter import patch_for_numpy_2_4
+
+    patch_for_numpy_2_4()
+
+from glm_dsa.kernels.indexer import indexer_topk  # noqa: E402, F401
+from glm_dsa.kernels.mqa_logits import fp8_mqa_logits, fp8_paged_mqa_logits  # noqa: E402, F401
+from glm_dsa.kernels.topk import topk_per_row  # noqa: E402, F401
+from glm_dsa.kernels.sparse_mla import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: E402, F401
