@@ -227,6 +227,26 @@ def fp8_mqa_logits(
     return out
 
 
+def _check_paged_kv_cache(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
+    """``(num_blocks, block_size, D)`` of ``fp8_paged_mqa_logits``' q ``[B, next_n, H, D]``
+    float8_e4m3fn and kv_cache uint8 ``[num_blocks, block_size, 1, D + 4]``; ValueError else."""
+    _need(
+        isinstance(q, Tensor) and q.dim() == 4 and q.dtype == torch.float8_e4m3fn,
+        f"q must be [B, next_n, H, D] float8_e4m3fn, got {getattr(q, 'dtype', None)} {_shape(q)}",
+    )
+    head_dim = q.shape[3]
+    _need(
+        isinstance(kv_cache, Tensor)
+        and kv_cache.dtype == torch.uint8
+        and kv_cache.dim() == 4
+        and kv_cache.shape[2] == 1
+        and kv_cache.shape[3] == head_dim + 4,
+        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {head_dim + 4}], got "
+        f"{getattr(kv_cache, 'dtype', None)} {_shape(kv_cache)}",
+    )
+    return kv_cache.shape[0], kv_cache.shape[1], head_dim
+
+
 def fp8_paged_mqa_logits(
     q: Tensor,
     kv_cache: Tensor,
@@ -260,21 +280,7 @@ def fp8_paged_mqa_logits(
     Returns:
         float32 ``[B * next_n, max_context_len]``.
     """
-    _need(
-        isinstance(q, Tensor) and q.dim() == 4,
-        f"q must be [B, next_n, H, D] float8_e4m3fn, got {_shape(q)}",
-    )
-    head_dim = q.shape[3]
-    _need(
-        isinstance(kv_cache, Tensor)
-        and kv_cache.dtype == torch.uint8
-        and kv_cache.dim() == 4
-        and kv_cache.shape[2] == 1
-        and kv_cache.shape[3] == head_dim + 4,
-        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {head_dim + 4}], got "
-        f"{getattr(kv_cache, 'dtype', None)} {_shape(kv_cache)}",
-    )
-    num_blocks, block_size = kv_cache.shape[:2]
+    num_blocks, block_size, head_dim = _check_paged_kv_cache(q, kv_cache)
     # A block's bytes in row-major [block_size, D + 4] order are the page layout itself.
     pages = kv_cache.reshape(num_blocks, block_size * (head_dim + 4))
     return indexer.paged_mqa_logits(

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_dsa.indexer import _check_index_vector, _check_logits_inputs, _check_ranges
-from glm_dsa.oracle import _check_compressed_width, _check_mqa_logits_mode
+from glm_dsa.oracle import _check_compressed_width, _check_mqa_logits_mode, _check_paged_kv_cache
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "CONFIGS", "INTERPRET_CONFIGS"]
 
@@ -392,22 +392,8 @@ def fp8_paged_mqa_logits(
     Returns:
         float32 ``[B * next_n, max_context_len]``.
     """
-    _need(
-        isinstance(q, Tensor) and q.dtype == torch.float8_e4m3fn and q.dim() == 4,
-        f"q must be float8_e4m3fn [B, next_n, H, D], got {getattr(q, 'dtype', None)} "
-        f"{tuple(getattr(q, 'shape', ()))}",
-    )
-    B, next_n, H, D = q.shape
-    _need(
-        isinstance(kv_cache, Tensor)
-        and kv_cache.dtype == torch.uint8
-        and kv_cache.dim() == 4
-        and kv_cache.shape[2] == 1
-        and kv_cache.shape[3] == D + 4,
-        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {D + 4}], got "
-        f"{getattr(kv_cache, 'dtype', None)} {tuple(getattr(kv_cache, 'shape', ()))}",
-    )
-    num_blocks, page = kv_cache.shape[:2]
+    num_blocks, page, D = _check_paged_kv_cache(q, kv_cache)
+    B, next_n, H = q.shape[:3]
     _need(
         kv_cache[0].is_contiguous() and kv_cache.stride(0) % 4 == 0,
         "kv_cache blocks must be contiguous inside, with a block stride that is a multiple of "
