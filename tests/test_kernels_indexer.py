@@ -145,6 +145,20 @@ def test_fp8_paged_mqa_logits_matches_oracle_across_page_boundaries(two_d):
     _assert_logits_close(fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, width), ref)
 
 
+def test_fp8_paged_mqa_logits_refuses_a_page_outside_the_pool():
+    """The kernel follows the block table without bounds checks, so the wrapper checks every
+    entry a row can reach (an out-of-range page would read another allocation)."""
+    lens, next_n, H, D = [63, 65], 1, 4, 128
+    q, kv_cache, w, table = _paged_inputs(lens, next_n, H, D, seed=13)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    table[1, 1] = kv_cache.shape[0]  # request 1's second page: one past the pool
+    with pytest.raises(ValueError, match="block_table holds a page outside"):
+        fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, 70)
+    table[1, 1] = 0
+    table[1, 2] = -5  # beyond request 1's context (65 tokens: two pages): never read
+    fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, 70)
+
+
 def test_fp8_paged_mqa_logits_with_a_strided_pool_and_32_heads():
     lens, next_n = [130, 1], 3
     q, kv_cache, w, table = _paged_inputs(lens, next_n, 32, 128, seed=12)

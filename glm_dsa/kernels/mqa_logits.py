@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.indexer import _check_index_vector, _check_logits_inputs, _check_ranges
+from glm_dsa.indexer import _check_index_vector, _check_logits_inputs, _check_paged_inputs, _check_ranges
 from glm_dsa.oracle import _check_compressed_width, _check_mqa_logits_mode, _check_paged_kv_cache
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "CONFIGS", "INTERPRET_CONFIGS"]
@@ -358,14 +358,6 @@ def fp8_mqa_logits(
     )
 
 
-def _paged_row_ends(context_lens: Tensor, next_n: int) -> Tensor:
-    """int64 ``[B, next_n]``: positions row ``(b, j)`` sees are ``[0, end)`` (oracle's rule)."""
-    if context_lens.dim() == 2:
-        return context_lens.long()
-    j = torch.arange(next_n, device=context_lens.device)
-    return (context_lens.long()[:, None] - next_n + j + 1).clamp_min(0)
-
-
 def fp8_paged_mqa_logits(
     q: Tensor,
     kv_cache: Tensor,
@@ -393,50 +385,22 @@ def fp8_paged_mqa_logits(
         float32 ``[B * next_n, max_context_len]``.
     """
     num_blocks, page, D = _check_paged_kv_cache(q, kv_cache)
-    B, next_n, H = q.shape[:3]
     _need(
         kv_cache[0].is_contiguous() and kv_cache.stride(0) % 4 == 0,
         "kv_cache blocks must be contiguous inside, with a block stride that is a multiple of "
         f"4 bytes; got strides {kv_cache.stride()}",
     )
-    _need(
-        isinstance(weights, Tensor) and tuple(weights.shape) == (B * next_n, H),
-        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got "
-        f"{tuple(getattr(weights, 'shape', ()))}",
-    )
+    # The reference's checks, on the blocks viewed as its [num_blocks, page bytes] pages.
+    lens = _check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
+                               max_context_len, page)
+    B, next_n, H = q.shape[:3]
     _check_kernel_shapes(H, D, weights)
-    _need(
-        isinstance(context_lens, Tensor)
-        and context_lens.dtype in (torch.int32, torch.int64)
-        and tuple(context_lens.shape) in ((B,), (B, next_n)),
-        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}]",
-    )
-    _need(
-        isinstance(block_table, Tensor)
-        and block_table.dtype in (torch.int32, torch.int64)
-        and block_table.dim() == 2
-        and block_table.shape[0] == B,
-        f"block_table must be int32 [B={B}, max_blocks], got {tuple(block_table.shape)}",
-    )
-    _need(
-        isinstance(max_context_len, int) and max_context_len >= 0,
-        f"max_context_len={max_context_len!r} must be a non-negative int",
-    )
     _check_device(q)
-    for name, t in (("kv_cache", kv_cache), ("weights", weights),
-                    ("context_lens", context_lens), ("block_table", block_table)):
-        _need(t.device == q.device, f"{name} is on {t.device}, q on {q.device}")
-    ends = _paged_row_ends(context_lens, next_n)  # [B, next_n]
+    ends = torch.tensor(lens, dtype=torch.int32, device=q.device).reshape(B, next_n)
     if ends.numel():
-        _need(
-            int(ends.min()) >= 0 and int(ends.max()) <= max_context_len,
-            f"a row sees positions outside [0, max_context_len={max_context_len}]",
-        )
+        # The kernel reads pages through the table unchecked: an entry out of range would
+        # read another allocation's bytes, so every entry a row can reach is checked here.
         need_blocks = int(ends.max(dim=1).values.add(page - 1).floor_divide(page).max())
-        _need(
-            need_blocks <= block_table.shape[1],
-            f"a request needs {need_blocks} pages; block_table has {block_table.shape[1]} columns",
-        )
         used = block_table.long()[:, :need_blocks]
         _need(
             bool(((used >= 0) & (used < num_blocks)).all()),
