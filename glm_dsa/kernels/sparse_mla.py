@@ -97,8 +97,8 @@ def _prefetch_rows(rows, ROW_BYTES: tl.constexpr):
                               "=r,l,r", [rows, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-# One kernel body of ~120 lines: the per-chunk tuples of q, keys and accumulators live across
-# the loop's phases (gather, scores, softmax, P·V), and Triton cannot pass them to helpers.
+# One kernel body of ~120 lines: the loop's phases (gather, scores, online softmax, P·V) share
+# per-chunk tuples of q, keys and accumulators, and read top to bottom as the algorithm does.
 @triton.autotune(
     configs=_INTERPRET_CONFIGS if _INTERPRET else _GPU_CONFIGS,
     key=["h_q", "topk", "D_V", "D_TAIL", "KV_FP8", "HAS_LEN"],
