@@ -54,10 +54,13 @@ def fp8_mqa_logits(
     cu_seqlen_ks: Tensor,
     cu_seqlen_ke: Tensor,
     clean_logits: bool = True,
+    max_seqlen_k: int = 0,
 ) -> Tensor:
     """``deep_gemm.fp8_mqa_logits``: q ``[S, H, D]`` e4m3, kv ``(k_fp8 [S_kv, D], k_scale [S_kv])``,
-    weights ``[S, H]`` float32, ks / ke int32 ``[S]``. Returns float32 ``[S, S_kv]``."""
-    return _module(DEEP_GEMM).fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
+    weights ``[S, H]`` float32, ks / ke int32 ``[S]``. Returns float32 ``[S, S_kv]``, or
+    ``[S, max_seqlen_k]`` (compressed, with ``clean_logits=False``) when ``max_seqlen_k > 0``."""
+    return _module(DEEP_GEMM).fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
+                                             max_seqlen_k)
 
 
 def paged_context_lens_2d(context_lens: Tensor, next_n: int) -> Tensor:
