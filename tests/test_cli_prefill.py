@@ -54,7 +54,6 @@ def test_saved_outputs_replay_through_input_ids_and_cover_prefix_hits(tmp_path, 
 
 
 def test_prefill_rejects_a_prefix_longer_than_the_prompt(capsys):
-    import pytest
 
     # one error style (issue 20): exit 2 and one line naming the flag, not a SystemExit
     assert main(["prefill", "--config", "tiny", "--tokens", "100", "--prefix", "100"]) == 2
