@@ -156,7 +156,7 @@ def part_paged(S: int) -> dict:
 def part_indexer() -> dict:
     from glm_dsa import indexer, oracle
     from glm_dsa.kernels import indexer_topk
-    from glm_dsa.kernels.indexer import select_topk
+    from glm_dsa.kernels.topk import select_rows as select_topk
     from glm_dsa.kernels.mqa_logits import _mqa_logits_core
 
     S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from glm_dsa import indexer, oracle, testing  # noqa: E402
 from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
-from glm_dsa.kernels import indexer as fast_indexer  # noqa: E402
+from glm_dsa.kernels.topk import select_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # DeepGEMM's tolerance against a reference on the dequantized inputs (docs/conventions.md §14).
@@ -262,12 +262,12 @@ def test_indexer_topk_names_the_first_row_whose_logits_are_nan(monkeypatch):
         indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
 
 
-def test_select_topk_fills_short_rows_and_offsets_long_ones():
+def test_select_rows_fills_short_rows_and_offsets_long_ones():
     logits = torch.full((3, 8), NEG_INF, device=DEV)
     logits[0, 2:7] = torch.tensor([5.0, 1.0, 4.0, 3.0, 2.0], device=DEV)
     starts = torch.tensor([2, 0, 4], device=DEV)
     ends = torch.tensor([7, 2, 4], device=DEV)
-    out = fast_indexer.select_topk(logits, starts, ends, 3)
+    out = select_rows(logits, starts, ends, 3)
     assert sorted(out[0].tolist()) == [0, 2, 3]  # scores 5, 4, 3 at columns 2, 4, 5
     assert out[1].tolist() == [0, 1, -1] and out[2].tolist() == [-1, -1, -1]
 

@@ -6,7 +6,7 @@ is free (set semantics, as every upstream top-k kernel). Logits are computed by
 ``fp8_mqa_logits``'s kernel chunk by chunk within the same byte budget as the reference, so the
 peak is one chunk's float32 logits plus the inputs (and the select's candidate buffer,
 ``CAND_FACTOR · topk`` keys and columns per row: 96 KiB a row at ``topk`` = 2048). Selection is
-the radix select of ``glm_dsa.kernels.topk`` behind ``select_topk``.
+the radix select of ``glm_dsa.kernels.topk``.
 """
 
 from __future__ import annotations
@@ -16,20 +16,9 @@ from torch import Tensor
 
 from glm_dsa.indexer import RowChunk, _check_logits_inputs, chunked_topk
 from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
-from glm_dsa.kernels.topk import launch_select, raise_on_nan, select_rows
+from glm_dsa.kernels.topk import launch_select, raise_on_nan
 
-__all__ = ["indexer_topk", "select_topk"]
-
-
-def select_topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
-    """int32 ``[R, topk]`` relative to ``starts``: the ``topk`` best of each row, any order.
-
-    ``logits``: float32 ``[R, N]``, read only inside ``[starts, ends)``; ``starts``/``ends``:
-    integer ``[R]``, ``0 ≤ start ≤ end ≤ N``. Rows with ``ends − starts ≤ topk`` give
-    ``0 … len − 1`` then ``-1`` without reading scores. The Triton radix select of
-    ``glm_dsa.kernels.topk``; raises ValueError on NaN inside a row it reads.
-    """
-    return select_rows(logits, starts, ends, topk)
+__all__ = ["indexer_topk"]
 
 
 def indexer_topk(
