@@ -130,13 +130,14 @@ def _add_prefill(sub) -> None:
                    help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="indexer top-k and sparse attention: the reference, or the Triton kernels "
-                        "(default auto: triton on CUDA when Triton imports, else reference)")
+                   help="indexer top-k and sparse attention: the reference, the Triton kernels, or the "
+                        "DeepGEMM/FlashMLA peers (default auto: triton on CUDA when Triton imports, "
+                        "else reference)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--budget-bytes", type=int,
-                   help="indexer logits / sparse gather budget in bytes (default: SGLang's rule on CUDA, "
-                        "docs/conventions.md §12; 256 MiB on CPU)")
+                   help="indexer logits and attention row-chunk budgets in bytes (default: SGLang's rule "
+                        "on CUDA, docs/conventions.md §12; 256 MiB on CPU)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
@@ -253,7 +254,7 @@ def _check_prefill(args) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths."""
     from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
     from glm_dsa.ledger import prefill_peak_bytes
-    from glm_dsa.prefill import default_budget_bytes
+    from glm_dsa.budget import Budgets
 
     device = check_device("--device", args.device)
     if args.requests < 1:
@@ -302,8 +303,9 @@ def _check_prefill(args) -> list[int]:
         check_optional_module("--plot", "matplotlib", "plot")
     dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
                                                                              else "float32")]
-    budget = args.budget_bytes or (default_budget_bytes(device, args.mem_fraction_static) if device.type == "cpu"
-                                   else 0)
+    # On CUDA the default budgets follow free memory, so they are what is left, not a demand.
+    budget = (Budgets.default(device, args.budget_bytes, args.mem_fraction_static).logits_bytes
+              if args.budget_bytes or device.type == "cpu" else 0)
     need = prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
@@ -339,7 +341,8 @@ def _run_prefill(args) -> int:
     from safetensors.torch import save_file
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
-    from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
+    from glm_dsa.budget import Budgets
+    from glm_dsa.prefill import PrefillEngine
 
     device = torch.device(args.device)
     cp_group = None
@@ -352,17 +355,17 @@ def _run_prefill(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
         _check_prefill(args)
-    backend = get_backend(args.backend, device).name
+    backend = get_backend(args.backend, device)
+    backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
     model = _load_model(args, device, getattr(torch, dtype_name))
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
-    budget = args.budget_bytes
-    if budget is None:
-        budget = default_budget_bytes(device, args.mem_fraction_static)
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
-    engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
-                           kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
-                           timing=True, cp_group=cp_group, backend=backend)
+    engine = PrefillEngine.for_prompts(
+        model, [p.numel() for p in prompts] + shared, kv_dtype=args.kv_dtype,
+        chunked_prefill_size=args.chunk,
+        budget_bytes=Budgets.default(device, args.budget_bytes, args.mem_fraction_static),
+        timing=True, cp_group=cp_group, backend=backend)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
@@ -371,7 +374,7 @@ def _run_prefill(args) -> int:
     close()
     weights = args.weights or f"random, seed {args.seed}"
     report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
-              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, **engine.report(rids)}
+              "kv_dtype": args.kv_dtype, "backend": backend.name, "chunk": args.chunk, **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
@@ -387,7 +390,7 @@ def _run_prefill(args) -> int:
     print(f"prefill: config {config.name}, {len(rids)} request(s) of "
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
-    print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend} on {device}")
+    print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend.name} on {device}")
     print(_format_prefill_report(report))
     return 0
 

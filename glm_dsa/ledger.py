@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from glm_dsa.batch import CP_BOUNDARY_GATHER, CP_SPLITS, INDEX_K_ALLGATHER, LATENT_ALLGATHER
 from glm_dsa.config import DSAConfig
-from glm_dsa.indexer import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
+from glm_dsa.budget import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
 from glm_dsa.kv_format import MLA_KV_FORMATS, MLA_TILE, index_k_page_bytes
 from glm_dsa.report import number, si, table
 
@@ -70,8 +70,8 @@ __all__ = [
 # glm_dsa.batch, the KV formats and the index-K page from glm_dsa.kv_format, the logits
 # thresholds from glm_dsa.indexer). Some rules are re-derived here on purpose, from the config
 # alone, as a cross-check the tests hold against the implementation: the main-KV and index-K row
-# bytes (kv_format.mla_kv_row_bytes), the row slicing (indexer.max_logit_rows), the static logits
-# budget (indexer.logits_budget_bytes without the live free memory) and the CP split
+# bytes (kv_format.mla_kv_row_bytes), the row slicing (budget.max_logit_rows), the static logits
+# budget (budget.logits_budget_bytes without the live free memory) and the CP split
 # (cp.split_rows).
 SCHEMA = "glm-dsa.ledger/1"
 

@@ -154,15 +154,15 @@ def part_paged(S: int) -> dict:
 
 
 def part_indexer() -> dict:
-    from glm_dsa import indexer, oracle
+    from glm_dsa import budget as budgets, oracle
     from glm_dsa.kernels import indexer_topk
     from glm_dsa.kernels.topk import select_rows as select_topk
-    from glm_dsa.kernels.mqa_logits import _mqa_logits_core
+    from glm_dsa.kernels.mqa_logits import launch_mqa_logits
 
     S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK
     q, k, k_scale, w, ks, ke = _inputs(S, N)
-    budget = indexer.logits_budget_bytes("cuda")
-    rows = indexer.max_logit_rows(S, N, budget)
+    budget = budgets.logits_budget_bytes("cuda")
+    rows = budgets.max_logit_rows(S, N, budget)
     res = {"S": S, "N": N, "budget_bytes": budget, "rows_per_chunk": rows}
     run = lambda: indexer_topk(q, w, k, k_scale, ks, ke, TOPK, budget)  # noqa: E731
     res["first_call_s"] = _first_call_s(run)
@@ -181,8 +181,8 @@ def part_indexer() -> dict:
     r0 = S - rows
     cks, cke = ks[r0:].long(), ke[r0:].long()
     args = (q[r0:], k, k_scale, w[r0:], cks.to(torch.int32), cke.to(torch.int32), True, 0)
-    logits = _mqa_logits_core(*args)
-    res["chunk_logits_ms"] = _time_ms(lambda: _mqa_logits_core(*args))
+    logits = launch_mqa_logits(*args)
+    res["chunk_logits_ms"] = _time_ms(lambda: launch_mqa_logits(*args))
     res["chunk_topk_ms"] = _time_ms(lambda: select_topk(logits, cks, cke, TOPK))
     res["topk_share_of_logits"] = res["chunk_topk_ms"] / res["chunk_logits_ms"]
     # torch.topk on the same chunk, the selection the Triton select replaced.

@@ -9,7 +9,8 @@ import glm_dsa.indexer as indexer_mod
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache
 from glm_dsa.config import PRESETS
-from glm_dsa.layer import DSAForCausalLM
+from glm_dsa.budget import Budgets
+from glm_dsa.layer import DSAForCausalLM, StepContext
 from glm_dsa.mla import MLA
 from glm_dsa.weights import init_weights
 
@@ -24,7 +25,7 @@ def _run(model, ids, kv_dtype="fp64", budget=1 << 24):
     batch = ForwardBatch.contiguous([ids.numel()])
     cache = KVCache(model.config, num_pages=-(-ids.numel() // 64), kv_dtype=kv_dtype)
     with torch.no_grad():
-        return model.model(ids, batch, cache, budget)
+        return model.model(ids, StepContext(batch, cache, Budgets(budget, budget)))
 
 
 def test_shared_layers_run_no_indexer_and_reuse_the_previous_full_layers_topk(monkeypatch):
@@ -108,7 +109,7 @@ def test_shared_layer_without_topk_is_an_error():
     batch = ForwardBatch.contiguous([8])
     cache = KVCache(cfg, 1, "fp32")
     with pytest.raises(ValueError, match="shared layer"):
-        layer(torch.zeros(8, cfg.hidden_size), batch, cache, None, 1 << 20)
+        layer(torch.zeros(8, cfg.hidden_size), StepContext(batch, cache, Budgets(1 << 20, 1 << 20)), None)
 
 
 def test_model_rejects_inputs_that_are_neither_ids_nor_hidden_states():

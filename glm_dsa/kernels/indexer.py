@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm_dsa.indexer import RowChunk, _check_logits_inputs, chunked_topk
-from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
+from glm_dsa.indexer import RowChunk, chunked_topk
+from glm_dsa.kernels.mqa_logits import check_device, check_kernel_shapes, launch_mqa_logits
 from glm_dsa.kernels.topk import launch_select, raise_on_nan
+from glm_dsa.validate import check_indexer_topk_inputs
 
 __all__ = ["indexer_topk"]
 
@@ -43,15 +44,15 @@ def indexer_topk(
     Returns:
         int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, any order within a row.
     """
-    _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
-    _check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
-    _check_device(q_fp8)
+    check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
+    check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
+    check_device(q_fp8)
 
     nans = torch.zeros(q_fp8.shape[0], dtype=torch.int32, device=q_fp8.device)
 
     def chunk_topk(chunk: RowChunk) -> Tensor:
         r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
-        logits = _mqa_logits_core(
+        logits = launch_mqa_logits(
             q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1],
             chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), clean_logits=False,
             max_seqlen_k=0,

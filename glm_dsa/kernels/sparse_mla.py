@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
-from glm_dsa.mla import _check_sparse_inputs
+from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8"]
 
@@ -306,7 +306,7 @@ def flash_mla_sparse_fwd(
         ``lse [s_q, h_q]`` float32, natural log``)``. A row with no valid index: ``out = 0``,
         ``max_logits = -inf``, ``lse = +inf``.
     """
-    _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, "e", "+inf", None)
+    check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length)
     _check_kernel_inputs(q, kv, indices, sm_scale)
     if kv.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(
@@ -369,9 +369,8 @@ def sparse_mla_fwd_fp8(
             f"row stride that is a multiple of 4, got {tuple(kv_rows.shape)} stride "
             f"{kv_rows.stride()}"
         )
-    # The shared contract checks shapes on a kv-shaped stand-in; the bytes are checked above.
-    stand_in = q.new_empty(1, 1, 1).expand(kv_rows.shape[0], 1, d_qk)
-    _check_sparse_inputs(q, stand_in, indices, d_v, attn_sink, topk_length, "e", "+inf", None)
+    # The rows' layout is checked above; the shared contract checks the rest.
+    check_sparse_inputs(q, None, indices, d_v, attn_sink, topk_length)
     _check_kernel_inputs(q, kv_rows, indices, sm_scale)
     return _launch(q, kv_rows, kv_rows.stride(0), kv_rows.shape[0], indices, sm_scale, d_v,
                    attn_sink, topk_length, fp8=True)
