@@ -26,7 +26,8 @@ from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import get_config
 from glm_dsa.kv_format import MLA_KV_FORMATS
-from glm_dsa.ledger import GpuSpec, build_ledger, format_ledger
+from glm_dsa.ledger import GpuSpec, build_ledger
+from glm_dsa.ledger_text import format_ledger
 from glm_dsa.report import table
 from glm_dsa.testing import cli as testing_cli
 
