@@ -255,51 +255,31 @@ def check_pair(x: Tensor, y: Tensor, what: str) -> None:
 def check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length) -> None:
     """``flash_mla_sparse_fwd``'s tensors. ``kv``: the floating ``[s_kv, 1, d_qk]`` rows, or None
     where a kernel reads packed rows whose layout its caller checks."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [s_q, h, d_qk], got shape {tuple(q.shape)}")
+    need(q.dim() == 3, f"q must be [s_q, h, d_qk], got shape {tuple(q.shape)}")
     s_q, h, d_qk = q.shape
-    if kv is not None and (kv.dim() != 3 or kv.shape[1] != 1 or kv.shape[2] != d_qk):
-        raise ValueError(
-            f"kv must be [s_kv, 1, d_qk={d_qk}] (one latent KV head shared by all query heads), "
-            f"got shape {tuple(kv.shape)}"
-        )
-    if not q.dtype.is_floating_point or (kv is not None and not kv.dtype.is_floating_point):
-        raise ValueError(
-            f"q and kv must be floating (dequantize an FP8 cache first), got q {q.dtype} and "
-            f"kv {None if kv is None else kv.dtype}"
-        )
-    if indices.dtype != torch.int32 or indices.dim() != 3 or indices.shape[:2] != (s_q, 1):
-        raise ValueError(
-            f"indices must be int32 [s_q={s_q}, 1, topk], got {indices.dtype} "
-            f"{tuple(indices.shape)}"
-        )
-    if indices.shape[2] < 1:
-        raise ValueError("indices needs topk ≥ 1 columns; pad unused ones with -1")
-    if not 0 < d_v <= d_qk:
-        raise ValueError(f"d_v={d_v} must lie in [1, d_qk={d_qk}]: values are kv[..., :d_v]")
-    if attn_sink is not None and (
-        not attn_sink.dtype.is_floating_point or attn_sink.shape != (h,)
-    ):
-        raise ValueError(
-            f"attn_sink must be a floating [h={h}] tensor, got {attn_sink.dtype} "
-            f"{tuple(attn_sink.shape)}"
-        )
-    if topk_length is not None and (topk_length.dtype != torch.int32 or topk_length.shape != (s_q,)):
-        raise ValueError(
-            f"topk_length must be int32 [s_q={s_q}], got {topk_length.dtype} "
-            f"{tuple(topk_length.shape)}"
-        )
+    need(kv is None or (kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d_qk),
+         f"kv must be [s_kv, 1, d_qk={d_qk}] (one latent KV head shared by all query heads), "
+         f"got shape {shape_of(kv)}")
+    need(q.dtype.is_floating_point and (kv is None or kv.dtype.is_floating_point),
+         f"q and kv must be floating (dequantize an FP8 cache first), got q {q.dtype} and "
+         f"kv {None if kv is None else kv.dtype}")
+    need(indices.dtype == torch.int32 and indices.dim() == 3 and indices.shape[:2] == (s_q, 1),
+         f"indices must be int32 [s_q={s_q}, 1, topk], got {indices.dtype} {tuple(indices.shape)}")
+    need(indices.shape[2] >= 1, "indices needs topk ≥ 1 columns; pad unused ones with -1")
+    need(0 < d_v <= d_qk, f"d_v={d_v} must lie in [1, d_qk={d_qk}]: values are kv[..., :d_v]")
+    need(attn_sink is None or (attn_sink.dtype.is_floating_point and attn_sink.shape == (h,)),
+         f"attn_sink must be a floating [h={h}] tensor, got {getattr(attn_sink, 'dtype', None)} "
+         f"{shape_of(attn_sink)}")
+    need(topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (s_q,)),
+         f"topk_length must be int32 [s_q={s_q}], got {getattr(topk_length, 'dtype', None)} "
+         f"{shape_of(topk_length)}")
 
 
 def check_sparse_conventions(lse_base, lonely_lse, budget_bytes) -> None:
     """The reference ``sparse_mla_fwd``'s convention switches and row-chunk budget."""
-    if lse_base not in ("e", "2"):
-        raise ValueError(f"lse_base={lse_base!r} must be 'e' (newest FlashMLA) or '2' (Sep 2025)")
-    if lonely_lse not in ("+inf", "-inf"):
-        raise ValueError(
-            f"lonely_lse={lonely_lse!r} must be '+inf' (newest FlashMLA) or '-inf' (Sep 2025)"
-        )
-    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 1):
-        raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive int or None")
-
-
+    need(lse_base in ("e", "2"),
+         f"lse_base={lse_base!r} must be 'e' (newest FlashMLA) or '2' (Sep 2025)")
+    need(lonely_lse in ("+inf", "-inf"),
+         f"lonely_lse={lonely_lse!r} must be '+inf' (newest FlashMLA) or '-inf' (Sep 2025)")
+    need(budget_bytes is None or (isinstance(budget_bytes, int) and budget_bytes >= 1),
+         f"budget_bytes={budget_bytes!r} must be a positive int or None")
