@@ -157,24 +157,19 @@ def indexer_topk(
     Returns:
         int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded.
     """
-    from glm_dsa.indexer import RowChunk, chunked_topk
-    from glm_dsa.kernels.topk import launch_select, raise_on_nan
+    from glm_dsa.kernels.indexer import select_in_chunks
+    from glm_dsa.validate import check_indexer_topk_inputs
 
+    check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
     dg = _module(DEEP_GEMM)
-    nans = torch.zeros(q_fp8.shape[0], dtype=torch.int32, device=q_fp8.device)
 
-    def chunk_topk(chunk: RowChunk) -> Tensor:
+    def chunk_logits(chunk) -> Tensor:
         r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
-        starts, ends = chunk.starts.to(torch.int32), chunk.ends.to(torch.int32)
         # clean_logits=False: the select reads only [start, end) of each row.
-        logits = dg.fp8_mqa_logits(q_fp8[r0:r1], (k_fp8[lo:hi], k_scale[lo:hi]), weights[r0:r1],
-                                   starts, ends, False)
-        picked, nans[r0:r1] = launch_select(logits, starts, ends, topk)
-        return picked
+        return dg.fp8_mqa_logits(q_fp8[r0:r1], (k_fp8[lo:hi], k_scale[lo:hi]), weights[r0:r1],
+                                 chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), False)
 
-    out = chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)
-    raise_on_nan(nans)
-    return out
+    return select_in_chunks(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_logits)
 
 
 def paged_sparse_mla(query: Tensor, pool: Tensor, slots: Tensor, sm_scale: float,
