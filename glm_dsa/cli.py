@@ -189,14 +189,14 @@ def _cmd_prefill(args) -> int:
 
     from glm_dsa.cp import launch, launched_by_torchrun
 
-    from glm_dsa.checks import check_device
+    from glm_dsa.preflight import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
     check_device("--device", args.device)
     if launched_by_torchrun() or (args.cp or 1) == 1:
         return _run_prefill(args)
-    _check_prefill(args)
+    _preflight_prefill(args)
     try:
         launch(_run_prefill, args.cp, args.device, (args,))
     except mp.ProcessRaisedException as e:
@@ -230,7 +230,7 @@ def _load_model(args, device, dtype):
 def _input_id_lengths(path: str) -> list[int]:
     """Prompt lengths of an ``--input-ids`` file, from its header: ``request.{i}.input_ids`` for
     i = 0..n-1, each 1-D, non-empty and of an integer dtype."""
-    from glm_dsa.checks import safetensors_header
+    from glm_dsa.preflight import safetensors_header
 
     header = safetensors_header("--input-ids", path)
     names = [k for k in header if k.startswith("request.") and k.endswith(".input_ids")]
@@ -251,9 +251,9 @@ def _input_id_lengths(path: str) -> list[int]:
     return lengths
 
 
-def _check_prefill(args) -> list[int]:
+def _preflight_prefill(args) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
+    from glm_dsa.preflight import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.budget import Budgets
 
@@ -355,7 +355,7 @@ def _run_prefill(args) -> int:
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
-        _check_prefill(args)
+        _preflight_prefill(args)
     backend = get_backend(args.backend, device)
     backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
     model = _load_model(args, device, getattr(torch, dtype_name))
@@ -476,7 +476,7 @@ def _plot_steps(timeline, path: str, title: str) -> None:
 
 
 def _cmd_golden(args) -> int:
-    from glm_dsa.checks import check_output_dir
+    from glm_dsa.preflight import check_output_dir
     from glm_dsa.golden import write_golden
 
     check_output_dir("--out", args.out)
@@ -511,7 +511,7 @@ def _cmd_compare(args) -> int:
 
     from glm_dsa.golden import compare, format_report
 
-    from glm_dsa.checks import safetensors_header
+    from glm_dsa.preflight import safetensors_header
 
     if not os.path.isfile(os.path.join(args.golden, "manifest.json")):
         raise ValueError(f"--golden {args.golden}: manifest.json not found; write it with glm-dsa golden --out DIR")
