@@ -536,7 +536,8 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=config.index_k_norm_eps)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
 
-    def check_tokens(self, x: Tensor, positions: Tensor) -> int:
+    def _check_tokens(self, x: Tensor, positions: Tensor, q_latent: Tensor | None = None) -> None:
+        """``x [n, hidden]``, ``positions`` int64 ``[n]`` and, when given, ``q_latent``."""
         n = x.shape[0] if x.dim() == 2 else -1
         need(
             x.dim() == 2 and x.shape[1] == self.config.hidden_size,
@@ -546,7 +547,12 @@ class Indexer(nn.Module):
             positions.dtype == torch.int64 and tuple(positions.shape) == (n,),
             f"positions must be int64 [{n}], got {positions.dtype} {tuple(positions.shape)}",
         )
-        return n
+        if q_latent is not None:
+            need(
+                tuple(q_latent.shape) == (n, self.config.q_lora_rank),
+                f"q_latent must be [n={n}, q_lora_rank={self.config.q_lora_rank}], got "
+                f"{tuple(q_latent.shape)}",
+            )
 
     def _rope_then_rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """``[n, ..., D]``: RoPE on the first ``rope_dim`` dims, then the Hadamard rotation."""
@@ -564,7 +570,10 @@ class Indexer(nn.Module):
 
     def project_k(self, x: Tensor, positions: Tensor) -> Tensor:
         """``x [n, hidden]``, ``positions`` int64 ``[n]`` → unquantized key ``[n, D]`` (x.dtype)."""
-        self.check_tokens(x, positions)
+        self._check_tokens(x, positions)
+        return self._key(x, positions)
+
+    def _key(self, x: Tensor, positions: Tensor) -> Tensor:
         return self._rope_then_rotate(self.k_norm(self.wk(x)), positions)
 
     def project_q(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -578,12 +587,10 @@ class Indexer(nn.Module):
             ``q_fp8 [n, H, D]`` float8_e4m3fn and ``weights [n, H]`` =
             ``weights_proj(x) · H^-0.5 · q_scale · D^-0.5`` in float32 (float64 for float64 x).
         """
-        n = self.check_tokens(x, positions)
-        need(
-            tuple(q_latent.shape) == (n, self.config.q_lora_rank),
-            f"q_latent must be [n={n}, q_lora_rank={self.config.q_lora_rank}], got "
-            f"{tuple(q_latent.shape)}",
-        )
+        self._check_tokens(x, positions, q_latent)
+        return self._query(x, q_latent, positions)
+
+    def _query(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         q = rearrange(self.wq_b(q_latent), "n (h d) -> n h d", h=self.n_heads)
         q = self._rope_then_rotate(q, positions)
         q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
@@ -625,7 +632,8 @@ class Indexer(nn.Module):
             int32 ``[n, index_topk]``, request-relative (relative to ``batch.ks``), ``-1`` pad.
         """
         cfg = self.config
-        k = self.project_k(x, batch.positions)
+        self._check_tokens(x, batch.positions, q_latent)
+        k = self._key(x, batch.positions)
         out_slots = batch.out_slots
         if cp_chunk is not None:
             k, out_slots = cp_chunk.gather(k, INDEX_K_ALLGATHER), cp_chunk.out_slots
@@ -634,7 +642,7 @@ class Indexer(nn.Module):
         ctx_fp8, ctx_scale = index_k_load(
             index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size
         )
-        q_fp8, weights = self.project_q(x, q_latent, batch.positions)
+        q_fp8, weights = self._query(x, q_latent, batch.positions)
         return topk_fn(
             q_fp8, weights, ctx_fp8, ctx_scale, batch.ks, batch.ke, cfg.index_topk, budget_bytes
         )

@@ -117,3 +117,17 @@ def test_model_rejects_inputs_that_are_neither_ids_nor_hidden_states():
     model = _model(cfg, torch.float32)
     with pytest.raises(ValueError, match="token ids"):
         _run(model, torch.zeros(4, dtype=torch.int32))
+
+
+def test_each_full_layer_checks_its_indexer_inputs_once_per_step(monkeypatch):
+    """Cores call cores: ``Indexer.forward`` checks ``x``, ``positions`` and ``q_latent`` once
+    and calls the bare key and query projections, not the checked ``project_k`` / ``project_q``."""
+    cfg = PRESETS["tiny"]
+    model = _model(cfg, torch.float32)
+    calls = []
+    real = indexer_mod.Indexer._check_tokens
+    monkeypatch.setattr(indexer_mod.Indexer, "_check_tokens",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    _run(model, torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(0)),
+         kv_dtype="fp32")
+    assert len(calls) == len(cfg.full_layers)
