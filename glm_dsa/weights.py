@@ -233,6 +233,12 @@ def _check_scale(scale: torch.Tensor) -> str | None:
             f"(block {first}: {scale[first].item()}); the FP8 weight it scales would load wrong")
 
 
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """No NaN or inf in ``t``, checked ``chunk`` elements at a time (``isfinite`` of a whole
+    embedding would take twice its size again in temporaries)."""
+    return all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(chunk))
+
+
 def _fill(
     model: DSAForCausalLM,
     order: Mapping[str, str],
@@ -252,7 +258,7 @@ def _fill(
                 t = block_dequantize_weight(t.to(target.device), scales[fp8[name]].to(target.device), target.dtype)
             else:
                 t = t.to(device=target.device, dtype=target.dtype)
-            if not bool(torch.isfinite(t).all()):
+            if not _all_finite(t):
                 raise CheckpointError({key: "holds NaN or inf"})
             target.copy_(t)
             del t
@@ -516,7 +522,8 @@ def open_checkpoint(
         label.setdefault(name, name if m is None else
                          f"model.layers.{int(m.group(1)) + kept.start}.{name[m.end():]}")
     found, fp8 = _check_entries(infos, expected, label, strict, allow_missing=False)
-    problems.update(found)
+    for key, why in found.items():  # a misplaced tensor is named as such, not as missing
+        problems.setdefault(key, why)
     if problems:
         raise CheckpointError(problems, d)
     tensors = {n: (wanted[n], files[wanted[n]]) for n in expected}
