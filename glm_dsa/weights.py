@@ -53,6 +53,7 @@ __all__ = [
     "save_checkpoint",
     "checkpoint_files",
     "open_checkpoint",
+    "largest_tensor_numel",
     "build_model",
     "load_checkpoint",
     "init_weights",
@@ -233,7 +234,7 @@ def _check_scale(scale: torch.Tensor) -> str | None:
             f"(block {first}: {scale[first].item()}); the FP8 weight it scales would load wrong")
 
 
-def _all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     """No NaN or inf in ``t``, checked ``chunk`` elements at a time (``isfinite`` of a whole
     embedding would take twice its size again in temporaries)."""
     return all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(chunk))
@@ -351,7 +352,7 @@ def _open(path: str, device: str = "cpu"):
     try:
         return safe_open(path, framework="pt", device=device)
     except SafetensorError as e:
-        raise CheckpointError({file: f"not a readable safetensors file, truncated or corrupt ({e}); "
+        raise CheckpointError({file: f"is not a safetensors file, or is truncated or corrupt ({e}); "
                                      "download it again"}, directory) from None
     except OSError as e:
         raise CheckpointError({file: f"cannot be read ({e.strerror or e})"}, directory) from None
@@ -393,8 +394,8 @@ def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
     single = os.path.join(d, SINGLE_FILE)
     if os.path.isfile(single):
         return {name: single for name in _header(single)}
-    raise CheckpointError({SINGLE_FILE: f"absent, and so is {INDEX_FILE}: not a Hugging Face checkpoint "
-                                        "directory"}, d)
+    raise ValueError(f"checkpoint {d} has no {SINGLE_FILE} and no {INDEX_FILE}: not a Hugging Face checkpoint "
+                     "directory")
 
 
 def _nextn_layers(directory: str) -> int:
@@ -541,6 +542,12 @@ def open_checkpoint(
         parts.append(f"skipped {skipped['beyond']} unexpected tensors of layers beyond {n_layers + nextn - 1} "
                      "(strict=False)")
     return Checkpoint(d, config, kept, tensors, scales, tuple(needed), f"checkpoint {d}: " + "; ".join(parts))
+
+
+def largest_tensor_numel(config: DSAConfig) -> int:
+    """Elements of the model's largest checkpoint tensor (a routed expert's projection counts
+    alone): what ``init_weights`` draws, and a checkpoint load reads, at a time."""
+    return max(t.numel() for t in _meta_model(config).state_dict().values())
 
 
 def build_model(
