@@ -493,7 +493,9 @@ def _run_prefill(args) -> int:
     if quiet:
         return 0
     if args.save_outputs:
-        _write_atomically(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
+        outputs = _config_layer_names(engine.outputs(rids), args.layers,
+                                      get_config(args.weights or args.config).num_hidden_layers)
+        _write_atomically(args.save_outputs, lambda tmp: save_file(outputs, tmp))
     if args.plot:
         lengths = [r["tokens"] for r in report["requests"]]
         tokens = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
@@ -511,6 +513,22 @@ def _run_prefill(args) -> int:
         f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else ""))
     print(_format_prefill_report(report))
     return 0
+
+
+def _config_layer_names(outputs: dict, layers: str | None, num_hidden_layers: int) -> dict:
+    """``request.{i}.layer.{l}.*`` renamed from the kept stack's numbering to the config's (``l +
+    a`` under ``--layers a:b``), so a file names layers as the checkpoint does."""
+    if layers is None:
+        return outputs
+    from glm_dsa.config import parse_layers
+
+    start = parse_layers(layers, num_hidden_layers).start
+
+    def rename(name: str) -> str:
+        m = re.fullmatch(r"(request\.\d+\.layer\.)(\d+)(\..+)", name)
+        return name if m is None else f"{m.group(1)}{int(m.group(2)) + start}{m.group(3)}"
+
+    return {rename(k): v for k, v in outputs.items()}
 
 
 def _format_prefill_report(report: dict) -> str:
