@@ -280,3 +280,59 @@ def test_loading_a_layer_slice_keeps_host_memory_within_twice_the_largest_tensor
     report = json.loads(out.stdout)
     assert report["shards_opened"] < report["shards"]
     assert 0 < report["above_baseline_bytes"] <= 2 * report["largest_tensor_bytes"], report
+
+
+# DeepSeek-V3.2-Exp's published config.json (deepseek-ai/DeepSeek-V3.2-Exp, the keys glm-dsa reads
+# and the ones it ignores), checked against the preset written from the paper and inference code.
+DSV32_CONFIG_JSON = {
+    "architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v32", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "scale_fmt": "ue8m0", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+
+def test_deepseek_v32_published_config_reads_as_the_preset():
+    import dataclasses
+
+    from glm_dsa.config import from_hf_config
+
+    config = from_hf_config(DSV32_CONFIG_JSON)
+    assert dataclasses.replace(config, name="deepseek-v3.2") == PRESETS["deepseek-v3.2"]
+    assert len(config.full_layers) == 61 and not config.indexer_rope_interleave and config.rope_interleave
+
+
+def test_a_deepseek_v32_checkpoint_with_its_mtp_layer_loads_a_slice(tmp_path):
+    small = dict(DSV32_CONFIG_JSON, num_hidden_layers=4, hidden_size=128, num_attention_heads=4, q_lora_rank=64,
+                 kv_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32, index_n_heads=4, index_topk=64,
+                 n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                 intermediate_size=256, first_k_dense_replace=1, vocab_size=256)
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    from glm_dsa.config import from_hf_config
+
+    model = init_weights(DSAForCausalLM(from_hf_config(tmp_path)).to(torch.bfloat16), 1)
+    stored = state_dict_for_save(model, fp8=True)
+    stored.update({k.replace("model.layers.3.", "model.layers.4."): v.clone() for k, v in stored.items()
+                   if k.startswith("model.layers.3.")})
+    stored["model.layers.4.eh_proj.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)
+    write_safetensors(stored, tmp_path, max_shard_bytes=64 << 10)
+    ckpt = open_checkpoint(tmp_path, layers="2:4")
+    assert ckpt.config.model_type == "deepseek_v32" and ckpt.config.num_hidden_layers == 2
+    n_mtp = sum(1 for k in stored if k.startswith("model.layers.4."))
+    assert f"skipped {n_mtp} tensors of the MTP layer(s) 4" in ckpt.note
+    loaded = ckpt.load(torch.float32)
+    w = weights.block_dequantize_weight(stored["model.layers.3.mlp.experts.6.up_proj.weight"],
+                                        stored["model.layers.3.mlp.experts.6.up_proj.weight_scale_inv"], torch.float32)
+    assert torch.equal(loaded.state_dict()["model.layers.1.mlp.experts.6.up_proj.weight"], w)
