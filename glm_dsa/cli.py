@@ -243,22 +243,28 @@ def _load_model(args, device, dtype, quiet: bool = False):
     return model.eval()
 
 
+def _numbered_requests(flag: str, path: str, suffix: str) -> list[tuple[str, dict]]:
+    """``(name, header entry)`` of ``request.{i}.{suffix}`` for i = 0..n-1 in an input file,
+    from its header; other numberings are refused, other tensors ignored."""
+    from glm_dsa.checks import safetensors_header
+
+    header = safetensors_header(flag, path)
+    names = [k for k in header if re.fullmatch(rf"request\.[^.]+\.{suffix}", k)]
+    if not names:
+        raise ValueError(f"{flag} {path} holds no request.{{i}}.{suffix} tensors")
+    want = [f"request.{i}.{suffix}" for i in range(len(names))]
+    if sorted(names) != sorted(want):
+        raise ValueError(f"{flag} {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
+                         f"found {', '.join(sorted(names))}")
+    return [(name, header[name]) for name in want]
+
+
 def _input_id_lengths(path: str) -> list[int]:
     """Prompt lengths of an ``--input-ids`` file, from its header: ``request.{i}.input_ids`` for
     i = 0..n-1, each 1-D, non-empty and of an integer dtype."""
-    from glm_dsa.checks import safetensors_header
-
-    header = safetensors_header("--input-ids", path)
-    names = [k for k in header if k.startswith("request.") and k.endswith(".input_ids")]
-    if not names:
-        raise ValueError(f"--input-ids {path} holds no request.{{i}}.input_ids tensors")
-    want = [f"request.{i}.input_ids" for i in range(len(names))]
-    if sorted(names) != sorted(want):
-        raise ValueError(f"--input-ids {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
-                         f"found {', '.join(sorted(names))}")
     lengths = []
-    for name in want:
-        dtype, shape = header[name]["dtype"], header[name]["shape"]
+    for name, info in _numbered_requests("--input-ids", path, "input_ids"):
+        dtype, shape = info["dtype"], info["shape"]
         if dtype not in ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"):
             raise ValueError(f"--input-ids {path}: {name} has dtype {dtype}; token ids must be integers")
         if len(shape) != 1 or shape[0] < 1:
@@ -270,19 +276,9 @@ def _input_id_lengths(path: str) -> list[int]:
 def _input_hidden_lengths(path: str, hidden_size: int) -> list[int]:
     """Prompt lengths of an ``--input-hidden`` file, from its header: ``request.{i}.hidden`` for
     i = 0..n-1, each ``[L ≥ 1, hidden_size]`` and floating point."""
-    from glm_dsa.checks import safetensors_header
-
-    header = safetensors_header("--input-hidden", path)
-    names = [k for k in header if re.fullmatch(r"request\.\d+\.hidden", k)]
-    if not names:
-        raise ValueError(f"--input-hidden {path} holds no request.{{i}}.hidden tensors")
-    want = [f"request.{i}.hidden" for i in range(len(names))]
-    if sorted(names) != sorted(want):
-        raise ValueError(f"--input-hidden {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
-                         f"found {', '.join(sorted(names))}")
     lengths = []
-    for name in want:
-        dtype, shape = header[name]["dtype"], header[name]["shape"]
+    for name, info in _numbered_requests("--input-hidden", path, "hidden"):
+        dtype, shape = info["dtype"], info["shape"]
         if dtype not in ("F64", "F32", "BF16", "F16"):
             raise ValueError(f"--input-hidden {path}: {name} has dtype {dtype}; hidden states must be F32, BF16, "
                              "F16 or F64")
@@ -325,7 +321,7 @@ def _text_ids(args, vocab_size: int) -> list[int]:
 
 def _check_prefill(args) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
+    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
 

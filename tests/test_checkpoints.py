@@ -245,14 +245,11 @@ def test_no_weights_file_is_one_line(tmp_path):
 
 def test_a_transformers_sharded_checkpoint_loads_like_its_single_file(tmp_path):
     transformers = pytest.importorskip("transformers", minversion="5.17")
-    config = transformers.GlmMoeDsaConfig(
-        vocab_size=99, hidden_size=32, intermediate_size=37, moe_intermediate_size=12,
-        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-        kv_lora_rank=32, q_lora_rank=16, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        index_topk=64, index_head_dim=64, index_n_heads=4, rms_norm_eps=1e-6,
-        max_position_embeddings=512, tie_word_embeddings=False,
-    )
+    hf_tiny = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_tiny")
+    # transformers' own test dims with a third layer: a dense layer, then two MoE layers
+    config = transformers.GlmMoeDsaConfig.from_pretrained(
+        hf_tiny, num_hidden_layers=3, indexer_types=["full"] * 3, layer_types=["indexed_attention"] * 3,
+        mlp_layer_types=["dense", "sparse", "sparse"])
     torch.manual_seed(0)
     hf = transformers.GlmMoeDsaForCausalLM(config)  # float32: HF's .to(bf16) would round the router bias
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
