@@ -237,7 +237,7 @@ def _check_scale(scale: torch.Tensor) -> str | None:
 def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     """No NaN or inf in ``t``, checked ``chunk`` elements at a time (``isfinite`` of a whole
     embedding would take twice its size again in temporaries)."""
-    return all(bool(torch.isfinite(part).all()) for part in t.reshape(-1).split(chunk))
+    return bool(torch.stack([torch.isfinite(part).all() for part in t.reshape(-1).split(chunk)]).all())
 
 
 def _fill(

@@ -333,3 +333,12 @@ def test_a_deepseek_v32_checkpoint_with_its_mtp_layer_loads_a_slice(tmp_path):
     w = weights.block_dequantize_weight(stored["model.layers.3.mlp.experts.6.up_proj.weight"],
                                         stored["model.layers.3.mlp.experts.6.up_proj.weight_scale_inv"], torch.float32)
     assert torch.equal(loaded.state_dict()["model.layers.1.mlp.experts.6.up_proj.weight"], w)
+
+
+@pytest.mark.cuda
+def test_a_checkpoint_loads_straight_to_cuda_as_on_the_cpu(tmp_path):
+    _write(tmp_path, fp8=True)
+    cpu = load_checkpoint(tmp_path, dtype=torch.bfloat16, layers="1:3")
+    gpu = load_checkpoint(tmp_path, dtype="bf16", device="cuda", layers="1:3")
+    for (k, a), (k2, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
+        assert k == k2 and b.device.type == "cuda" and torch.equal(a, b.cpu()), k
