@@ -566,7 +566,8 @@ def _cmd_fidelity(args) -> int:
           f"{len(report['positions'])} sampled rows (seed {args.seed}), top-{report['index_topk']}, "
           f"chunk {args.chunk}")
     print(f"weights {report['weights']}; dtype {report['dtype']}; KV {args.kv_dtype}; "
-          f"backend {report['backend']} on {device}")
+          f"backend {report['backend']} on {device}; prefill {report['seconds']['prefill']:.1f} s, "
+          f"measurement {report['seconds']['measurement']:.1f} s")
     print(format_fidelity(report))
     return 0
 

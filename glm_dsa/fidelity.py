@@ -29,6 +29,7 @@ rows, in row chunks bounded by ``budget_bytes``.
 from __future__ import annotations
 
 import math
+import time
 from typing import NamedTuple
 
 import torch
@@ -73,16 +74,16 @@ def _need(ok: bool, msg: str) -> None:
 
 # ----------------------------------------------------------------------------- sampling
 def sample_positions(num_tokens: int, rows: int, seed: int = 0) -> Tensor:
-    """``min(rows, num_tokens)`` query positions spread over ``[0, num_tokens)``: one drawn
-    uniformly in each of ``rows`` equal strata (seeded), int64 ascending, no repeats."""
+    """``min(rows, num_tokens)`` query positions spread over ``[0, num_tokens)``, int64
+    ascending: one drawn uniformly (seeded) from each of ``rows`` stretches
+    ``[i·n // rows, (i+1)·n // rows)``, so no two coincide."""
     _need(isinstance(num_tokens, int) and num_tokens >= 1, f"num_tokens={num_tokens!r} must be ≥ 1")
     _need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
     if rows >= num_tokens:
         return torch.arange(num_tokens, dtype=torch.int64)
-    edges = torch.linspace(0, num_tokens, rows + 1, dtype=torch.float64)
+    edges = torch.arange(rows + 1, dtype=torch.int64) * num_tokens // rows
     u = torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    pos = (edges[:-1] + u * (edges[1:] - edges[:-1])).floor().long().clamp(0, num_tokens - 1)
-    return torch.unique(pos)
+    return edges[:-1] + (u * (edges[1:] - edges[:-1])).long()
 
 
 def position_buckets(num_tokens: int, index_topk: int) -> list[tuple[int, int]]:
@@ -297,43 +298,77 @@ def _step_positions(steps: list[Tensor], device: torch.device) -> list[Tensor]:
 
 
 # ----------------------------------------------------------------------------- one layer
+class _IndexerInputs(NamedTuple):
+    """A full layer's indexer inputs, recomputed: every position's keys and the sampled rows'
+    queries and gates (``weights_proj`` output, before any scale)."""
+
+    k_unrotated: Tensor   # [n, D], RoPE'd, unquantized
+    k_fp8: Tensor         # [n, D] float8_e4m3fn, what the prefill scored
+    k_scale: Tensor       # [n] float32
+    q_unrotated: Tensor   # [r, H, D], RoPE'd, unquantized
+    q_fp8: Tensor         # [r, H, D] float8_e4m3fn, what the prefill scored
+    weights_fp8: Tensor   # [r, H], the prefill's head gates (q scale folded in)
+    gates: Tensor         # [r, H] in the compute dtype
+
+
+class _Replay(NamedTuple):
+    """A layer's projections recomputed from its captured input."""
+
+    kv_latent: Tensor     # [n, kv_lora_rank + rope], every position
+    q_nope: Tensor        # [r, H, qk_nope_head_dim], the sampled rows
+    q_pe: Tensor          # [r, H, qk_rope_head_dim]
+    index: _IndexerInputs | None
+
+
+def _replay(layer: DecoderLayer, steps: list[Tensor], positions: Tensor) -> _Replay:
+    """Project each captured step of ``layer``'s attention input in one call, as the prefill
+    did (the same rows per GEMM, so bitwise its projections), keeping every position's latent
+    row and the sampled ``positions``' queries."""
+    attn, ind = layer.self_attn, layer.self_attn.indexer
+    cdt = torch.promote_types(steps[0].dtype, torch.float32)
+    parts: dict[str, list[Tensor]] = {}
+
+    def keep(**tensors: Tensor) -> None:
+        for name, t in tensors.items():
+            parts.setdefault(name, []).append(t)
+
+    for h, pos in zip(steps, _step_positions(steps, steps[0].device)):
+        proj = attn.project(h, pos)
+        rows = positions[(positions >= pos[0]) & (positions <= pos[-1])] - pos[0]
+        keep(kv_latent=proj.kv_latent, q_nope=proj.q_nope[rows], q_pe=proj.q_pe[rows])
+        if ind is not None:
+            k_fp8, k_scale = act_quant(ind.project_k(h, pos), ind.head_dim, layer.config.scale_fmt)
+            q_fp8, weights_fp8 = ind.project_q(h, proj.q_latent, pos)
+            q = rearrange(ind.wq_b(proj.q_latent[rows]), "n (h d) -> n h d", h=ind.n_heads)
+            keep(k_unrotated=ind.rope(ind.k_norm(ind.wk(h)), pos), k_fp8=k_fp8, k_scale=k_scale[:, 0],
+                 q_unrotated=ind.rope(q, pos[rows]), q_fp8=q_fp8[rows], weights_fp8=weights_fp8[rows],
+                 # weights_proj as project_q runs it (a float64 GEMM rounded once), no q scale
+                 gates=F.linear(h[rows].double(), ind.weights_proj.weight.double()).to(cdt))
+    whole = {name: torch.cat(ts) for name, ts in parts.items()}
+    index = _IndexerInputs(*(whole[f] for f in _IndexerInputs._fields)) if ind is not None else None
+    return _Replay(whole["kv_latent"], whole["q_nope"], whole["q_pe"], index)
+
+
 def _layer_figures(layer: DecoderLayer, steps: list[Tensor], positions: Tensor, topk: Tensor,
                    cache: KVCache, budget_bytes: int) -> dict[str, Tensor]:
-    """Per sampled row (``positions``, int64 ``[r]`` on the model's device) of one layer whose
-    attention input over the prefill is ``steps`` and whose selection was ``topk [r, k]``."""
-    cfg, attn, idx = layer.config, layer.self_attn, layer.layer_idx
-    dev, act = steps[0].device, steps[0].dtype
+    """The per-row figures of one layer: ``steps`` is its captured attention input (the
+    prefill's steps in order), ``positions`` int64 ``[r]`` the sampled rows (model's device),
+    ``topk [r, k]`` the selection they attended over. Keys starting with ``_`` are the
+    per-head and output tensors the summaries need."""
+    cfg, attn = layer.config, layer.self_attn
+    act = steps[0].dtype
     cdt = torch.promote_types(act, torch.float32)
-    n = sum(h.shape[0] for h in steps)
     lengths = positions + 1
-    kv_rows, q_nope, q_pe, ix = [], [], [], {"k_u": [], "k8": [], "ks": [], "q_u": [], "q8": [], "w8": [],
-                                             "gates": []}
     with torch.no_grad():
-        for h, pos in zip(steps, _step_positions(steps, dev)):
-            # The same rows per call as the prefill step: bitwise the projections it ran.
-            proj = attn.project(h, pos)
-            kv_rows.append(proj.kv_latent)
-            here = positions[(positions >= pos[0]) & (positions <= pos[-1])] - pos[0]
-            q_nope.append(proj.q_nope[here])
-            q_pe.append(proj.q_pe[here])
-            if attn.indexer is not None:
-                ind = attn.indexer
-                k8, ks = act_quant(ind.project_k(h, pos), ind.head_dim, cfg.scale_fmt)
-                q8, w8 = ind.project_q(h, proj.q_latent, pos)
-                q_u = ind.rope(rearrange(ind.wq_b(proj.q_latent[here]), "n (h d) -> n h d", h=ind.n_heads),
-                               pos[here])
-                # weights_proj as project_q runs it (a float64 GEMM), without the FP8 q scale.
-                gates = F.linear(h[here].double(), ind.weights_proj.weight.double()).to(cdt)
-                for key, val in (("k_u", ind.rope(ind.k_norm(ind.wk(h)), pos)), ("k8", k8), ("ks", ks[:, 0]),
-                                 ("q_u", q_u), ("q8", q8[here]), ("w8", w8[here]), ("gates", gates)):
-                    ix[key].append(val)
-        slots = torch.arange(n, dtype=torch.int64, device=dev)
-        cache.write_mla(idx, slots, torch.cat(kv_rows))
-        kv = cache.read_mla(idx, slots, act)                       # what the prefill's attention read
+        rep = _replay(layer, steps, positions)
+        # Through the cache format, as the prefill's attention read them.
+        slots = torch.arange(rep.kv_latent.shape[0], dtype=torch.int64, device=positions.device)
+        cache.write_mla(layer.layer_idx, slots, rep.kv_latent)
+        kv = cache.read_mla(layer.layer_idx, slots, act)
         w = rearrange(attn.kv_b_proj.weight.to(cdt), "(h d) c -> h d c", h=cfg.num_attention_heads)
-        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]   # [H, nope|v, kv_lora]
-        q_abs = torch.einsum("rhd,hdc->rhc", torch.cat(q_nope).to(cdt), w_uk)
-        query = torch.cat([q_abs, torch.cat(q_pe).to(cdt)], dim=-1)             # [r, H, 576]
+        w_uk, w_uv = w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]   # [H, nope | v, kv_lora]
+        q_abs = torch.einsum("rhd,hdc->rhc", rep.q_nope.to(cdt), w_uk)
+        query = torch.cat([q_abs, rep.q_pe.to(cdt)], dim=-1)                       # [r, H, 576]
         mass = _attention_mass(query, kv, lengths, topk, cfg.softmax_scale, cfg.index_topk,
                                cfg.kv_lora_rank, budget_bytes)
         out = {}
@@ -343,41 +378,44 @@ def _layer_figures(layer: DecoderLayer, steps: list[Tensor], positions: Tensor, 
         figures = {
             "mass_kept": mass.kept.mean(dim=1), "mass_kept_worst_head": mass.kept.amin(dim=1),
             "mass_best": mass.best.mean(dim=1), "overlap": mass.overlap,
-            "calc_diff": torch.tensor([calc_diff(a, b) for a, b in zip(out["sparse"], out["dense"])]),
+            "calc_diff": torch.tensor([calc_diff(a, b) for a, b in zip(out["sparse"], out["dense"])],
+                                      dtype=torch.float64),
             "_out_sparse": out["sparse"], "_out_dense": out["dense"], "_kept": mass.kept, "_best": mass.best,
         }
-        if attn.indexer is not None:
-            figures.update(_indexer_recalls(attn.indexer, {k: torch.cat(v) for k, v in ix.items()}, topk,
-                                            lengths, cfg.scale_fmt, budget_bytes))
+        if rep.index is not None:
+            figures.update(_indexer_recalls(rep.index, topk, lengths, layer.config, budget_bytes))
     return figures
 
 
-def _indexer_recalls(ind, t: dict[str, Tensor], topk: Tensor, lengths: Tensor, scale_fmt,
-                     budget_bytes: int) -> dict[str, Tensor]:
-    """Recall of the prefill's FP8 top-k against the unquantized references, and of the
-    counterfactual FP8 indexer without the rotation against the float32 one."""
-    k, d, heads = ind.config.index_topk, ind.head_dim, ind.n_heads
+def _indexer_recalls(t: _IndexerInputs, topk: Tensor, lengths: Tensor, cfg, budget_bytes: int) -> dict[str, Tensor]:
+    """Recall of the prefill's FP8 top-k ``topk`` against the unquantized references (rotated,
+    and not), of an FP8 indexer without the rotation against the rotated reference, and of the
+    prefill's top-k against the FP8 top-k recomputed from ``t`` (1 when the hooks saw what the
+    prefill ran, with the reference backend)."""
+    k, d, heads = cfg.index_topk, cfg.index_head_dim, cfg.index_n_heads
     zeros = torch.zeros_like(lengths, dtype=torch.int32)
     ends = lengths.to(torch.int32)
-    w_ref = t["gates"] * heads**-0.5 * d**-0.5
-    scale = d**-0.5
+    cdt = t.gates.dtype
+    w_ref = t.gates * heads**-0.5 * d**-0.5
 
-    def fp32_topk(q: Tensor, keys: Tensor) -> Tensor:
+    def unquantized_topk(q: Tensor, keys: Tensor) -> Tensor:
         return topk_per_row(_relu_scores(q, w_ref, keys, lengths, budget_bytes), zeros, ends, k)
 
-    cdt = w_ref.dtype
-    ref = fp32_topk(hadamard_transform(t["q_u"].to(cdt), scale), hadamard_transform(t["k_u"].to(cdt), scale))
-    ref_unrotated = fp32_topk(t["q_u"], t["k_u"])
-    q8u, qs = act_quant(t["q_u"], d, scale_fmt)
-    k8u, ksu = act_quant(t["k_u"], d, scale_fmt)
-    w8u = (t["gates"] * heads**-0.5 * qs[..., 0].to(cdt) * d**-0.5).to(t["w8"].dtype)
-    fp8_unrotated = indexer_topk(q8u, w8u, k8u, ksu[:, 0], zeros, ends, k, budget_bytes)
-    fp8_recomputed = indexer_topk(t["q8"], t["w8"], t["k8"], t["ks"], zeros, ends, k, budget_bytes)
+    def rotate(x: Tensor) -> Tensor:
+        return hadamard_transform(x.to(cdt), d**-0.5)
+
+    ref = unquantized_topk(rotate(t.q_unrotated), rotate(t.k_unrotated))
+    ref_unrotated = unquantized_topk(t.q_unrotated, t.k_unrotated)
+    q8, q_scale = act_quant(t.q_unrotated, d, cfg.scale_fmt)
+    k8, k_scale = act_quant(t.k_unrotated, d, cfg.scale_fmt)
+    w8 = (w_ref * q_scale[..., 0].to(cdt)).to(t.weights_fp8.dtype)
+    unrotated_fp8 = indexer_topk(q8, w8, k8, k_scale[:, 0], zeros, ends, k, budget_bytes)
+    recomputed = indexer_topk(t.q_fp8, t.weights_fp8, t.k_fp8, t.k_scale, zeros, ends, k, budget_bytes)
     return {
         "recall_fp32": topk_recall(topk, ref, lengths),
         "recall_fp32_unrotated": topk_recall(topk, ref_unrotated, lengths),
-        "recall_fp8_unrotated": topk_recall(fp8_unrotated, ref, lengths),
-        "recall_fp8_recomputed": topk_recall(topk, fp8_recomputed, lengths),
+        "recall_fp8_unrotated": topk_recall(unrotated_fp8, ref, lengths),
+        "recall_fp8_recomputed": topk_recall(topk, recomputed, lengths),
     }
 
 
@@ -403,7 +441,8 @@ def selection_fidelity(
             (default ``default_budget_bytes``).
 
     Returns:
-        A JSON-ready dict: ``tokens``, ``positions`` (the sampled rows), ``buckets``
+        A JSON-ready dict: ``tokens``, ``seconds`` (``prefill`` and ``measurement``, wall),
+        ``positions`` (the sampled rows), ``buckets``
         (``position_buckets``), and ``layers``, one per layer with ``layer``, ``kind``
         (``full`` / ``shared``), ``topk_from``, ``rows`` (per-row figures in ``positions``
         order: the recalls on full layers, ``mass_kept`` and ``mass_best`` as head means,
@@ -424,10 +463,12 @@ def selection_fidelity(
                            prefix_caching=False, compute_logits=False, backend=backend)
     engine.add_request(input_ids)
     capture = _Capture(model, positions.to(device))
+    t0 = _now(device)
     try:
         engine.run()
     finally:
         capture.remove()
+    t1 = _now(device)
     backend_name = engine.backend.name
     del engine
     for i, steps in capture.inputs.items():
@@ -451,7 +492,15 @@ def selection_fidelity(
     return {"config": cfg.name, "tokens": n, "index_topk": cfg.index_topk, "seed": seed,
             "chunk": chunked_prefill_size, "kv_dtype": kv_dtype, "backend": backend_name,
             "device": str(device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "seconds": {"prefill": t1 - t0, "measurement": _now(device) - t1},
             "positions": positions.tolist(), "buckets": [list(b) for b in buckets], "layers": layers}
+
+
+def _now(device: torch.device) -> float:
+    """Wall seconds, after the device's queued work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _summaries(fig: dict[str, Tensor], positions: Tensor, buckets: list[tuple[int, int]]) -> list[dict]:
@@ -496,7 +545,7 @@ def format_fidelity(report: dict) -> str:
                  f"layer {lay['layer']} (shared: reuses layer {lay['topk_from']}'s top-k)")
         headers = ["positions", "rows"]
         if full:
-            headers += ["recall vs fp32", "vs fp32 unrotated", "fp8 unrotated: recall"]
+            headers += ["recall vs fp32", "recall vs fp32 unrotated", "recall of fp8 without rotation"]
         headers += ["mass kept", "best possible", "gap", "overlap with best", "out calc_diff",
                     "worst row"]
         rows = []
