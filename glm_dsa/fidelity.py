@@ -196,9 +196,8 @@ def _attention_mass(query, kv, lengths, topk, sm_scale, index_topk, d_v, budget_
     r, heads, _ = query.shape
     cdt = torch.promote_types(torch.promote_types(query.dtype, kv.dtype), torch.float32)
     dev = query.device
-    kept = torch.empty(r, heads, dtype=cdt, device=dev)
-    best, out_sparse, out_dense = torch.empty_like(kept), *(
-        torch.empty(r, heads, d_v, dtype=cdt, device=dev) for _ in range(2))
+    kept, best = (torch.empty(r, heads, dtype=cdt, device=dev) for _ in range(2))
+    out_sparse, out_dense = (torch.empty(r, heads, d_v, dtype=cdt, device=dev) for _ in range(2))
     overlap = torch.empty(r, dtype=torch.float64, device=dev)
     width = int(lengths.max()) if r else 0
     # The scores, their exponentials and two masked copies of [rows, H, width].
