@@ -561,25 +561,28 @@ def format_fidelity(report: dict) -> str:
 
 
 def plot_fidelity(report: dict, path: str) -> None:
-    """Mass kept (head mean, per sampled row) against position, one series per layer, with the
-    best possible share dashed; written as PNG to ``path`` (needs matplotlib)."""
+    """Mass kept (head mean, per sampled row) against the keys the row sees (position + 1, log
+    scale), one series per layer with its best possible share dashed, and ``index_topk / L``
+    (what a shuffled selection keeps) in grey; written as PNG to ``path`` (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    pos = report["positions"]
+    keys = [p + 1 for p in report["positions"]]
+    k = report["index_topk"]
+    ax.plot(keys, [min(1.0, k / n) for n in keys], "-", color="grey", linewidth=0.8,
+            label="index_topk / L (shuffled)")
     for lay in report["layers"]:
-        line, = ax.plot(pos, lay["rows"]["mass_kept"], ".", markersize=3,
+        line, = ax.plot(keys, lay["rows"]["mass_kept"], ".", markersize=3,
                         label=f"layer {lay['layer']} ({lay['kind']}) kept")
-        ax.plot(pos, lay["rows"]["mass_best"], "--", linewidth=0.8, color=line.get_color(),
-                label=f"layer {lay['layer']} best")
-    ax.axvline(report["index_topk"], color="grey", linewidth=0.6)
-    ax.set_xscale("symlog", linthresh=max(1, report["index_topk"]))
-    ax.set_xlabel("query position (tokens)")
+        ax.plot(keys, lay["rows"]["mass_best"], "--", linewidth=0.8, color=line.get_color(),
+                label=f"layer {lay['layer']} best possible")
+    ax.set_xscale("log")
+    ax.set_xlabel("keys the query sees, L = position + 1")
     ax.set_ylabel("share of dense attention mass")
-    title = f"attention mass kept: {report['config']}, {report['tokens']} tokens, top-{report['index_topk']}"
+    title = f"attention mass kept: {report['config']}, {report['tokens']} tokens, top-{k}"
     if report.get("random_weights"):
         title += "\n(random weights: a self-test, not a property of GLM-5.3)"
     ax.set_title(title, fontsize=9)
