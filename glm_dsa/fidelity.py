@@ -461,7 +461,8 @@ def selection_fidelity(
                            chunked_prefill_size=chunked_prefill_size, budget_bytes=budget_bytes,
                            prefix_caching=False, compute_logits=False, backend=backend)
     engine.add_request(input_ids)
-    capture = _Capture(model, positions.to(device))
+    pos_dev = positions.to(device)
+    capture = _Capture(model, pos_dev)
     t0 = _now(device)
     try:
         engine.run()
@@ -475,7 +476,6 @@ def selection_fidelity(
         if seen != n:
             raise RuntimeError(f"layer {i}'s input hook saw {seen} rows of a {n}-token prefill")
     cache = KVCache(cfg, pages_for([n], cfg.page_size), kv_dtype, device)
-    pos_dev = positions.to(device)
     buckets = position_buckets(n, cfg.index_topk)
     layers = []
     for layer in model.model.layers:
