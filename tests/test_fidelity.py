@@ -268,6 +268,24 @@ def test_fidelity_json_and_plot(tmp_path, capsys):
     # The hooks saw what the prefill ran: the FP8 top-k recomputed from them is the prefill's.
     for lay in report["layers"][:3]:
         assert lay["rows"]["recall_fp8_recomputed"] == [1.0] * 8
+    for lay in report["layers"]:
+        assert all(b >= k - 1e-6 for k, b in zip(lay["rows"]["mass_kept"], lay["rows"]["mass_best"]))
+
+
+@pytest.mark.cuda
+def test_fidelity_runs_on_cuda_in_bf16_with_the_triton_backend():
+    cfg = get_config("small")
+    model = init_weights(build_model(cfg, torch.bfloat16, "cuda"), seed=0).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (1500,), generator=torch.Generator().manual_seed(9))
+    report = selection_fidelity(model, tokens, rows=32, chunked_prefill_size=512, backend="triton")
+    assert (report["backend"], report["dtype"]) == ("triton", "bfloat16")
+    assert report["device"].startswith("cuda")
+    for lay in report["layers"]:
+        rows = lay["rows"]
+        assert all(b >= k - 1e-5 for k, b in zip(rows["mass_kept"], rows["mass_best"]))
+        assert all(math.isfinite(c) for c in rows["calc_diff"])
+        if lay["kind"] == "full":   # the Triton top-k differs from the reference only at near-ties
+            assert sum(rows["recall_fp8_recomputed"]) / 32 > 0.99
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
