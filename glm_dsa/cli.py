@@ -681,7 +681,7 @@ def _cmd_fidelity(args) -> int:
         raise ValueError(f"--rows {args.rows} must be ≥ 1")
     lengths = _check_prefill(args)
     if not 0 <= args.request < len(lengths):
-        raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of --input-ids")
+        raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     backend = get_backend(args.backend, device).name
@@ -721,7 +721,13 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--layers", metavar="SPEC", help="keep only these layers: a count N or a range a:b (as prefill)")
     p.add_argument("--tokens", type=int, help="prompt length in tokens (random ids unless --input-ids)")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids (as prefill's --save-outputs)")
-    p.add_argument("--request", type=int, default=0, help="which prompt of --input-ids to measure (default 0)")
+    p.add_argument("--input-hidden", metavar="FILE.safetensors",
+                   help="safetensors file with request.{i}.hidden [L, hidden], the first kept layer's input "
+                   "(as prefill's --input-hidden: a real layer's inputs from --save-layer-outputs)")
+    p.add_argument("--text", metavar="FILE",
+                   help="a UTF-8 prompt tokenized with --weights' tokenizer.json (as prefill's --text)")
+    p.add_argument("--request", type=int, default=0,
+                   help="which prompt of --input-ids / --input-hidden to measure (default 0)")
     p.add_argument("--rows", type=int, default=256,
                    help="query rows to sample, one per equal stretch of positions (default 256)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights, token ids and the sampled rows")
@@ -738,7 +744,7 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (per-row figures included)")
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
     # _check_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
-    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None)
+    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -421,7 +421,7 @@ def _indexer_recalls(t: _IndexerInputs, topk: Tensor, lengths: Tensor, cfg, budg
 # ----------------------------------------------------------------------------- the driver
 def selection_fidelity(
     model: DSAForCausalLM,
-    input_ids: Tensor,
+    inputs: Tensor,
     rows: int = 256,
     seed: int = 0,
     chunked_prefill_size: int = 32768,
@@ -429,11 +429,12 @@ def selection_fidelity(
     backend: str = "reference",
     budget_bytes: int | None = None,
 ) -> dict:
-    """Prefill ``input_ids`` and measure every layer's selection on ``rows`` sampled positions.
+    """Prefill ``inputs`` and measure every layer's selection on ``rows`` sampled positions.
 
     Args:
         model: the layer stack (weights in their final dtype and device).
-        input_ids: int64 ``[n]``, one prompt.
+        inputs: one prompt, int64 token ids ``[n]`` or the first kept layer's input hidden states
+            ``[n, hidden]`` (``PrefillEngine.add_request``'s ``input_hidden``).
         rows: query rows to sample (``sample_positions``, seeded by ``seed``).
         chunked_prefill_size, kv_dtype, backend: as ``PrefillEngine``'s.
         budget_bytes: the prefill's budget and the bound on the measurement's row chunks
@@ -449,18 +450,24 @@ def selection_fidelity(
         bucket, then ``all``). docs/fidelity.md defines each figure.
     """
     cfg = model.config
-    _need(input_ids.dtype == torch.int64 and input_ids.dim() == 1 and input_ids.numel() >= 1,
-          f"input_ids must be a non-empty 1-D int64 tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+    hidden = inputs.is_floating_point()
+    _need((inputs.dim() == 2 if hidden else inputs.dtype == torch.int64 and inputs.dim() == 1)
+          and inputs.shape[0] >= 1,
+          f"inputs must be non-empty int64 token ids [n] or hidden states [n, hidden], got {inputs.dtype} "
+          f"{tuple(inputs.shape)}")
     _need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
     device = next(model.parameters()).device
     if budget_bytes is None:
         budget_bytes = default_budget_bytes(device)
-    n = input_ids.numel()
+    n = inputs.shape[0]
     positions = sample_positions(n, rows, seed)
     engine = PrefillEngine(model, pages_for([n], cfg.page_size), kv_dtype=kv_dtype,
                            chunked_prefill_size=chunked_prefill_size, budget_bytes=budget_bytes,
                            prefix_caching=False, compute_logits=False, backend=backend)
-    engine.add_request(input_ids)
+    if hidden:
+        engine.add_request(None, input_hidden=inputs)
+    else:
+        engine.add_request(inputs)
     pos_dev = positions.to(device)
     capture = _Capture(model, pos_dev)
     t0 = _now(device)

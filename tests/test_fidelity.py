@@ -270,6 +270,25 @@ def test_fidelity_json_and_plot(tmp_path, capsys):
         assert lay["rows"]["recall_fp8_recomputed"] == [1.0] * 8
     for lay in report["layers"]:
         assert all(b >= k - 1e-6 for k, b in zip(lay["rows"]["mass_kept"], lay["rows"]["mass_best"]))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fidelity_from_hidden_states_equals_the_run_from_the_ids_they_embed(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    cfg = get_config("tiny")
+    ids = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    model = init_weights(build_model(cfg, torch.float32), seed=0)
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(ids).float()
+    save_file({"request.0.input_ids": ids}, tmp_path / "ids.safetensors")
+    save_file({"request.0.hidden": hidden.contiguous()}, tmp_path / "hidden.safetensors")
+    common = ["fidelity", "--config", "tiny", "--chunk", "64", "--rows", "8", "--json"]
+    reports = []
+    for flag, name in (("--input-ids", "ids"), ("--input-hidden", "hidden")):
+        assert main([*common, flag, str(tmp_path / f"{name}.safetensors")]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    assert [lay["rows"] for lay in reports[0]["layers"]] == [lay["rows"] for lay in reports[1]["layers"]]
 
 
 @pytest.mark.cuda
@@ -286,7 +305,6 @@ def test_fidelity_runs_on_cuda_in_bf16_with_the_triton_backend():
         assert all(math.isfinite(c) for c in rows["calc_diff"])
         if lay["kind"] == "full":   # the Triton top-k differs from the reference only at near-ties
             assert sum(rows["recall_fp8_recomputed"]) / 32 > 0.99
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_fidelity_with_a_checkpoint_has_no_random_weights_note(capsys):
