@@ -473,7 +473,7 @@ def _plot_steps(timeline, path: str, title: str) -> None:
 
 def _cmd_golden(args) -> int:
     from glm_dsa.checks import check_output_dir
-    from glm_dsa.golden import write_golden
+    from glm_dsa.testing.golden import write_golden
 
     check_output_dir("--out", args.out)
     manifest = write_golden(args.out, seed=args.seed)
@@ -502,39 +502,6 @@ def _add_golden(sub) -> None:
     p.set_defaults(func=_cmd_golden)
 
 
-def _cmd_compare(args) -> int:
-    from safetensors.torch import load_file
-
-    from glm_dsa.golden import compare, format_report
-
-    from glm_dsa.checks import safetensors_header
-
-    if not os.path.isfile(os.path.join(args.golden, "manifest.json")):
-        raise ValueError(f"--golden {args.golden}: manifest.json not found; write it with glm-dsa golden --out DIR")
-    safetensors_header("--candidate", args.candidate)
-    try:
-        candidate = load_file(args.candidate)
-    except Exception as e:  # safetensors raises its own error type for a malformed file
-        raise ValueError(f"--candidate {args.candidate} is not a readable safetensors file: {e}") from None
-    report = compare(args.golden, candidate)
-    print(format_report(report))
-    return 0 if report.passed else 1
-
-
-def _add_compare(sub) -> None:
-    p = sub.add_parser(
-        "compare",
-        help="check a kernel's outputs against golden vectors (exit status 1 on any failure)",
-        description="Compare each tensor of a safetensors file, named like a golden output "
-        "(e.g. fp8_mqa_logits.glm.logits), with the metric the manifest names for it; print "
-        "PASS/FAIL per tensor with the metric's value. Exit status 0 if all pass, 1 otherwise.",
-    )
-    p.add_argument("--golden", required=True, metavar="DIR", help="directory written by glm-dsa golden")
-    p.add_argument("--candidate", required=True, metavar="FILE.safetensors",
-                   help="the kernel's outputs, named <contract>.<case>.<output>")
-    p.set_defaults(func=_cmd_compare)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glm-dsa",
@@ -545,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ledger(subparsers)
     _add_prefill(subparsers)
     _add_golden(subparsers)
-    _add_compare(subparsers)
+    testing_cli.add_compare_parser(subparsers)
     testing_cli.add_parser(subparsers)
     return parser
 

@@ -2,7 +2,7 @@
 
 On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET); the
 ``cuda`` tests run the compiled kernels at GLM-5.3's shape on a GPU. bf16 results are held to
-FlashMLA's own test tolerances (``golden.SPARSE_OUT_TOL`` / ``SPARSE_STAT_TOL``) at the input scale
+FlashMLA's own test tolerances (``testing.metrics.SPARSE_OUT_TOL`` / ``SPARSE_STAT_TOL``) at the input scale
 they were set for (``BF16_STD``), float32 results to float32 rounding.
 """
 
@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from glm_dsa import oracle, testing  # noqa: E402
-from glm_dsa.golden import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
+from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
 from glm_dsa.kernels import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
