@@ -2,6 +2,7 @@
 mutants fail with a one-line message; tie-swapped top-k passes; the CLI's exit statuses."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -250,7 +251,7 @@ def test_the_failure_names_case_metric_value_bound_and_element():
     with pytest.raises(AssertionError) as info:
         check_kernel(contract, fn, cases=edges_only(contract))
     message = str(info.value)
-    assert "[case empty_window]" in message and "calc_diff 0.305 >= 3e-05" in message  # bf16 logits
+    assert "[case empty_window]" in message and re.search(r"calc_diff 0\.\d+ >= 3e-05", message)  # bf16 logits
     assert "largest error at (" in message
     rebuilt = eval(message.split("rebuild with ")[1], {"glm_dsa": __import__("glm_dsa")})
     with pytest.raises(AssertionError, match="calc_diff"):

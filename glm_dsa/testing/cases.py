@@ -654,7 +654,10 @@ def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "
     """Edge case ``which`` (a name) or random case number ``which`` (an int) of ``check_kernel``'s
     run with ``seed`` and ``shapes``; the same inputs as that run."""
     if isinstance(which, str):
-        pick, data_seed, edge, name = _RandomPick(0), _mix(seed, contract, which), which, which
+        # An edge case's sizes depend on its name only (the same at every seed), its values on
+        # the seed; different edges draw different head counts and scales.
+        pick = _RandomPick(_mix(0, contract, which, "sizes"))
+        data_seed, edge, name = _mix(seed, contract, which), which, which
     else:
         case_seed = _mix(seed, contract, "random", which)
         pick, data_seed, edge, name = _RandomPick(case_seed), case_seed, None, f"random #{which}"

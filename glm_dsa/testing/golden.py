@@ -343,7 +343,7 @@ def check_outputs(
         prefix = f"{case.contract}.{case.name}."
         out = name.removeprefix(prefix)
         v = verdicts_of(case, {out: candidate[name]}, {out: golden[name]})[out]
-        checks.append(TensorCheck(name, case.checks[out]["metric"], v.passed, v.value, v.detail))
+        checks.append(TensorCheck(name, case.checks[out]["metric"], v.passed, v.value, v.text()))
     return CompareReport(tuple(checks), tuple(sorted(set(owner) - set(candidate))))
 
 
@@ -382,7 +382,7 @@ def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str |
                        for n in exp]
             continue
         for n, v in verdicts_of(case, dict(zip(case.checks, got)), exp).items():
-            checks.append(TensorCheck(prefix + n, case.checks[n]["metric"], v.passed, v.value, v.detail))
+            checks.append(TensorCheck(prefix + n, case.checks[n]["metric"], v.passed, v.value, v.text()))
     return CompareReport(tuple(checks), ())
 
 
