@@ -34,7 +34,7 @@ from glm_dsa.testing.metrics import (
     SPARSE_STAT_TOL,
 )
 
-__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "Case", "clauses", "Pick", "edge_case_names", "make_case", "build_case"]
+__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "Case", "clauses", "invalid_indices", "Pick", "edge_case_names", "make_case", "build_case"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -370,13 +370,17 @@ def _dequantize_cache(g, pick, shp, edge):
 
 
 # --------------------------------------------------------------------------- sparse MLA
-_INVALID = (INT32_MIN, -123456, -1)  # plus s_kv, s_kv + 55, INT32_MAX (FlashMLA's test set)
+def invalid_indices(s_kv: int) -> tuple[int, ...]:
+    """The invalid sparse-attention indices over ``s_kv`` rows that every kernel must skip:
+    negative (INT32_MIN, -123456, -1) and at or past the end (s_kv, s_kv + 55, INT32_MAX),
+    FlashMLA's test set."""
+    return (INT32_MIN, -123456, -1, s_kv, s_kv + 55, INT32_MAX)
 
 
 def _prefill_indices(g: torch.Generator, s_q: int, s_kv: int, topk: int) -> Tensor:
     """int32 [s_q, 1, topk]: distinct valid rows, -1 padding past s_kv, up to a quarter of the
     entries replaced by invalid values (negative or ≥ s_kv) at random places."""
-    invalid = torch.tensor(_INVALID + (s_kv, s_kv + 55, INT32_MAX))
+    invalid = torch.tensor(invalid_indices(s_kv))
     rows = []
     for _ in range(s_q):
         valid = torch.randperm(s_kv, generator=g)[:topk]
@@ -400,7 +404,7 @@ def _sparse_fwd(g, pick, shp, edge):
     kv = _randn(g, s_kv, 1, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
     indices = _prefill_indices(g, s_q, s_kv, topk)
     if edge == "invalid_indices":
-        indices[0, 0, 3:9] = _i32(list(_INVALID) + [s_kv, s_kv + 55, INT32_MAX])
+        indices[0, 0, 3:9] = _i32(list(invalid_indices(s_kv)))
     if edge == "lonely_row":
         indices[1] = -1
         indices[2, 0, ::2] = s_kv
