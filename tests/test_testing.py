@@ -5,12 +5,15 @@ import math
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
 from glm_dsa import cli, oracle
-from glm_dsa.testing import CONTRACTS, check_case, check_kernel, edge_case_names, make_case
+from glm_dsa.testing import CONTRACTS, check_case, check_kernel, clauses, edge_case_names, make_case
+from glm_dsa.testing.check import run_checks
 
 LN2 = math.log(2.0)
 
@@ -339,3 +342,150 @@ def test_cli_runs_as_a_command_without_traceback():
     run = subprocess.run([sys.executable, "-m", "glm_dsa.cli", "check", "glm_dsa.oracle:nope",
                           "--contract", "act_quant"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
+
+
+# ------------------------------------------------------------------ a kernel that misbehaves
+def test_a_hanging_kernel_fails_at_the_timeout():
+    never = threading.Event()
+
+    def hangs(*args, **kwargs):
+        never.wait(60)  # the worker is a daemon thread: it does not keep the run alive
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"did not return within 0\.5 s .*--timeout"):
+        check_kernel("act_quant", hangs, cases=1, timeout=0.5)
+    assert time.monotonic() - start < 10
+    never.set()
+
+
+@pytest.mark.parametrize("code", [0, 3, None])
+def test_a_kernel_calling_sys_exit_fails_with_the_reason(code):
+    def exits(*args, **kwargs):
+        sys.exit(code)
+
+    with pytest.raises(AssertionError, match=rf"the kernel called sys\.exit\({code!r}\)"):
+        check_kernel("act_quant", exits, cases=1)
+    with pytest.raises(AssertionError, match=r"sys\.exit"):  # and on the calling thread too
+        check_kernel("act_quant", exits, cases=1, timeout=None)
+
+
+def test_a_kernel_writing_its_inputs_fails_even_with_right_outputs():
+    def clobbers_q(q, kv, weights, ks, ke, **kwargs):
+        out = oracle.fp8_mqa_logits(q, kv, weights, ks, ke, **kwargs)
+        kv[1].mul_(2)  # the key scales, used as scratch after the result is computed
+        return out
+
+    with pytest.raises(AssertionError) as info:
+        check_kernel("fp8_mqa_logits", clobbers_q, cases=1)
+    assert "the kernel changed its input 'kv[1]' in place" in str(info.value)
+    assert "\n" not in str(info.value)
+
+    def nan_scratch(logits, row_starts, row_ends, topk, **kwargs):  # NaN bytes must compare too
+        out = oracle.topk_per_row(logits, row_starts, row_ends, topk, **kwargs)
+        logits[torch.isnan(logits)] = float("inf")
+        return out
+
+    with pytest.raises(AssertionError, match="changed its input 'logits'"):
+        check_kernel("topk_per_row", nan_scratch, cases=1)
+
+
+def test_a_pinned_convention_is_not_passed_to_a_kernel_without_that_parameter():
+    def sep2025_builtin(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        return oracle.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                           lse_base="2", lonely_lse="-inf")
+
+    report = check_kernel("flash_mla_sparse_fwd", sep2025_builtin, cases=8, lse_base="2",
+                          lonely_lse="-inf")
+    assert report.passed and report.cases_run == 8
+    with pytest.raises(AssertionError, match="'max_logits' fails allclose"):  # unpinned: base e due
+        check_kernel("flash_mla_sparse_fwd", sep2025_builtin, cases=8)
+
+    def no_sink(q, kv, indices, sm_scale, d_v=512, topk_length=None):
+        return oracle.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, None, topk_length)
+
+    with pytest.raises(AssertionError, match="the kernel takes no argument 'attn_sink', which this case sets"):
+        check_kernel("flash_mla_sparse_fwd", no_sink, cases=8)
+
+
+def test_a_timeout_that_is_not_positive_is_a_value_error():
+    with pytest.raises(ValueError, match="timeout=0 must be a positive number"):
+        check_kernel("act_quant", oracle.act_quant, timeout=0)
+
+
+# ------------------------------------------------------------------ failure lines and hints
+@pytest.mark.parametrize("fn, contract, lead, hint", [
+    (lambda *a, **k: sparse_fwd_bf16(*a, **k, base2=True), "flash_mla_sparse_fwd",
+     "elements: ", "base-2 lse"),
+    (lambda *a, **k: sparse_fwd_bf16(*a, **k, lonely_lse=-math.inf), "flash_mla_sparse_fwd",
+     "inf/NaN positions: +inf at 0 positions in the kernel", "lonely_lse='-inf'"),
+    (lambda *a, **k: mqa_logits_bf16(*a, **k, ke_shift=-1), "fp8_mqa_logits",
+     "finite inside the valid region: ", "off-by-one window: in"),
+    (lambda *a, **k: mqa_logits_bf16(*a, **k, ke_shift=1), "fp8_mqa_logits",
+     "-inf outside the valid region: ", "ends one column late"),
+    (lambda q, kv, w, ks, ke, **k: (oracle.fp8_mqa_logits(q, kv, w, ks, ke, **k).double() * 1.25).float(),
+     "fp8_mqa_logits", "calc_diff ", "a uniform scale error"),
+    (lambda lg, s, e, k, **kw: torch.where(oracle.topk_per_row(lg, s, e, k, **kw) == 0, -1,
+                                           oracle.topk_per_row(lg, s, e, k, **kw)),
+     "topk_per_row", "rows as sets: ", None),
+])
+def test_a_failure_leads_with_its_criterion_and_names_the_pattern(fn, contract, lead, hint):
+    with pytest.raises(AssertionError) as info:
+        check_kernel(contract, fn, cases=edges_only(contract))
+    first, *rest = str(info.value).splitlines()
+    assert first.split(" on ", 1)[1].startswith(lead), first
+    if hint is not None:
+        assert any(line.startswith("  hint: ") and hint in line for line in rest), rest
+
+
+def test_dropped_last_column_and_absolute_indices_are_named():
+    def drops_last(logits, row_starts, row_ends, topk, **kwargs):
+        return oracle.topk_per_row(logits, row_starts, (row_ends - 1).clamp(min=row_starts), topk, **kwargs)
+
+    with pytest.raises(AssertionError, match=r"never select their last column \(row_end - 1\)"):
+        check_kernel("topk_per_row", drops_last, cases=edges_only("topk_per_row"))
+    with pytest.raises(AssertionError, match="the indices look like column numbers"):
+        check_kernel("topk_per_row", MUTANTS["absolute top-k"][1], cases=edges_only("topk_per_row"))
+
+
+def test_the_report_line_of_a_failure_shows_the_failing_criterion():
+    report = run_checks("flash_mla_sparse_fwd", lambda *a, **k: sparse_fwd_bf16(*a, **k, lonely_lse=-math.inf),
+                        cases=edges_only("flash_mla_sparse_fwd"))
+    line = next(line for line in report.lines() if line.startswith("FAIL"))
+    assert line.startswith("FAIL  flash_mla_sparse_fwd.lse  allclose: inf/NaN positions: +inf at 0 "
+                           "positions in the kernel, ")
+    assert line.endswith("at case lonely_row")
+
+
+# ------------------------------------------------------------------ the case table holds its clauses
+def test_every_edge_case_names_the_clause_it_holds():
+    for contract in CONTRACTS:
+        table = clauses(contract)
+        assert set(table) == set(edge_case_names(contract)) and all(len(c) > 10 for c in table.values())
+        assert make_case(contract, edge_case_names(contract)[0]).clause == table[edge_case_names(contract)[0]]
+
+
+def _dedup_indices(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, **kw):
+    """A kernel that attends each distinct valid index once."""
+    idx = indices.clone()
+    for r in range(idx.shape[0]):
+        seen = set()
+        for j, v in enumerate(idx[r, 0].tolist()):
+            if v in seen:
+                idx[r, 0, j] = -1
+            seen.add(v)
+    return oracle.flash_mla_sparse_fwd(q, kv, idx, sm_scale, d_v, attn_sink, topk_length, **kw)
+
+
+def test_a_kernel_that_deduplicates_repeated_indices_fails():
+    with pytest.raises(AssertionError, match=r"\[case repeated_index\]"):
+        check_kernel("flash_mla_sparse_fwd", _dedup_indices, cases=edges_only("flash_mla_sparse_fwd"))
+
+    def dedup_transform(indices, offsets):
+        out = oracle.topk_transform_ragged(indices, offsets)
+        for r in range(out.shape[0]):
+            row, seen = out[r].tolist(), set()
+            out[r] = torch.tensor([-1 if v in seen or seen.add(v) else v for v in row])
+        return out
+
+    with pytest.raises(AssertionError, match=r"\[case repeated_index\].*\n.*de-duplicated\?"):
+        check_kernel("topk_transform_ragged", dedup_transform, cases=edges_only("topk_transform_ragged"))

@@ -219,7 +219,8 @@ def kernel_outputs(case: Case, fn: Callable, *, device: str | torch.device = "cp
     except ValueError as e:
         raise fail(f"the kernel takes no argument {e.args[0]!r}, which this case sets") from None
     kwargs = {k: all_kwargs[k] for k in names}
-    inputs = _tensors(args) + _tensors(kwargs)
+    params = list(inspect.signature(getattr(oracle, case.contract)).parameters)
+    inputs = [t for p, a in zip(params, args) for t in _tensors(a, p)] + _tensors(kwargs)
     watch = torch.device(device).type != "meta"  # meta tensors hold no bytes to compare
     before = [t.clone() for _, t in inputs] if watch else []
     try:

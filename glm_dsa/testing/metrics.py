@@ -18,6 +18,7 @@ tensors that the caller resolves.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -149,26 +150,32 @@ def _window_hint(finite: Tensor, mask: Tensor) -> str:
     width = mask.shape[1]
     col = torch.arange(width)
     patterns: dict[str, int] = {}
+    at_last = 0  # rows cut short whose window ends at the output's last column
     for r in range(mask.shape[0]):
         if bool((finite[r] == mask[r]).all()):
             continue
         valid, got = col[mask[r]], col[finite[r]]
         if valid.numel() == 1 and got.numel() == 0:  # a one-key window cut to none
-            patterns["ends one column early"] = patterns.get("ends one column early", 0) + 1
-            continue
-        if valid.numel() == 0 or got.numel() == 0 or got.numel() != int(got[-1] - got[0]) + 1:
+            key = "ends one column early"
+        elif valid.numel() == 0 and got.numel() == 1:  # an empty window grown by one
+            key = "ends one column late"
+        elif valid.numel() == 0 or got.numel() == 0 or got.numel() != int(got[-1] - got[0]) + 1:
             return ""
-        lo, hi, glo, ghi = int(valid[0]), int(valid[-1]), int(got[0]), int(got[-1])
-        key = {(0, -1): "ends one column early", (0, 1): "ends one column late",
-               (1, 0): "starts one column late", (-1, 0): "starts one column early"}.get((glo - lo, ghi - hi))
-        if key is None:
-            return ""
-        if key == "ends one column early" and hi == width - 1:
-            key = "drops the output's last column"
+        else:
+            lo, hi, glo, ghi = int(valid[0]), int(valid[-1]), int(got[0]), int(got[-1])
+            found = {(0, -1): "ends one column early", (0, 1): "ends one column late",
+                     (1, 0): "starts one column late", (-1, 0): "starts one column early"}.get(
+                (glo - lo, ghi - hi))
+            if found is None:
+                return ""
+            key = found
+            at_last += key == "ends one column early" and hi == width - 1
         patterns[key] = patterns.get(key, 0) + 1
     if len(patterns) != 1:
         return ""
     (what, rows), = patterns.items()
+    if what == "ends one column early" and at_last == rows:
+        what = "drops the output's last column"
     why = {"ends one column early": "an exclusive end read as inclusive (< ke - 1), or the last key "
                                     "of a block dropped",
            "ends one column late": "the end is exclusive: a row sees keys < ke (< ctx)",
@@ -329,8 +336,9 @@ def _index_set(cand: Tensor, exp: Tensor) -> Verdict:
         return _verdict([(True, 0.0, 0.0, f"{exp.shape[0]} rows equal as multisets")])
     row = _first(differ)
     hint = ""
-    if len(set(c_sorted[row].tolist())) < len(set(e_sorted[row].tolist())):
-        hint = "fewer distinct entries than expected: are repeated indices de-duplicated?"
+    got_counts, want_counts = Counter(c_sorted[row].tolist()), Counter(e_sorted[row].tolist())
+    if any(v >= 0 and n > 1 and got_counts[v] < n for v, n in want_counts.items()):
+        hint = "a repeated index appears fewer times than listed: are repeats de-duplicated?"
     return _verdict([(False, float(n), 0.0, (
         f"rows as multisets: {n} of {exp.shape[0]} rows differ; first row {_pos(row)}: sorted "
         f"{c_sorted[row].tolist()[:8]}… vs {e_sorted[row].tolist()[:8]}…"))], hint)
