@@ -334,6 +334,9 @@ def _prompts(args, config):
     return prompts, prefix_ids
 
 
+PREFILL_SCHEMA = "glm-dsa.prefill/1"
+
+
 def _run_prefill(args) -> int:
     import torch
     from safetensors.torch import save_file
@@ -370,7 +373,7 @@ def _run_prefill(args) -> int:
     engine.run(update)
     close()
     weights = args.weights or f"random, seed {args.seed}"
-    report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
+    report = {"schema": PREFILL_SCHEMA, "config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
               "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, **engine.report(rids)}
     if quiet:
         return 0

@@ -32,6 +32,7 @@ def test_prefill_json_counts_the_bytes_the_ledger_predicts(capsys):
     assert main(["prefill", "--config", "tiny", "--tokens", "200", "--chunk", "64", "--kv-dtype", "bf16",
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "glm-dsa.prefill/1"
     expected = cache_bytes_written(PRESETS["tiny"], 200, "bf16")
     assert report["cache"]["bytes_written_main_kv"] == expected["main_kv"]
     assert report["cache"]["bytes_written_index_k"] == expected["index_k"]

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -384,3 +385,42 @@ def test_compare_line_shows_the_deciding_values_beside_their_bounds(loaded):
                   r"\(info: max abs err", line)
     assert line.startswith("PASS") and m, line
     assert float(m.group(2)) < 1 and float(m.group(3)) <= 7e-6
+
+
+# ----------------------------------------------------------------------------- compare --kernel
+def test_compare_runs_a_kernel_over_the_golden_inputs(golden_dir, capsys, tmp_path):
+    from glm_dsa.testing.golden import compare_kernel
+
+    report = compare_kernel(golden_dir, oracle.topk_per_row)  # the contract from the name
+    names = {c.name for c in report.checks}
+    assert report.passed and "topk_per_row.tilelang_offset_rows.indices" in names
+    assert len(names) == len(edge_case_names("topk_per_row")) * 2 + RANDOM_CASES
+
+    def sep2025_builtin(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        return oracle.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                                           lse_base="2", lonely_lse="-inf")
+
+    report = compare_kernel(golden_dir, sep2025_builtin, contracts=("flash_mla_sparse_fwd",))
+    verdict = {c.name: c.passed for c in report.checks}
+    assert verdict["flash_mla_sparse_fwd.sep2025_lonely_row.lse"]  # the pin is its convention
+    assert not verdict["flash_mla_sparse_fwd.lonely_row.lse"]
+    with pytest.raises(ValueError, match="cannot tell which contract"):
+        compare_kernel(golden_dir, sep2025_builtin)
+
+    xml_path = tmp_path / "compare.xml"
+    assert main(["compare", "--golden", str(golden_dir), "--kernel", "glm_dsa.oracle:act_quant",
+                 "--json", "--junit-xml", str(xml_path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["schema"] == "glm-dsa.compare/1" and printed["passed"]
+    assert len(printed["checks"]) == 2 * (len(edge_case_names("act_quant")) + RANDOM_CASES)
+    suite = ET.parse(xml_path).getroot().find("testsuite")
+    assert suite.get("tests") == str(len(printed["checks"])) and suite.get("failures") == "0"
+    kernel = tmp_path / "k.py"
+    kernel.write_text("from glm_dsa import oracle\n"
+                      "def scaled(*a, **k):\n    x, s = oracle.act_quant(*a, **k)\n    return x, s * 2\n")
+    assert main(["compare", "--golden", str(golden_dir), "--kernel", f"{kernel}:scaled",
+                 "--contract", "act_quant"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  act_quant.ue8m0_scales.scale" in out and "PASS  act_quant.ue8m0_scales.x_fp8" in out
+    assert main(["compare", "--golden", str(golden_dir), "--kernel", f"{kernel}:scaled"]) == 2
+    assert "name it with --contract" in capsys.readouterr().err

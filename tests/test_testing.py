@@ -1,12 +1,15 @@
 """glm_dsa.testing: the oracle and independent re-implementations pass every contract; planted
 mutants fail with a one-line message; tie-swapped top-k passes; the CLI's exit statuses."""
 
+import json
 import math
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -319,7 +322,7 @@ def test_cli_check_passes_with_status_0(capsys):
 
 
 def test_cli_check_fails_with_status_1(capsys):
-    assert cli.main(["check", "test_testing:missing_relu", "--contract", "fp8_mqa_logits",
+    assert cli.main(["check", f"{__file__}:missing_relu", "--contract", "fp8_mqa_logits",
                      "--cases", "5", "--seed", "3"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("FAIL  fp8_mqa_logits.logits  calc_diff: calc_diff ")
@@ -489,3 +492,83 @@ def test_a_kernel_that_deduplicates_repeated_indices_fails():
 
     with pytest.raises(AssertionError, match=r"\[case repeated_index\].*\n.*de-duplicated\?"):
         check_kernel("topk_transform_ragged", dedup_transform, cases=edges_only("topk_transform_ragged"))
+
+
+# ------------------------------------------------------------------ CLI: loading, JSON, JUnit, device
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL_FILE = '''
+from glm_dsa import oracle
+def good(*args, **kwargs):
+    return oracle.act_quant(*args, **kwargs)
+def bad(*args, **kwargs):
+    x, s = oracle.act_quant(*args, **kwargs)
+    return x, s * 2
+'''
+
+
+def _console(argv, cwd, tmp_path):
+    """glm-dsa as its console script runs: sys.path[0] is the script's own directory, not cwd."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    script = bin_dir / "glm-dsa"
+    script.write_text("import sys\nfrom glm_dsa.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, str(script), *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_check_loads_a_module_from_the_current_directory_and_a_file_path(tmp_path):
+    work = tmp_path / "work"
+    (work / "sub").mkdir(parents=True)
+    (work / "mykernel.py").write_text(KERNEL_FILE)
+    (work / "sub" / "other_kernel.py").write_text(KERNEL_FILE)
+    run = _console(["check", "mykernel:good", "--contract", "act_quant", "--cases", "5"], work, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "PASS: mykernel:good matches act_quant on 5 cases"
+    run = _console(["check", "sub/other_kernel.py:bad", "--contract", "act_quant", "--cases", "5"],
+                   work, tmp_path)
+    assert run.returncode == 1 and "FAIL  act_quant.scale  bitwise: bitwise: " in run.stdout
+    run = _console(["check", "nowhere:good", "--contract", "act_quant"], work, tmp_path)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "searched the current directory" in run.stderr and "path/to/nowhere.py:good" in run.stderr
+    run = _console(["check", "./missing.py:good", "--contract", "act_quant"], work, tmp_path)
+    assert run.returncode == 2 and "missing.py does not exist" in run.stderr
+
+
+def test_cli_check_json_and_junit_xml(tmp_path, capsys):
+    xml_path = tmp_path / "check.xml"
+    argv = ["check", f"{REPO}/tests/test_testing.py:missing_relu", "--contract", "fp8_mqa_logits",
+            "--cases", "6", "--json", "--junit-xml", str(xml_path)]
+    assert cli.main(argv) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "glm-dsa.check/1" and report["passed"] is False
+    assert report["outputs"]["logits"]["passed"] is False and report["cases_run"] == 1
+    assert report["failure"].startswith("fp8_mqa_logits [case empty_window]")
+    suite = ET.parse(xml_path).getroot().find("testsuite")
+    assert suite.get("tests") == "1" and suite.get("failures") == "1"
+    failure = suite.find("testcase").find("failure")
+    assert failure.get("message").startswith("fp8_mqa_logits [case empty_window]: output 'logits'")
+    assert cli.main(["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant", "--cases", "5",
+                     "--json", "--junit-xml", str(xml_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and set(report["outputs"]) == {"x_fp8", "scale"}
+    suite = ET.parse(xml_path).getroot().find("testsuite")
+    assert suite.get("tests") == "2" and suite.get("failures") == "0"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_cli_check_on_a_device_this_machine_lacks_is_a_usage_error(capsys):
+    assert cli.main(["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant",
+                     "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda but torch sees no CUDA device; use --device cpu" in err and err.count("\n") == 1
+
+
+def test_cli_check_timeout_flag(tmp_path, capsys):
+    (tmp_path / "slow_kernel.py").write_text(
+        "import time\ndef act_quant(*a, **k):\n    time.sleep(30)\n")
+    assert cli.main(["check", f"{tmp_path}/slow_kernel.py:act_quant", "--contract", "act_quant",
+                     "--cases", "1", "--timeout", "0.3"]) == 1
+    assert "did not return within 0.3 s" in capsys.readouterr().out
+    assert cli.main(["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant",
+                     "--timeout", "-1"]) == 2
