@@ -35,6 +35,14 @@ __all__ = ["build_parser", "main"]
 _GPU = GpuSpec()
 
 
+def _check_chunk(chunk: int, page_size: int) -> None:
+    """ledger and prefill take the same chunks: whole pages (the engine's rule)."""
+    if chunk < page_size or chunk % page_size:
+        near = max(page_size, chunk // page_size * page_size)
+        raise ValueError(f"--chunk {chunk} must be a positive multiple of page_size={page_size}, "
+                         f"e.g. --chunk {near}")
+
+
 def _run_ledger(args: argparse.Namespace) -> int:
     config = get_config(args.config)
     for flag, value, low in (("--tokens", args.tokens, 1), ("--chunk", args.chunk, 1), ("--prefix", args.prefix, 0),
@@ -43,6 +51,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {value} must be ≥ {low}")
     if args.prefix >= args.tokens:
         raise ValueError(f"--prefix {args.prefix} must be < --tokens {args.tokens}: at least one new token")
+    _check_chunk(args.chunk, config.page_size)
     for flag in ("gpu_mem_gb", "hbm_tbps", "indexer_tflops", "backbone_tflops", "nvlink_gbps"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
@@ -251,8 +260,9 @@ def _input_id_lengths(path: str) -> list[int]:
 
 def _check_prefill(args) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
-    from glm_dsa.ledger import prefill_peak_bytes
+    from glm_dsa.checks import (available_bytes, check_device, check_fits, check_optional_module,
+                                check_output_file, safetensors_header)
+    from glm_dsa.ledger import param_counts, prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
 
     device = check_device("--device", args.device)
@@ -278,8 +288,7 @@ def _check_prefill(args) -> list[int]:
         from glm_dsa.config import keep_layers
 
         config = keep_layers(config, args.layers)
-    if args.chunk < config.page_size:
-        raise ValueError(f"--chunk {args.chunk} is smaller than one page ({config.page_size} tokens)")
+    _check_chunk(args.chunk, config.page_size)
     if args.input_ids:
         lengths = _input_id_lengths(args.input_ids)
         if args.tokens is not None and any(n != args.tokens for n in lengths):
@@ -306,6 +315,12 @@ def _check_prefill(args) -> list[int]:
                                    else 0)
     need = prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
+    weights = param_counts(config)["total"] * dtype_bytes
+    have = available_bytes(device)
+    if have is not None and weights > have:  # no token count fits: say what does need the memory
+        fewer = "" if args.layers else "keep fewer layers (--layers 6:7), "
+        lower = (f"the weights alone take {weights / 1e9:.1f} GB at {dtype_bytes} bytes per "
+                 f"parameter: {fewer}use a smaller --config or --dtype bfloat16")
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
     return lengths
 
