@@ -7,7 +7,7 @@ import torch
 
 from glm_dsa.backend import REFERENCE, get_backend
 from glm_dsa.batch import ForwardBatch
-from glm_dsa.config import PRESETS
+from glm_dsa.config import PRESETS, YarnScaling
 from glm_dsa.indexer import mqa_logits
 from glm_dsa.layer import DSAForCausalLM
 from glm_dsa.oracle import calc_diff
@@ -114,3 +114,53 @@ def test_triton_backend_replaces_the_mha_form_of_short_contexts():
         hidden[backend] = eng.output_hidden(rid).double()
     assert model.model.layers[0].self_attn.use_mha(ForwardBatch.contiguous([60]))  # the reference's form
     assert calc_diff(hidden["triton"], hidden["reference"]) <= 1e-5
+
+
+# YaRN scaling makes the softmax scale differ from qk_head_dim ** -0.5 (mscale² = 1.297).
+MULTI = CFG.replace(rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64))
+MULTI_LENGTHS = (70, 45, 30)
+
+
+def _past_the_window(*args):
+    """The reference top-k with, in every row, the next token's key (in the pool, one past the
+    causal limit) and a key past the request's context listed too: both must be skipped."""
+    picked = REFERENCE.indexer_topk(*args).clone()
+    ks, ke = args[4].long(), args[5].long()
+    picked[:, -1] = (ke - ks).to(torch.int32)
+    picked[:, -2] = (ke - ks + 40).to(torch.int32)
+    return picked
+
+
+def _multi_prefill(model, backend):
+    row_bytes = MULTI.num_attention_heads * (MULTI.kv_latent_dim + MULTI.kv_lora_rank + MULTI.v_head_dim) * 4
+    eng = PrefillEngine(model, num_pages=12, kv_dtype="fp32", chunked_prefill_size=128,
+                        budget_bytes=24 * row_bytes, backend=backend)  # 24-row chunks, the last partial
+    eng.backend = replace(eng.backend, indexer_topk=_past_the_window)
+    g = torch.Generator().manual_seed(8)
+    rids = [eng.add_request(torch.randint(0, MULTI.vocab_size, (n,), generator=g)) for n in MULTI_LENGTHS]
+    eng.run()
+    return [eng.output_hidden(r) for r in rids]
+
+
+def test_triton_forward_paged_equals_reference_over_requests_row_chunks_and_the_causal_limit():
+    """The triton backend's whole attention path (slots from each request's ks, the causal
+    limit, row chunks of 24 with a partial last one, the softmax scale, float32 values) against
+    the reference, with the same selection: three requests sharing steps, fp32 KV."""
+    model = init_weights(DSAForCausalLM(MULTI), seed=6).eval()
+    assert MULTI.softmax_scale != MULTI.qk_head_dim ** -0.5
+    ref, got = _multi_prefill(model, "reference"), _multi_prefill(model, "triton")
+    for r, g in zip(ref, got):
+        err = float((g.double() - r.double()).abs().max() / r.double().abs().max())
+        assert err < 1e-4, err  # float32 summation order only; a bf16 rounding would be ~4e-3
+
+
+def test_auto_on_any_cuda_device_is_triton_with_its_kernels():
+    from glm_dsa import kernels
+
+    for device in ("cuda", "cuda:0", "cuda:3", torch.device("cuda", 1)):
+        backend = get_backend("auto", device)
+        assert backend.name == "triton", device
+        assert backend.indexer_topk is kernels.indexer_topk and backend.indexer_topk is not REFERENCE.indexer_topk
+        assert backend.paged_sparse_mla is not None
+    assert get_backend("triton", "cuda:0").indexer_topk is kernels.indexer_topk
+    assert get_backend("auto", "cpu").paged_sparse_mla is None

@@ -16,6 +16,7 @@ import torch
 
 from glm_dsa import cli, oracle
 from glm_dsa.testing import CONTRACTS, check_case, check_kernel, clauses, edge_case_names, make_case
+from glm_dsa.testing import cases as cases_module
 from glm_dsa.testing.check import run_checks
 
 LN2 = math.log(2.0)
@@ -572,3 +573,166 @@ def test_cli_check_timeout_flag(tmp_path, capsys):
     assert "did not return within 0.3 s" in capsys.readouterr().out
     assert cli.main(["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant",
                      "--timeout", "-1"]) == 2
+
+
+# ------------------------------------------------------------------ the harness checks itself
+# FlashMLA's tests (9241ae3: tests/test_flash_mla_sparse_{prefill,decoding}.py) and DeepGEMM's
+# (test_attention.py: calc_diff < 5e-6 on dequantized inputs), as published.
+UPSTREAM = {
+    "flash_mla_sparse_fwd": {"out": (8e-4, 3.01 / 128, 7e-6), "max_logits": (1e-6, 2.01 / 65536, 1e-7),
+                             "lse": (1e-6, 2.01 / 65536, 1e-7)},
+    "flash_mla_sparse_decode": {"out": (1e-3, 2.01 / 128, 5e-6), "lse": (1e-6, 8.01 / 65536, 1e-7)},
+}
+
+
+@pytest.mark.parametrize("contract, output", [(c, o) for c in UPSTREAM for o in UPSTREAM[c]])
+def test_a_kernel_just_outside_a_relative_tolerance_fails_and_just_inside_passes(contract, output):
+    abs_tol, rel_tol, cos_tol = UPSTREAM[contract][output]
+    case = make_case(contract, "attn_sink")
+    assert case.checks[output] == {"metric": "allclose", "abs_tol": abs_tol, "rel_tol": rel_tol,
+                                   "cos_diff_tol": cos_tol}
+    names = list(case.checks)
+    expected = oracle.__dict__[contract](*case.args, **case.kwargs)
+
+    i = names.index(output)
+    ref = expected[i].double()
+    big = ref.abs() > 2 * abs_tol / rel_tol  # where the relative tolerance decides
+    if output != "out":  # lse / max_logits of order 1: every entry, the relative bound
+        assert bool(big.any())
+        bend = lambda t, f: torch.where(big, t * (1 + f * rel_tol), t)  # noqa: E731
+    else:  # outputs of order 0.01: one small entry, the absolute bound
+        at = int(ref.abs().reshape(-1).argmin())
+
+        def bend(t, f):
+            t = t.clone()
+            t.reshape(-1)[at] += f * abs_tol
+            return t
+
+    def off_by(factor):
+        def kernel(*args, **kwargs):
+            out = list(oracle.__dict__[contract](*args, **kwargs))
+            out[i] = bend(out[i].double(), factor).to(out[i].dtype)
+            return tuple(out)
+        return kernel
+
+    assert check_case(case, off_by(0.5))[output].passed
+    with pytest.raises(AssertionError, match=f"output '{output}' fails allclose on elements: "):
+        check_case(case, off_by(1.5))
+
+
+@pytest.mark.parametrize("contract", ["fp8_mqa_logits", "fp8_paged_mqa_logits"])
+def test_a_kernel_just_outside_calc_diff_fails_and_just_inside_passes(contract):
+    case = make_case(contract, edge_case_names(contract)[0])
+    assert case.checks["logits"]["max"] == 5e-6 and case.checks["logits"]["max_bf16"] == 3e-5
+    mask = case.aux["mask"]
+    exp = oracle.__dict__[contract](*case.args, **case.kwargs).double()
+    # calc_diff of x(1 + e·s) against x, s = ±1 alternating with zero mean, is e²/2 to first order.
+    sign = torch.where(torch.arange(exp.numel()).view(exp.shape) % 2 == 0, 1.0, -1.0).double()
+    for ratio, passes in ((0.8, True), (1.25, False)):
+        eps = math.sqrt(2 * 5e-6 * ratio)
+        bent = torch.where(mask, exp * (1 + eps * sign), exp).float()
+        if passes:
+            assert check_case(case, lambda *a, **k: bent)["logits"].passed
+        else:
+            with pytest.raises(AssertionError, match="fails calc_diff on calc_diff "):
+                check_case(case, lambda *a, **k: bent)
+
+
+def test_plus_inf_outside_the_cleaned_logits_mask_fails():
+    case = make_case("fp8_mqa_logits", "empty_window")
+    out = oracle.fp8_mqa_logits(*case.args, **case.kwargs)
+    outside = (~case.aux["mask"]).nonzero()[0].tolist()
+    for value in (float("inf"), float("nan"), 0.0):
+        bad = out.clone()
+        bad[tuple(outside)] = value
+        with pytest.raises(AssertionError, match="-inf outside the valid region: 1 of"):
+            check_case(case, lambda *a, **k: bad)
+
+
+def test_a_top_k_index_at_the_row_end_fails():
+    case = make_case("topk_per_row", "row_k_plus_1")
+    logits, starts, ends, topk = case.args
+    out = oracle.topk_per_row(*case.args)
+    assert int(ends[0] - starts[0]) == topk + 1
+    bad = out.clone()
+    bad[0, 0] = int(ends[0] - starts[0])  # one past the row's last column
+    with pytest.raises(AssertionError, match="an index outside the row's"):
+        check_case(case, lambda *a, **k: bad)
+
+
+def test_the_report_keeps_the_worst_case_per_output():
+    """The report's worst value is the largest over the cases (each case checked on its own)."""
+    fn = INDEPENDENT["flash_mla_sparse_fwd"]
+    report = check_kernel("flash_mla_sparse_fwd", fn, cases=8)
+    for name in ("out", "lse"):
+        values = {}
+        for which in list(edge_case_names("flash_mla_sparse_fwd")) + [0, 1]:
+            case = make_case("flash_mla_sparse_fwd", which)
+            values[case.name] = abs(check_case(case, fn)[name].value)
+        worst = max(values, key=values.get)
+        assert report.worst[name].value == values[worst] and report.worst[name].case == worst
+
+
+# ------------------------------------------------------------------ case builders vs the contract
+def test_edge_cases_hold_their_contract_clauses():
+    """Each builder checked against the contract's own definition, computed here."""
+    c = make_case("flash_mla_sparse_fwd", "lonely_row")
+    s_kv = c.args[1].shape[0]
+    idx = c.args[2][:, 0].long()
+    valid = (idx >= 0) & (idx < s_kv)
+    assert not bool(valid[1].any())  # row 1: no valid index at all
+    assert 0 < int(valid[2].sum()) <= idx.shape[1] // 2  # row 2: half invalid
+    c = make_case("flash_mla_sparse_fwd", "invalid_indices")
+    row, s_kv = c.args[2][0, 0].tolist(), c.args[1].shape[0]
+    assert all(v in row for v in (-(2**31), -123456, -1, s_kv, s_kv + 55, 2**31 - 1))
+    c = make_case("flash_mla_sparse_decode", "lonely_entry")
+    assert bool((c.args[2][1] == -1).all())
+    for contract, edge in (("flash_mla_sparse_fwd", "repeated_index"), ("flash_mla_sparse_decode", "repeated_slot")):
+        idx = make_case(contract, edge).args[2].reshape(-1, make_case(contract, edge).args[2].shape[-1])
+        row = idx[0][idx[0] >= 0].tolist()
+        assert max(row.count(v) for v in row) >= 6, contract
+    # Ragged windows: extend row i of a request with prefix p sees keys [offset, offset + p + i + 1).
+    requests = [(5, 3), (0, 4), (2, 2)]
+    ks, ke, s_kv = cases_module.ragged_rows(requests)
+    want_ks, want_ke, offset = [], [], 0
+    for p, e in requests:
+        for i in range(e):
+            want_ks.append(offset)
+            want_ke.append(offset + p + i + 1)
+        offset += p + e
+    assert ks.tolist() == want_ks and ke.tolist() == want_ke and s_kv == offset
+    c = make_case("fp8_mqa_logits", "no_prefix")
+    ks, ke = c.args[3], c.args[4]
+    assert (ke - ks).tolist() == list(range(1, ks.numel() + 1))
+    c = make_case("fp8_mqa_logits", "empty_window")
+    assert int(c.args[4][0]) == int(c.args[3][0]) and int((c.args[4] - c.args[3])[1:].min()) >= 1
+    for edge, length in (("row_shorter_than_k", -1), ("row_exactly_k", 0), ("row_k_plus_1", 1)):
+        c = make_case("topk_per_row", edge)
+        assert int(c.args[2][0] - c.args[1][0]) == c.args[3] + length, edge
+    c = make_case("fp8_paged_mqa_logits", "context_63_64_65")
+    assert c.args[3].tolist() == [63, 64, 65]
+
+
+def test_cli_device_and_candidate_file_are_checked_before_any_work(tmp_path, capsys):
+    assert cli.main(["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant", "--device", "meta"]) == 2
+    assert "--device meta: only cpu and cuda[:N] are supported" in capsys.readouterr().err
+    from safetensors.torch import save_file
+
+    good = tmp_path / "c.safetensors"
+    save_file({"act_quant.ue8m0_scales.scale": torch.ones(3, 4)}, str(good))
+    data = good.read_bytes()
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    (golden / "manifest.json").write_text("{}")
+    for cut in (1, 8):  # a file short of its header's last data offset by one byte up to 8
+        short = tmp_path / f"short{cut}.safetensors"
+        short.write_bytes(data[:-cut])
+        assert cli.main(["compare", "--golden", str(golden), "--candidate", str(short)]) == 2
+        assert f"is truncated: {len(data) - cut} bytes, its header needs {len(data)}" in capsys.readouterr().err
+    n = int.from_bytes(data[:8], "little")
+    for claimed in (len(data) - 7, len(data)):  # a header length past the file's end
+        bad = tmp_path / f"header{claimed}.safetensors"
+        bad.write_bytes(claimed.to_bytes(8, "little") + data[8:])
+        assert cli.main(["compare", "--golden", str(golden), "--candidate", str(bad)]) == 2
+        assert f"(header of {claimed} bytes in a {len(data)}-byte file)" in capsys.readouterr().err
+    assert n < len(data) - 8
