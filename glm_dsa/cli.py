@@ -179,7 +179,7 @@ def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
     done = [0]
     last = [time.monotonic()]
 
-    def update(record) -> None:
+    def update_line(record) -> None:
         done[0] += sum(end - start for _, start, end in record.chunks)
         now = time.monotonic()
         if now - last[0] >= every_s or done[0] >= total_tokens:
@@ -187,7 +187,7 @@ def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
             print(f"prefill: step {record.step}, {done[0]}/{total_tokens} tokens, {record.seconds:.3f} s",
                   file=sys.stderr, flush=True)
 
-    return update, lambda: None
+    return update_line, lambda: None
 
 
 def _cmd_prefill(args) -> int:
@@ -532,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_golden(subparsers)
     testing_cli.add_compare_parser(subparsers)
     testing_cli.add_parser(subparsers)
+    for sub in subparsers.choices.values():
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
@@ -542,10 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status 2 for bad input (a ValueError: every command checks its inputs before computing),
     1 for a failure during the run; ``--debug`` raises instead, with the traceback.
     """
-    parser = build_parser()
-    for sub in parser._subparsers._group_actions[0].choices.values():
-        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except Exception as e:

@@ -184,6 +184,8 @@ class PrefillEngine:
             see ``glm_dsa.backend``.
     """
 
+    pages_peak: int  # most pages in use at once since the last reset_stats
+
     def __init__(
         self,
         model: DSAForCausalLM,
@@ -409,7 +411,7 @@ class PrefillEngine:
                 raise ValueError(f"request {rid} hit {r.cached_len} cached tokens that no warm_up "
                                  "request computed; run the shared prefix with warm_up first")
             out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
-            rows = ([warm[: r.cached_len]] if r.cached_len else []) + r.hidden
+            rows = ([warm[: r.cached_len]] if r.cached_len and warm is not None else []) + r.hidden
             out[f"request.{i}.hidden"] = torch.cat(rows).float().cpu().contiguous()
             if r.logits is not None:
                 out[f"request.{i}.logits"] = r.logits.float().contiguous()

@@ -284,9 +284,9 @@ def check_case(case: Case, fn: Callable, *, device: str | torch.device = "cpu",
     for name, v in verdicts.items():
         if not v.passed:
             first, *rest = v.text().splitlines()
-            again = [f"  rebuild with {case.repro}"] if case.repro else []
+            rebuild = [f"  rebuild with {case.repro}"] if case.repro else []
             message = "\n".join([f"{case.contract} [case {case.name}]: output {name!r} fails "
-                                 f"{case.checks[name]['metric']} on {first}", *rest, *again])
+                                 f"{case.checks[name]['metric']} on {first}", *rest, *rebuild])
             raise _MetricFailure(message, name, v)
     return verdicts
 

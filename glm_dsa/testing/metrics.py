@@ -298,7 +298,7 @@ def _topk_set(cand: Tensor, exp: Tensor, spec: dict, scores: Tensor, starts: Ten
                 looks_absolute += not absolute and s > 0 and all(s <= v < e for v in picked)
             elif len(set(cols)) != k:
                 why = "a repeated index"
-            elif e - s > topk:
+            elif e - s > topk and wanted is not None:
                 wanted_cols = [v if absolute else v + s for v in wanted]
                 got = sorted(scores[r, cols].tolist())
                 if got != sorted(scores[r, wanted_cols].tolist()):
