@@ -511,8 +511,9 @@ def _add_golden(sub) -> None:
     p = sub.add_parser(
         "golden",
         help="write golden vectors (inputs + expected outputs) of every kernel contract",
-        description="Write one safetensors file per glm_dsa.oracle contract (GLM-5.3 and "
-        "DeepSeek-V3.2 shapes, edge cases) and manifest.json naming each output's metric and "
+        description="Write one safetensors file per glm_dsa.oracle contract (the case table of "
+        "glm_dsa.testing: every edge case and a random case, at GLM-5.3 and DeepSeek-V3.2 head "
+        "counts) and manifest.json giving each call as data and each output's metric and "
         "tolerance. Same seed, same bytes.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if absent)")
