@@ -34,7 +34,8 @@ from glm_dsa.testing.metrics import (
     SPARSE_STAT_TOL,
 )
 
-__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "Case", "clauses", "invalid_indices", "Pick", "edge_case_names", "make_case", "build_case"]
+__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "Case", "clauses", "invalid_indices", "Pick",
+           "edge_case_names", "make_case", "build_case"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -574,7 +575,8 @@ CONTRACTS: dict[str, Contract] = {
             "invalid_indices": "INT32_MIN, -123456, -1, s_kv, s_kv + 55, INT32_MAX are skipped",
             "lonely_row": "a row with no valid index: out 0, max_logits -inf, lse +inf; and a "
                           "half-invalid row",
-            "attn_sink": "attn_sink joins the softmax denominator, not the output",
+            "attn_sink": "attn_sink, a value-less key per head: out normalised by "
+                         "logaddexp(lse, sink), lse without it",
             "topk_length": "entries at or past topk_length[i] are skipped (0 gives a lonely row)",
             "topk_past_kv": "top-k wider than s_kv: the excess is -1 padding",
             "repeated_index": "a valid index listed twice is attended twice",
@@ -586,7 +588,8 @@ CONTRACTS: dict[str, Contract] = {
     "flash_mla_sparse_decode": Contract(
         _sparse_decode, {
             "lonely_entry": "a query with no valid slot: out 0, lse +inf",
-            "attn_sink": "attn_sink joins the softmax denominator, not the output",
+            "attn_sink": "attn_sink, a value-less key per head: out normalised by "
+                         "logaddexp(lse, sink), lse without it",
             "topk_length": "slots at or past topk_length[b] are not read",
             "slots_across_pages": "slots 63, 64, 127, 0: the page is slot // 64",
             "repeated_slot": "a valid slot listed twice is attended twice",
