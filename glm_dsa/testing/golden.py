@@ -3,9 +3,10 @@ outputs with them.
 
 ``write_golden(dir, seed)`` (``glm-dsa golden``) writes, per contract of ``glm_dsa.oracle``, every
 named edge case of the case table (``glm_dsa.testing.cases``) and ``RANDOM_CASES`` seeded random
-ones, and the edge cases again under each documented convention (``CONVENTIONS``), at GLM-5.3 / DeepSeek-V3.2 head counts
-(``SHAPES["golden"]``), in one safetensors file per contract, and a ``manifest.json``. These are
-the inputs ``check_kernel(contract, fn, seed=seed, shapes="golden")`` runs. Every tensor is named
+ones, and the edge cases again under each documented convention (``CONVENTIONS``), at
+GLM-5.3 / DeepSeek-V3.2 head counts (``SHAPES["golden"]``), in one safetensors file per
+contract, and a ``manifest.json``. These are the inputs ``check_kernel(contract, fn,
+seed=seed, shapes="golden")`` runs. Every tensor is named
 ``<contract>.<case>.<name>``: the oracle's parameter names for inputs (``q``, ``kv_cache``,
 ``indices`` …; ``kv[0]``, ``kv[1]`` for the elements of a tuple argument), the output names for
 expected outputs (``logits``, ``out``, ``lse`` …) and the check's own names for the tensors a

@@ -232,9 +232,10 @@ def _allclose(cand: Tensor, exp: Tensor, spec: dict) -> Verdict:
     criteria = []
     hint = ""
     if r.anomaly is not None:
-        n = int((torch.isposinf(cand) ^ torch.isposinf(exp)).sum() + (torch.isneginf(cand) ^ torch.isneginf(exp)).sum()
-                + (torch.isnan(cand) ^ torch.isnan(exp)).sum())
-        criteria.append((False, float(n), 0.0, f"inf/NaN positions: {r.anomaly.replace(' ans', ' the kernel').replace(' ref', ' the oracle')}"))
+        n = sum(int((special(cand) ^ special(exp)).sum())
+                for special in (torch.isposinf, torch.isneginf, torch.isnan))
+        where = r.anomaly.replace(" ans", " the kernel").replace(" ref", " the oracle")
+        criteria.append((False, float(n), 0.0, f"inf/NaN positions: {where}"))
         if bool((torch.isneginf(cand) & torch.isposinf(exp)).any()):
             hint = ("lonely rows (no valid index): the kernel gives -inf where the contract gives "
                     "+inf (the older FlashMLA convention; a kernel with it pins lonely_lse='-inf')")
