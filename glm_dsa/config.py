@@ -473,19 +473,19 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
     missing = [f for f in _SHAPE_FIELDS if f not in d]
     if missing:
         hints = []
-        for f in missing:
-            near = difflib.get_close_matches(f, [k for k in d if k not in _KNOWN_KEYS], n=1, cutoff=0.8)
-            hints.append(f"{f} (did you mean: {near[0]!r}?)" if near else f)
+        for key in missing:
+            near = difflib.get_close_matches(key, [k for k in d if k not in _KNOWN_KEYS], n=1, cutoff=0.8)
+            hints.append(f"{key} (did you mean: {near[0]!r}?)" if near else key)
         raise ValueError(f"config {name} lacks key(s) that set tensor shapes or the layer schedule: "
                          f"{', '.join(hints)}")
-    for f in _DIRECT_FIELDS:
-        if f in d:
-            kw[f] = d[f]
-        elif f in defaults:
-            kw[f] = defaults[f]
-    for f in _EXTRA_FIELDS:
-        if f in d:
-            kw[f] = d[f]
+    for key in _DIRECT_FIELDS:
+        if key in d:
+            kw[key] = d[key]
+        elif key in defaults:
+            kw[key] = defaults[key]
+    for key in _EXTRA_FIELDS:
+        if key in d:
+            kw[key] = d[key]
     rope = d.get("rope_parameters")
     if isinstance(rope, Mapping):
         kw["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10_000.0)))
