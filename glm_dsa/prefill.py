@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from glm_dsa import invariant
 from glm_dsa.backend import get_backend
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache, PageAllocator
@@ -182,6 +183,10 @@ class PrefillEngine:
         backend: ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``: Triton indexer
             and paged sparse attention) or ``"auto"`` (triton on CUDA when Triton imports);
             see ``glm_dsa.backend``.
+        batch_invariant: every product row-tiled on the tokens' positions and the absorbed
+            attention at every length (``glm_dsa.invariant``), so a request's outputs are
+            bitwise the same whatever the chunk size, the requests sharing its steps and its
+            prefix-cache hits (same device, library and thread count). Reference backend only.
     """
 
     def __init__(
@@ -196,6 +201,7 @@ class PrefillEngine:
         timing: bool = False,
         cp_group: CPGroup | None = None,
         backend: str = "reference",
+        batch_invariant: bool = False,
     ) -> None:
         cfg = model.config
         if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
@@ -207,6 +213,10 @@ class PrefillEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = get_backend(backend, self.device)
+        if batch_invariant and self.backend.paged_sparse_mla is not None:
+            raise ValueError("batch_invariant=True needs backend='reference' (the triton kernels "
+                             "are not batch-invariant)")
+        self.batch_invariant = batch_invariant
         self.cache = KVCache(cfg, num_pages, kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_caching else None
@@ -277,7 +287,7 @@ class PrefillEngine:
         ids = torch.cat([r.input_ids[r.prefix_len : r.prefix_len + e] for r, e in plan]).to(self.device)
         times = LayerTimes() if self.timing else None
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
             if self.cp_group is None:
                 hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times,
                                           backend=self.backend)
@@ -294,7 +304,8 @@ class PrefillEngine:
                 if req.done:
                     last_rows.append((req, q0 + e - 1))
             if self.compute_logits and last_rows:
-                logits = self.model.logits(hidden[[row for _, row in last_rows]])
+                rows = [row for _, row in last_rows]
+                logits = self.model.logits(hidden[rows], batch.positions[rows])
                 for (req, _), lg in zip(last_rows, logits):
                     req.logits = lg.cpu()
         if self.device.type == "cuda":
