@@ -132,6 +132,9 @@ def _add_prefill(sub) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="indexer top-k and sparse attention: the reference, or the Triton kernels "
                         "(default auto: triton on CUDA when Triton imports, else reference)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same outputs for a request whatever the chunk size and the requests "
+                        "sharing its steps (reference backend; README, Chunked prefill)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--budget-bytes", type=int,
@@ -352,7 +355,9 @@ def _run_prefill(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
         _check_prefill(args)
-    backend = get_backend(args.backend, device).name
+    if args.batch_invariant and args.backend == "triton":
+        raise ValueError("--batch-invariant runs the reference backend; drop --backend triton")
+    backend = "reference" if args.batch_invariant else get_backend(args.backend, device).name
     model = _load_model(args, device, getattr(torch, dtype_name))
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
@@ -362,7 +367,8 @@ def _run_prefill(args) -> int:
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
     engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
                            kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
-                           timing=True, cp_group=cp_group, backend=backend)
+                           timing=True, cp_group=cp_group, backend=backend,
+                           batch_invariant=args.batch_invariant)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) for p in prompts]
     progress = not (args.no_progress or args.json or quiet)

@@ -20,9 +20,11 @@ reproduces it). Two tools take the shape out of the rounding:
   ``linear`` is ``F.linear`` through it. It runs only inside ``batch_invariant()``
   (``PrefillEngine(batch_invariant=True)``); elsewhere ``linear`` is ``F.linear``.
 
-The promise holds for one process: same device, same library, same thread count. Row-wise
-reductions (norms, softmax sums) already reduce each row in an order fixed by its length
-(measured, see the docs); elementwise ops are per row by construction.
+The promise holds for one process: same device, same library, same thread count. In the mode,
+row-wise reductions are fixed too: norms and the router's weight sum use ``row_sum`` (a fixed
+tree of elementwise adds), and the sparse attention runs one ``BATCH_TILE`` of rows at a time,
+so its softmax reductions always see the same shape. Elementwise ops are per row by
+construction.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["BATCH_TILE", "ROW_TILE", "batch_invariant", "active", "batch_tiled", "row_tiled",
-           "linear"]
+           "linear", "row_sum", "row_mean"]
 
 # Items per batched GEMM call. More than any thread count splits one GEMM over, few enough that
 # padding a one-row chunk costs little.
@@ -151,3 +153,25 @@ def linear(x: Tensor, weight: Tensor, keys: Tensor | None) -> Tensor:
     if keys is None:
         raise ValueError("batch-invariant mode needs each row's key (its position) for a projection")
     return row_tiled(lambda t: F.linear(t, weight), x, keys)
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """``x.sum(-1)``; inside ``batch_invariant()`` added as a fixed pairwise tree of elementwise
+    adds (the last half folded onto the first, a middle element of an odd width waiting), so a
+    row's sum depends on its width only, not on how many rows a library reduction kernel was
+    given (CUDA's reduction picks its thread split by the number of rows)."""
+    if not active():
+        return x.sum(dim=-1)
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        folded = x[..., :half] + x[..., n - half :]
+        x = folded if n % 2 == 0 else torch.cat([folded, x[..., half : half + 1]], dim=-1)
+    return x[..., 0]
+
+
+def row_mean(x: Tensor) -> Tensor:
+    """``x.mean(-1, keepdim=True)``; inside ``batch_invariant()`` ``row_sum(x) / width``."""
+    if not active():
+        return x.mean(dim=-1, keepdim=True)
+    return (row_sum(x) / x.shape[-1])[..., None]

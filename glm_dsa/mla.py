@@ -254,6 +254,8 @@ def _sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: in
     # An empty kv makes every index invalid: they read a zero row.
     kv_rows = kv[:, 0, :] if s_kv else kv.new_zeros(1, d_qk)        # [s_kv, d_qk]
     row0_finite = bool(torch.isfinite(kv_rows[0]).all())
+    if invariant.active():  # every op on one tile's shape, the reductions included
+        rows_per_chunk = BATCH_TILE
     column = torch.arange(topk, device=q.device)
     sink = None if attn_sink is None else attn_sink.to(cdt)
     for r0 in range(0, s_q, rows_per_chunk):

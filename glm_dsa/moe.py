@@ -157,7 +157,7 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
     topk_ids = _stable_top(selection, top_k)  # [n, top_k]
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + _NORM_EPS)
+        topk_weights = topk_weights / (invariant.row_sum(topk_weights)[:, None] + _NORM_EPS)
     topk_weights = topk_weights * scale
     if row_mask is not None:
         topk_ids = topk_ids.masked_fill(~row_mask[:, None], -1)
