@@ -4,6 +4,7 @@
     glm-dsa prefill --config tiny --tokens 1024 --chunk 256 --requests 2
     glm-dsa golden --out golden [--seed 0]
     glm-dsa compare --golden golden --candidate my_kernel.safetensors
+    glm-dsa fidelity --config small --tokens 2048 --rows 64
     python -m glm_dsa ledger ...            (same, without installing)
     glm-dsa --version
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -115,7 +117,10 @@ def _add_prefill(sub) -> None:
         "print the per-step timeline and the cache usage.",
     )
     p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
-    p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
+    p.add_argument("--weights", metavar="DIR",
+                   help="Hugging Face checkpoint directory: config.json and model.safetensors, or shards named by "
+                        "model.safetensors.index.json (bf16 or FP8 with 128x128 weight_scale_inv); only the "
+                        "tensors of --layers and the embedding, final norm and head are read. Random weights if absent")
     p.add_argument("--layers", metavar="SPEC",
                    help="keep only these layers of the config: a count N (the first N) or a range a:b of "
                         "layer indices, e.g. 6:7 = GLM-5.3's first full MoE layer (default: all)")
@@ -137,6 +142,12 @@ def _add_prefill(sub) -> None:
                         "sharing its steps (reference backend; README, Chunked prefill)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
+    p.add_argument("--input-hidden", metavar="FILE.safetensors",
+                   help="start from hidden states instead of tokens: request.{i}.hidden [L, hidden_size] is the input "
+                        "of the first kept layer (e.g. request.{i}.layer.{a-1}.hidden of a --save-layer-outputs run)")
+    p.add_argument("--text", metavar="FILE",
+                   help="prefill this UTF-8 text as one request, tokenized with the tokenizer.json of the checkpoint "
+                        "directory (needs the 'text' extra: pip install 'glm-dsa[text]')")
     p.add_argument("--budget-bytes", type=int,
                    help="indexer logits / sparse gather budget in bytes (default: SGLang's rule on CUDA, "
                         "docs/conventions.md §12; 256 MiB on CPU)")
@@ -145,6 +156,10 @@ def _add_prefill(sub) -> None:
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
                    help="write request.{i}.input_ids, request.{i}.hidden (every position, last layer before the "
                         "final norm) and request.{i}.logits (float32 [vocab], the last position only)")
+    p.add_argument("--save-layer-outputs", action="store_true",
+                   help="with --save-outputs, also write request.{i}.layer.{l}.hidden (float32 [L, hidden], kept layer "
+                        "l's output) and request.{i}.layer.{l}.topk (int32 [L, index_topk], each full layer's "
+                        "request-relative top-k, -1 padded); one rank only")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-step cost curve (needs the 'plot' extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--cp", type=int,
@@ -209,17 +224,21 @@ def _cmd_prefill(args) -> int:
     return 0
 
 
-def _load_model(args, device, dtype):
-    """The checkpoint of ``--weights`` (checked against ``--config``), or seeded random weights,
-    cut to ``--layers``; parameters are allocated on ``device`` directly."""
+def _load_model(args, device, dtype, quiet: bool = False):
+    """The checkpoint of ``--weights`` (checked against ``--config``; its one-line note of what
+    is read and skipped on stderr unless ``quiet``), or seeded random weights, cut to
+    ``--layers``; parameters are allocated on ``device`` directly, in ``dtype``."""
     from glm_dsa.config import keep_layers
-    from glm_dsa.weights import build_model, init_weights, load_checkpoint
+    from glm_dsa.weights import build_model, init_weights, open_checkpoint
 
     if args.weights:
         if args.config != args.weights and get_config(args.config) != get_config(args.weights):
             raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                              "pass the checkpoint directory as --config or leave them consistent")
-        model = load_checkpoint(args.weights, dtype=dtype, device=device, layers=args.layers)
+        checkpoint = open_checkpoint(args.weights, layers=args.layers)
+        if not quiet:
+            print(checkpoint.note, file=sys.stderr)
+        model = checkpoint.load(dtype, device)
     else:
         config = get_config(args.config)
         if args.layers is not None:
@@ -228,22 +247,28 @@ def _load_model(args, device, dtype):
     return model.eval()
 
 
+def _numbered_requests(flag: str, path: str, suffix: str) -> list[tuple[str, dict]]:
+    """``(name, header entry)`` of ``request.{i}.{suffix}`` for i = 0..n-1 in an input file,
+    from its header; other numberings are refused, other tensors ignored."""
+    from glm_dsa.checks import safetensors_header
+
+    header = safetensors_header(flag, path)
+    names = [k for k in header if re.fullmatch(rf"request\.[^.]+\.{suffix}", k)]
+    if not names:
+        raise ValueError(f"{flag} {path} holds no request.{{i}}.{suffix} tensors")
+    want = [f"request.{i}.{suffix}" for i in range(len(names))]
+    if sorted(names) != sorted(want):
+        raise ValueError(f"{flag} {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
+                         f"found {', '.join(sorted(names))}")
+    return [(name, header[name]) for name in want]
+
+
 def _input_id_lengths(path: str) -> list[int]:
     """Prompt lengths of an ``--input-ids`` file, from its header: ``request.{i}.input_ids`` for
     i = 0..n-1, each 1-D, non-empty and of an integer dtype."""
-    from glm_dsa.checks import safetensors_header
-
-    header = safetensors_header("--input-ids", path)
-    names = [k for k in header if k.startswith("request.") and k.endswith(".input_ids")]
-    if not names:
-        raise ValueError(f"--input-ids {path} holds no request.{{i}}.input_ids tensors")
-    want = [f"request.{i}.input_ids" for i in range(len(names))]
-    if sorted(names) != sorted(want):
-        raise ValueError(f"--input-ids {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
-                         f"found {', '.join(sorted(names))}")
     lengths = []
-    for name in want:
-        dtype, shape = header[name]["dtype"], header[name]["shape"]
+    for name, info in _numbered_requests("--input-ids", path, "input_ids"):
+        dtype, shape = info["dtype"], info["shape"]
         if dtype not in ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"):
             raise ValueError(f"--input-ids {path}: {name} has dtype {dtype}; token ids must be integers")
         if len(shape) != 1 or shape[0] < 1:
@@ -252,9 +277,55 @@ def _input_id_lengths(path: str) -> list[int]:
     return lengths
 
 
+def _input_hidden_lengths(path: str, hidden_size: int) -> list[int]:
+    """Prompt lengths of an ``--input-hidden`` file, from its header: ``request.{i}.hidden`` for
+    i = 0..n-1, each ``[L ≥ 1, hidden_size]`` and floating point."""
+    lengths = []
+    for name, info in _numbered_requests("--input-hidden", path, "hidden"):
+        dtype, shape = info["dtype"], info["shape"]
+        if dtype not in ("F64", "F32", "BF16", "F16"):
+            raise ValueError(f"--input-hidden {path}: {name} has dtype {dtype}; hidden states must be F32, BF16, "
+                             "F16 or F64")
+        if len(shape) != 2 or shape[0] < 1 or shape[1] != hidden_size:
+            raise ValueError(f"--input-hidden {path}: {name} has shape {shape}; expected [L, {hidden_size}] "
+                             "(L ≥ 1, the model's hidden_size)")
+        lengths.append(shape[0])
+    return lengths
+
+
+def _text_ids(args, vocab_size: int) -> list[int]:
+    """``--text`` tokenized with the checkpoint directory's ``tokenizer.json``."""
+    from glm_dsa.checks import check_optional_module
+
+    dirs = [d for d in (args.weights, args.config) if d and os.path.isdir(d)]
+    found = [os.path.join(d, "tokenizer.json") for d in dirs if os.path.isfile(os.path.join(d, "tokenizer.json"))]
+    if not found:
+        raise ValueError("--text needs a tokenizer.json in the checkpoint directory (--weights DIR or --config DIR)")
+    check_optional_module("--text", "tokenizers", "text")
+    from tokenizers import Tokenizer
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"--text {args.text} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--text {args.text} is not a readable UTF-8 text file ({e})") from None
+    try:
+        ids = Tokenizer.from_file(found[0]).encode(text).ids
+    except Exception as e:  # tokenizers raises its own exception type for a malformed file
+        raise ValueError(f"--text: {found[0]} is not a tokenizers tokenizer.json ({e})") from None
+    if not ids:
+        raise ValueError(f"--text {args.text} tokenizes to no tokens; give a non-empty prompt")
+    if max(ids) >= vocab_size:
+        raise ValueError(f"--text: {found[0]} gives token id {max(ids)}, outside the model's vocab_size={vocab_size}; "
+                         "use the checkpoint's own tokenizer")
+    return ids
+
+
 def _check_prefill(args) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
+    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
 
@@ -268,33 +339,51 @@ def _check_prefill(args) -> list[int]:
     if args.weights:
         if not os.path.isdir(args.weights):
             raise ValueError(f"--weights {args.weights} is not a directory (config.json + model.safetensors)")
-        for name in ("config.json", "model.safetensors"):
-            if not os.path.isfile(os.path.join(args.weights, name)):
-                raise ValueError(f"--weights {args.weights} has no {name}")
-        if not safetensors_header("--weights", os.path.join(args.weights, "model.safetensors")):
-            raise ValueError(f"--weights {args.weights}/model.safetensors holds no tensors")
+        if not os.path.isfile(os.path.join(args.weights, "config.json")):
+            raise ValueError(f"--weights {args.weights} has no config.json")
     config = get_config(args.weights or args.config)
     if args.weights and args.config != args.weights and get_config(args.config) != config:
         raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                          "pass the checkpoint directory as --config or leave them consistent")
+    if args.weights:  # every tensor name, shape and dtype from the headers, before a model is built
+        from glm_dsa.weights import open_checkpoint
+
+        open_checkpoint(args.weights, layers=args.layers)
     if args.layers is not None:  # the memory check below is for the layers that will run
         from glm_dsa.config import keep_layers
 
         config = keep_layers(config, args.layers)
     if args.chunk < config.page_size:
         raise ValueError(f"--chunk {args.chunk} is smaller than one page ({config.page_size} tokens)")
-    if args.input_ids:
-        lengths = _input_id_lengths(args.input_ids)
+    given = [flag for flag, v in (("--input-ids", args.input_ids), ("--input-hidden", args.input_hidden),
+                                  ("--text", args.text)) if v]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} are alternatives; give one")
+    if given and (args.cp or 1) > 1 and given[0] == "--input-hidden":
+        raise ValueError("--input-hidden runs on one rank; drop --cp")
+    if args.save_layer_outputs and not args.save_outputs:
+        raise ValueError("--save-layer-outputs adds to the --save-outputs file; give --save-outputs FILE.safetensors")
+    if args.save_layer_outputs and (args.cp or 1) > 1:
+        raise ValueError("--save-layer-outputs runs on one rank (a context-parallel rank holds a share of each "
+                         "layer's rows); drop --cp")
+    if given:
+        flag = given[0]
+        if flag == "--input-ids":
+            lengths = _input_id_lengths(args.input_ids)
+        elif flag == "--input-hidden":
+            lengths = _input_hidden_lengths(args.input_hidden, config.hidden_size)
+        else:
+            lengths = [len(_text_ids(args, config.vocab_size))]
         if args.tokens is not None and any(n != args.tokens for n in lengths):
-            raise ValueError(f"--tokens {args.tokens} disagrees with --input-ids (lengths {lengths}); drop --tokens")
+            raise ValueError(f"--tokens {args.tokens} disagrees with {flag} (lengths {lengths}); drop --tokens")
         if args.requests not in (1, len(lengths)):
-            raise ValueError(f"--requests {args.requests} disagrees with --input-ids ({len(lengths)} requests); "
+            raise ValueError(f"--requests {args.requests} disagrees with {flag} ({len(lengths)} requests); "
                              "drop --requests")
         if args.prefix:
-            raise ValueError("--prefix does not apply to --input-ids (the file's prompts are run as given)")
+            raise ValueError(f"--prefix does not apply to {flag} (the prompts are run as given)")
     else:
         if args.tokens is None or args.tokens < 1:
-            raise ValueError("--tokens N (≥ 1) is required unless --input-ids is given")
+            raise ValueError("--tokens N (≥ 1) is required unless --input-ids, --input-hidden or --text is given")
         if not 0 <= args.prefix < args.tokens:
             raise ValueError(f"--prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
         lengths = [args.tokens] * args.requests + ([args.prefix] if args.prefix else [])
@@ -307,18 +396,33 @@ def _check_prefill(args) -> list[int]:
                                                                              else "float32")]
     budget = args.budget_bytes or (default_budget_bytes(device, args.mem_fraction_static) if device.type == "cpu"
                                    else 0)
-    need = prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
+    # the kept layers' weights are in the estimate; building them adds one float32 copy of the
+    # largest tensor (its random draw, or an FP8 weight being dequantized)
+    from glm_dsa.weights import largest_tensor_numel
+
+    need = (prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
+            + 4 * largest_tensor_numel(config))
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
     return lengths
 
 
 def _prompts(args, config):
-    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests (no prefix), or
+    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests, the ``--input-hidden``
+    file's (float ``[L, hidden]`` each), the ``--text`` prompt (no prefix for these), or
     ``--requests`` random prompts of ``--tokens`` sharing their first ``--prefix`` tokens."""
     import torch
     from safetensors.torch import load_file
 
+    if args.input_hidden:
+        stored = load_file(args.input_hidden)
+        prompts = [stored[f"request.{i}.hidden"] for i in range(len(stored)) if f"request.{i}.hidden" in stored]
+        for i, p in enumerate(prompts):
+            if not bool(torch.isfinite(p).all()):
+                raise ValueError(f"--input-hidden {args.input_hidden}: request.{i}.hidden holds NaN or inf")
+        return prompts, None
+    if args.text:
+        return [torch.tensor(_text_ids(args, config.vocab_size), dtype=torch.int64)], None
     if args.input_ids:
         stored = load_file(args.input_ids)
         prompts = [stored[f"request.{i}.input_ids"].to(torch.int64) for i in range(len(stored))
@@ -358,7 +462,14 @@ def _run_prefill(args) -> int:
     if args.batch_invariant and args.backend == "triton":
         raise ValueError("--batch-invariant runs the reference backend; drop --backend triton")
     backend = "reference" if args.batch_invariant else get_backend(args.backend, device).name
-    model = _load_model(args, device, getattr(torch, dtype_name))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = _load_model(args, device, getattr(torch, dtype_name), quiet)
+    memory = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+              "weights_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
     budget = args.budget_bytes
@@ -368,20 +479,25 @@ def _run_prefill(args) -> int:
     engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
                            kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
                            timing=True, cp_group=cp_group, backend=backend,
-                           batch_invariant=args.batch_invariant)
+                           layer_outputs=args.save_layer_outputs, batch_invariant=args.batch_invariant)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
-    rids = [engine.add_request(p) for p in prompts]
+    rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
+            for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
     update, close = _progress_bar(engine.tokens_to_run(), progress)
     engine.run(update)
     close()
+    memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     weights = args.weights or f"random, seed {args.seed}"
     report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
-              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, **engine.report(rids)}
+              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, "memory": memory,
+              **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
-        _write_atomically(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
+        outputs = _config_layer_names(engine.outputs(rids), args.layers,
+                                      get_config(args.weights or args.config).num_hidden_layers)
+        _write_atomically(args.save_outputs, lambda tmp: save_file(outputs, tmp))
     if args.plot:
         lengths = [r["tokens"] for r in report["requests"]]
         tokens = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
@@ -394,8 +510,27 @@ def _run_prefill(args) -> int:
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
     print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend} on {device}")
+    print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB" + (
+        f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
+        f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else ""))
     print(_format_prefill_report(report))
     return 0
+
+
+def _config_layer_names(outputs: dict, layers: str | None, num_hidden_layers: int) -> dict:
+    """``request.{i}.layer.{l}.*`` renamed from the kept stack's numbering to the config's (``l +
+    a`` under ``--layers a:b``), so a file names layers as the checkpoint does."""
+    if layers is None:
+        return outputs
+    from glm_dsa.config import parse_layers
+
+    start = parse_layers(layers, num_hidden_layers).start
+
+    def rename(name: str) -> str:
+        m = re.fullmatch(r"(request\.\d+\.layer\.)(\d+)(\..+)", name)
+        return name if m is None else f"{m.group(1)}{int(m.group(2)) + start}{m.group(3)}"
+
+    return {rename(k): v for k, v in outputs.items()}
 
 
 def _format_prefill_report(report: dict) -> str:
@@ -541,6 +676,82 @@ def _add_compare(sub) -> None:
     p.set_defaults(func=_cmd_compare)
 
 
+def _cmd_fidelity(args) -> int:
+    import torch
+
+    from glm_dsa.fidelity import format_fidelity, plot_fidelity, selection_fidelity
+    from glm_dsa.prefill import default_budget_bytes
+
+    if args.rows < 1:
+        raise ValueError(f"--rows {args.rows} must be ≥ 1")
+    lengths = _check_prefill(args)
+    if not 0 <= args.request < len(lengths):
+        raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    backend = get_backend(args.backend, device).name
+    model = _load_model(args, device, getattr(torch, dtype_name))
+    prompts, _ = _prompts(args, model.config)
+    budget = args.budget_bytes or default_budget_bytes(device, args.mem_fraction_static)
+    report = {"weights": args.weights or f"random, seed {args.seed}", "random_weights": not args.weights,
+              **selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
+                                   chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=backend,
+                                   budget_bytes=budget)}
+    if args.plot:
+        _write_atomically(args.plot, lambda tmp: plot_fidelity(report, tmp))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"fidelity: config {report['config']}, 1 prompt of {report['tokens']} tokens, "
+          f"{len(report['positions'])} sampled rows (seed {args.seed}), top-{report['index_topk']}, "
+          f"chunk {args.chunk}")
+    print(f"weights {report['weights']}; dtype {report['dtype']}; KV {args.kv_dtype}; "
+          f"backend {report['backend']} on {device}; prefill {report['seconds']['prefill']:.1f} s, "
+          f"measurement {report['seconds']['measurement']:.1f} s")
+    print(format_fidelity(report))
+    return 0
+
+
+def _add_fidelity(sub) -> None:
+    p = sub.add_parser(
+        "fidelity",
+        help="how much attention the FP8 indexer and the shared-layer top-k reuse keep",
+        description="Prefill one prompt and, on sampled query rows of every kept layer, measure the "
+        "indexer's recall against unquantized scoring, the share of the dense attention mass on the "
+        "selected keys beside the best possible share, and the sparse output's calc_diff against "
+        "dense attention (docs/fidelity.md). Model and inputs as for glm-dsa prefill.",
+    )
+    p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
+    p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
+    p.add_argument("--layers", metavar="SPEC", help="keep only these layers: a count N or a range a:b (as prefill)")
+    p.add_argument("--tokens", type=int, help="prompt length in tokens (random ids unless --input-ids)")
+    p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids (as prefill's --save-outputs)")
+    p.add_argument("--input-hidden", metavar="FILE.safetensors",
+                   help="safetensors file with request.{i}.hidden [L, hidden], the first kept layer's input "
+                   "(as prefill's --input-hidden: a real layer's inputs from --save-layer-outputs)")
+    p.add_argument("--text", metavar="FILE",
+                   help="a UTF-8 prompt tokenized with --weights' tokenizer.json (as prefill's --text)")
+    p.add_argument("--request", type=int, default=0,
+                   help="which prompt of --input-ids / --input-hidden to measure (default 0)")
+    p.add_argument("--rows", type=int, default=256,
+                   help="query rows to sample, one per equal stretch of positions (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights, token ids and the sampled rows")
+    p.add_argument("--chunk", type=int, default=32768, help="chunked_prefill_size: tokens per step (default 32768)")
+    p.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES, help="main KV cache format")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
+                   help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="the prefill's indexer top-k and sparse attention (default auto, as prefill)")
+    p.add_argument("--budget-bytes", type=int,
+                   help="the prefill's budget, and the bound on the dense attention's row chunks (bytes)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA budget rule")
+    p.add_argument("--json", action="store_true", help="print one JSON object (per-row figures included)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
+    # _check_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
+    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glm-dsa",
@@ -552,6 +763,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefill(subparsers)
     _add_golden(subparsers)
     _add_compare(subparsers)
+    _add_fidelity(subparsers)
     testing_cli.add_parser(subparsers)
     return parser
 
