@@ -329,6 +329,8 @@ def _check_prefill(args) -> list[int]:
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
 
+    if args.batch_invariant and args.backend == "triton":
+        raise ValueError("--batch-invariant runs the reference backend; drop --backend triton")
     device = check_device("--device", args.device)
     if args.requests < 1:
         raise ValueError(f"--requests {args.requests} must be ≥ 1")
@@ -459,8 +461,6 @@ def _run_prefill(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
         _check_prefill(args)
-    if args.batch_invariant and args.backend == "triton":
-        raise ValueError("--batch-invariant runs the reference backend; drop --backend triton")
     backend = "reference" if args.batch_invariant else get_backend(args.backend, device).name
     cuda = device.type == "cuda"
     if cuda:
