@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm_dsa.invariant import BATCH_TILE
 from glm_dsa.validate import need
 
 __all__ = [
@@ -145,4 +146,5 @@ def attention_rows(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
             + heads * topk * (3 * 2 + 4)
             + 3 * topk * 8
         )
-    return max(1, budget_bytes // per_row)
+    # Whole batch tiles (``mla._sparse_mla`` pads a chunk to them), at least one.
+    return max(BATCH_TILE, budget_bytes // per_row // BATCH_TILE * BATCH_TILE)

@@ -148,6 +148,9 @@ def _add_prefill(sub) -> None:
                    help="indexer top-k and sparse attention: the reference, the Triton kernels, or the "
                         "DeepGEMM/FlashMLA peers (default auto: triton on CUDA when Triton imports, "
                         "else reference)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="bitwise the same outputs for a request whatever the chunk size and the requests "
+                        "sharing its steps (reference backend; README, Chunked prefill)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--input-hidden", metavar="FILE.safetensors",
@@ -337,6 +340,8 @@ def _preflight_prefill(args) -> list[int]:
     from glm_dsa.ledger import param_counts, prefill_peak_bytes
     from glm_dsa.budget import Budgets
 
+    if args.batch_invariant and args.backend in ("triton", "peers"):
+        raise ValueError(f"--batch-invariant runs the reference backend; drop --backend {args.backend}")
     device = check_device("--device", args.device)
     if args.requests < 1:
         raise ValueError(f"--requests {args.requests} must be ≥ 1")
@@ -477,7 +482,7 @@ def _run_prefill(args) -> int:
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
         _preflight_prefill(args)
-    backend = get_backend(args.backend, device)
+    backend = get_backend("reference" if args.batch_invariant else args.backend, device)
     backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
     cuda = device.type == "cuda"
     if cuda:
@@ -494,7 +499,8 @@ def _run_prefill(args) -> int:
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
         chunked_prefill_size=args.chunk,
         budget_bytes=Budgets.default(device, args.budget_bytes, args.mem_fraction_static),
-        timing=True, cp_group=cp_group, backend=backend, layer_outputs=args.save_layer_outputs)
+        timing=True, cp_group=cp_group, backend=backend, layer_outputs=args.save_layer_outputs,
+        batch_invariant=args.batch_invariant)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
             for p in prompts]
@@ -734,7 +740,8 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (per-row figures included)")
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
     # _preflight_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
-    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None)
+    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None,
+                   batch_invariant=False)
 
 
 def build_parser() -> argparse.ArgumentParser:

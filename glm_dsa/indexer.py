@@ -32,10 +32,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from glm_dsa import invariant
 from glm_dsa.batch import INDEX_K_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.budget import max_logit_rows
 from glm_dsa.config import DSAConfig
@@ -579,7 +579,8 @@ class Indexer(nn.Module):
         return self._key(x, positions)
 
     def _key(self, x: Tensor, positions: Tensor) -> Tensor:
-        return self._rope_then_rotate(self.k_norm(self.wk(x)), positions)
+        return self._rope_then_rotate(self.k_norm(invariant.linear(x, self.wk.weight, positions)),
+                                      positions)
 
     def project_q(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Queries and head gates.
@@ -596,13 +597,17 @@ class Indexer(nn.Module):
         return self._query(x, q_latent, positions)
 
     def _query(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        q = rearrange(self.wq_b(q_latent), "n (h d) -> n h d", h=self.n_heads)
+        q = invariant.linear(q_latent, self.wq_b.weight, positions)
+        q = rearrange(q, "n (h d) -> n h d", h=self.n_heads)
         q = self._rope_then_rotate(q, positions)
         q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
         dtype = torch.promote_types(x.dtype, torch.float32)
         # weights_proj(x.float()), computed as a float64 GEMM rounded once: immune to TF32 and
-        # to how many rows the GEMM is given (CPU GEMMs round a row differently for few rows).
-        gates = F.linear(x.double(), self.weights_proj.weight.double()).to(dtype)  # [n, H]
+        # to how many rows the GEMM is given (CPU GEMMs round a row differently for few rows)
+        # except where the float64 sum lies within its rounding of a float32 midpoint; row-tiled
+        # in batch-invariant mode, which removes that too.
+        gates = invariant.linear(x.double(), self.weights_proj.weight.double(), positions)
+        gates = gates.to(dtype)  # [n, H]
         weights = gates * self.n_heads**-0.5 * q_scale[..., 0].to(dtype) * self.head_dim**-0.5
         return q_fp8, weights
 

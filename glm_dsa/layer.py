@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glm_dsa import invariant
 from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import LATENT_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.budget import Budgets
@@ -133,15 +134,16 @@ class DecoderLayer(nn.Module):
         h = x + step.backend.attend(attn, proj, cache, self.layer_idx, batch, topk_indices,
                                     step.budgets.attention_bytes)
         timer.stop("attention")
-        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask)
+        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, batch.positions)
         timer.stop("moe")
         return out, topk_indices
 
-    def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+    def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None,
+             positions: torch.Tensor) -> torch.Tensor:
         """The MoE or dense MLP; padding rows (``row_mask`` False) give exactly 0."""
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, row_mask)[0]
-        out = self.mlp(x)
+            return self.mlp(x, row_mask, positions)[0]
+        out = self.mlp(x, positions)
         return out if row_mask is None else out * row_mask.unsqueeze(-1).to(out.dtype)
 
 
@@ -195,7 +197,8 @@ class DSAForCausalLM(nn.Module):
         self.model = DSAModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def logits(self, hidden_last: torch.Tensor) -> torch.Tensor:
-        """``hidden_last [r, hidden]`` (before the final norm) → float32 logits ``[r, vocab]``."""
+    def logits(self, hidden_last: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``hidden_last [r, hidden]`` (before the final norm) → float32 logits ``[r, vocab]``;
+        ``positions [r]``: the rows' positions, needed in batch-invariant mode."""
         h = self.model.norm(hidden_last)
-        return torch.nn.functional.linear(h.float(), self.lm_head.weight.float())
+        return invariant.linear(h.float(), self.lm_head.weight.float(), positions)

@@ -29,13 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
+from glm_dsa import invariant
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import attention_rows
 from glm_dsa.config import DSAConfig
 from glm_dsa.indexer import Indexer
+from glm_dsa.invariant import BATCH_TILE, batch_tiled
 from glm_dsa.norm import RMSNorm
 from glm_dsa.rope import apply_rope, rope_cos_sin
 from glm_dsa.validate import check_sparse_conventions, check_sparse_inputs, need
@@ -97,6 +100,15 @@ def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.to(cdt), b.to(cdt))
 
 
+def _absorb(x: Tensor, w: Tensor, keys: Tensor, bmm: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """Per-head product ``x [r, H, a] @ w [H, a, b]`` → ``[r, H, b]`` by ``bmm``; row-tiled on
+    the tokens' ``keys`` in batch-invariant mode (``glm_dsa.invariant``)."""
+    def product(t: Tensor) -> Tensor:
+        return bmm(t.transpose(0, 1), w).transpose(0, 1)
+
+    return invariant.row_tiled(product, x, keys) if invariant.active() else product(x)
+
+
 def sparse_mla_fwd(
     q: Tensor,
     kv: Tensor,
@@ -129,8 +141,10 @@ def sparse_mla_fwd(
         budget_bytes: bound, in bytes, on the temporaries of one row chunk: the gathered keys
             (in kv's dtype and in the compute dtype), the scores and their exponentials, the
             index masks, the chunk's query and output (``budget.attention_rows``). ``None``: one chunk.
-            Chunks change only the batch count of the GEMMs (bitwise the same on CPU). Peak
-            memory: inputs, outputs and ``budget_bytes`` (or one row's temporaries if larger).
+            A chunk is a whole number of ``BATCH_TILE``-row tiles (``glm_dsa.invariant``), and
+            the per-row products always run ``BATCH_TILE`` rows per call, so the results are
+            bitwise independent of the budget. Peak memory: inputs, outputs and
+            ``budget_bytes`` (or one tile's temporaries, ``BATCH_TILE`` rows, if larger).
 
     Returns:
         ``(out [s_q, h, d_v], max_logits [s_q, h], lse [s_q, h])`` in the compute dtype
@@ -171,18 +185,25 @@ def _sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: in
     # An empty kv makes every index invalid: they read a zero row.
     kv_rows = kv[:, 0, :] if s_kv else kv.new_zeros(1, d_qk)        # [s_kv, d_qk]
     row0_finite = bool(torch.isfinite(kv_rows[0]).all())
+    if invariant.active():  # every op on one tile's shape, the reductions included
+        rows_per_chunk = BATCH_TILE
     column = torch.arange(topk, device=q.device)
     sink = None if attn_sink is None else attn_sink.to(cdt)
     for r0 in range(0, s_q, rows_per_chunk):
         r1 = min(s_q, r0 + rows_per_chunk)
-        idx = indices[r0:r1, 0, :].to(torch.int64)                  # [r, topk]
+        # Padded to whole batch tiles (lonely rows: no valid index), so the products' calls
+        # all have BATCH_TILE items whatever the chunk.
+        pad = -(r1 - r0) % BATCH_TILE
+        idx = F.pad(indices[r0:r1, 0, :].to(torch.int64), (0, 0, 0, pad))  # [r + pad, topk]
         valid = (idx >= 0) & (idx < s_kv)
         if topk_length is not None:
-            valid &= column[None, :] < topk_length[r0:r1, None]
-        out[r0:r1], max_logits[r0:r1], lse[r0:r1] = _sparse_mla_rows(
-            q[r0:r1], kv_rows, idx, valid, sm_scale, d_v, sink, row0_finite, lonely_lse_inf
-        )
-        del idx, valid  # before the next chunk's, or two chunks' index tensors coexist
+            valid &= column[None, :] < F.pad(topk_length[r0:r1], (0, pad))[:, None]
+        valid[r1 - r0 :] = False
+        q_rows = q[r0:r1] if not pad else torch.cat([q[r0:r1], q.new_zeros(pad, h, d_qk)])
+        rows = _sparse_mla_rows(q_rows, kv_rows, idx, valid, sm_scale, d_v, sink, row0_finite,
+                                lonely_lse_inf)
+        out[r0:r1], max_logits[r0:r1], lse[r0:r1] = (t[: r1 - r0] for t in rows)
+        del idx, valid, rows  # before the next chunk's, or two chunks' temporaries coexist
     return out, max_logits, lse
 
 
@@ -194,7 +215,8 @@ def _sparse_mla_rows(q, kv_rows, idx, valid, sm_scale, d_v, sink, row0_finite, l
     keys = kv_rows[torch.where(valid, idx, 0)]                      # [r, topk, d_qk]
     if not row0_finite:
         keys.masked_fill_(~valid[..., None], 0)
-    scores = _bmm_f32(q, keys.transpose(1, 2))                      # [r, h, topk]
+    # In fixed batch tiles: a one-row chunk would otherwise run multi-threaded and round apart.
+    scores = batch_tiled(_bmm_f32, q, keys.transpose(1, 2))         # [r, h, topk]
     scores.mul_(sm_scale).masked_fill_(~valid[:, None, :], -math.inf)
     row_max = scores.amax(dim=-1)                                   # [r, h], -inf on lonely rows
     # exp(P - max) ≤ 1. Lonely rows subtract 0 rather than -inf: weights 0, not NaN.
@@ -207,7 +229,7 @@ def _sparse_mla_rows(q, kv_rows, idx, valid, sm_scale, d_v, sink, row0_finite, l
     # Normalised after the value GEMM, as FlashMLA does: [r, h, d_v] divisions, not
     # [r, h, topk]. Multiplying by all d_qk columns and slicing costs (d_qk - d_v)/d_v more
     # FLOPs but no contiguous copy of the [rows, topk, d_v] values.
-    out = _bmm_f32(weights, keys)[..., :d_v].div_(denom[..., None])
+    out = batch_tiled(_bmm_f32, weights, keys)[..., :d_v].div_(denom[..., None])
     if lonely_lse_inf:
         row_lse = row_lse.masked_fill(~valid.any(dim=-1, keepdim=True).expand(-1, h), math.inf)
     return out, row_max, row_lse
@@ -347,10 +369,12 @@ class MLA(nn.Module):
                 f"{tuple(positions.shape)}"
             )
         heads = cfg.num_attention_heads
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        q = rearrange(self.q_b_proj(q_latent), "n (h d) -> n h d", h=heads)  # d = nope + rope
+        q_latent = self.q_a_layernorm(invariant.linear(x, self.q_a_proj.weight, positions))
+        q = invariant.linear(q_latent, self.q_b_proj.weight, positions)
+        q = rearrange(q, "n (h d) -> n h d", h=heads)  # d = nope + rope
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv_a = invariant.linear(x, self.kv_a_proj_with_mqa.weight, positions)
+        c_kv, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         cos, sin = rope_cos_sin(positions, cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling,
                                 dtype=_compute_dtype(x.dtype))
@@ -360,8 +384,12 @@ class MLA(nn.Module):
 
     def use_mha(self, batch: ForwardBatch) -> bool:
         """True when the expanded one-shot form runs: every context is short enough that the
-        top-k keeps all its keys (``max_kv_len ≤ min(dense_attn_kv_len_threshold, index_topk)``)."""
+        top-k keeps all its keys (``max_kv_len ≤ min(dense_attn_kv_len_threshold, index_topk)``).
+        Never in batch-invariant mode: the choice follows the batch's longest context, and the
+        two forms round differently."""
         cfg = self.config
+        if invariant.active():
+            return False
         return batch.max_kv_len <= min(cfg.dense_attn_kv_len_threshold, cfg.index_topk)
 
     def _check_context(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> torch.dtype:
@@ -509,15 +537,17 @@ class MLA(nn.Module):
                               cfg.num_attention_heads, gathered_dtype, qdt, budget_bytes)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            q_abs = bmm(proj.q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [r, H, kv_lora]
+            keys = batch.positions[r0:r1]
+            q_abs = _absorb(proj.q_nope[r0:r1], w_uk, keys, bmm)                   # [r, H, kv_lora]
             query = torch.cat([q_abs, proj.q_pe[r0:r1].to(qdt)], dim=-1)           # [r, H, 576]
             rel = topk_indices[r0:r1]
             ks, ke = batch.ks[r0:r1, None], batch.ke[r0:r1, None]
             inside = (rel >= 0) & (rel < ke - ks)                                   # causal limit
             context_rows = (rel + ks).masked_fill_(~inside, -1).to(torch.int32)    # [r, topk]
             o_lat = attend_rows(query, context_rows)                                # [r, H, kv_lora]
-            o = bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)                 # [r, H, v]
-            out[r0:r1] = self.o_proj(rearrange(o, "r h v -> r (h v)").to(act))
+            o = _absorb(o_lat, w_uv_t, keys, bmm)                                   # [r, H, v]
+            out[r0:r1] = invariant.linear(rearrange(o, "r h v -> r (h v)").to(act), self.o_proj.weight,
+                                          keys)
             del q_abs, query, rel, inside, context_rows, o_lat, o
         return out
 

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glm_dsa import invariant
 from glm_dsa.config import DSAConfig
 
-__all__ = ["route", "MLP", "experts_grouped_mm", "experts_loop", "Experts", "MoEGate", "MoE"]
+__all__ = ["route", "MLP", "experts_grouped_mm", "experts_loop", "experts_row_tiled", "Experts",
+           "MoEGate", "MoE"]
 
 # Keeps an all-zero score row from dividing by zero; the value HF and vLLM use.
 _NORM_EPS = 1e-20
@@ -66,13 +68,15 @@ def route(
     norm_topk_prob: bool,
     routed_scaling_factor: float,
     row_mask: Tensor | None = None,
+    row_keys: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """noaux_tc routing of each row of ``x`` to ``top_k`` experts.
 
     ``x: [n, hidden]`` float; ``gate_weight: [E, hidden]`` (any float dtype, upcast to the
     compute dtype); ``e_score_correction_bias: [E]`` float32 or float64 (a bf16 bias has
     already lost the precision that decides expert choice, so it is refused);
-    ``row_mask: [n]`` bool or None.
+    ``row_mask: [n]`` bool or None; ``row_keys: [n]`` int, the rows' positions (needed in
+    batch-invariant mode, ``glm_dsa.invariant``, where the router GEMM is row-tiled on them).
 
     In the compute dtype: ``s = sigmoid(x @ gate_weight.T)``; selection scores ``s + bias``.
     With ``n_group > 1`` the experts form ``n_group`` contiguous groups, each group is scored
@@ -91,7 +95,7 @@ def route(
     """
     _check_route_inputs(x, gate_weight, e_score_correction_bias, top_k, n_group, topk_group, row_mask)
     return _route(x, gate_weight, e_score_correction_bias, top_k, n_group, topk_group,
-                  norm_topk_prob, routed_scaling_factor, row_mask)
+                  norm_topk_prob, routed_scaling_factor, row_mask, row_keys)
 
 
 def _check_route_inputs(x, gate_weight, e_score_correction_bias, top_k, n_group, topk_group,
@@ -135,13 +139,14 @@ def _check_route_inputs(x, gate_weight, e_score_correction_bias, top_k, n_group,
 
 
 def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: int, topk_group: int,
-           norm_topk_prob: bool, scale: float, row_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+           norm_topk_prob: bool, scale: float, row_mask: Tensor | None,
+           row_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``route`` on checked inputs (``bias``: the score correction; ``scale``: the routed
     scaling factor)."""
     n, num_experts = x.shape[0], gate_weight.shape[0]
     group_size = num_experts // n_group
     cd = _compute_dtype(x.dtype)
-    scores = torch.sigmoid(x.to(cd) @ gate_weight.to(cd).T)  # [n, E]
+    scores = torch.sigmoid(invariant.linear(x.to(cd), gate_weight.to(cd), row_keys))  # [n, E]
     selection = scores + bias.to(cd)  # [n, E]
     if n_group > 1:
         grouped = selection.view(n, n_group, group_size)
@@ -152,7 +157,7 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
     topk_ids = _stable_top(selection, top_k)  # [n, top_k]
     topk_weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + _NORM_EPS)
+        topk_weights = topk_weights / (invariant.row_sum(topk_weights)[:, None] + _NORM_EPS)
     topk_weights = topk_weights * scale
     if row_mask is not None:
         topk_ids = topk_ids.masked_fill(~row_mask[:, None], -1)
@@ -166,6 +171,7 @@ class MLP(nn.Module):
 
     ``silu`` and the product run in the compute dtype and are cast back to ``x.dtype`` before
     ``down_proj`` (DeepSeek's ``Expert``): ``[..., hidden] -> [..., hidden]`` in ``x.dtype``.
+    ``row_keys``: int ``[n]`` positions of a 2-D ``x``'s rows, needed in batch-invariant mode.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -174,7 +180,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, row_keys: Tensor | None = None) -> Tensor:
         weight = self.gate_proj.weight
         if x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
             raise ValueError(
@@ -182,8 +188,9 @@ class MLP(nn.Module):
                 f"{tuple(x.shape)} dtype {x.dtype}; cast the module or the activations"
             )
         cd = _compute_dtype(x.dtype)
-        h = F.silu(self.gate_proj(x).to(cd)) * self.up_proj(x).to(cd)
-        return self.down_proj(h.to(x.dtype))
+        gate = invariant.linear(x, self.gate_proj.weight, row_keys)
+        h = F.silu(gate.to(cd)) * invariant.linear(x, self.up_proj.weight, row_keys).to(cd)
+        return invariant.linear(h.to(x.dtype), self.down_proj.weight, row_keys)
 
 
 def _swiglu(gate_up: Tensor, dtype: torch.dtype) -> Tensor:
@@ -268,6 +275,26 @@ def experts_loop(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, counts: lis
     return out
 
 
+def experts_row_tiled(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, counts: list[int],
+                      row_keys: Tensor) -> Tensor:
+    """``experts_loop`` with each expert's GEMMs row-tiled on its rows' ``row_keys`` (int
+    ``[m]``, the tokens' positions; ``glm_dsa.invariant.row_tiled``): a row's result depends on
+    that row, its expert and its key only, whatever else the expert got. Returns ``[m, H]``."""
+    _check_experts(x, gate_up_proj, down_proj)
+    out = torch.empty_like(x)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = slice(start, start + count)
+
+            def expert(t: Tensor, e: int = e) -> Tensor:
+                return F.linear(_swiglu(F.linear(t, gate_up_proj[e]), x.dtype), down_proj[e])
+
+            out[rows] = invariant.row_tiled(expert, x[rows], row_keys[rows])
+            start += count
+    return out
+
+
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _STACKED = ("gate_up_proj", "down_proj")
 
@@ -308,10 +335,16 @@ class Experts(nn.Module):
         views of the stacked parameters."""
         return _expert_views(self.gate_up_proj, self.down_proj, e)
 
-    def forward(self, x: Tensor, counts: list[int], offsets: Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: list[int], offsets: Tensor,
+                row_keys: Tensor | None = None) -> Tensor:
         """``x: [m, H]`` rows grouped by expert, ``counts[e]`` rows for expert ``e`` (host
         ints) ending at ``offsets[e]`` (int32, on ``x``'s device) → ``[m, H]`` in ``x.dtype``:
-        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES``, ``experts_loop`` otherwise."""
+        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES``, ``experts_loop`` otherwise, and
+        ``experts_row_tiled`` on the rows' ``row_keys`` in batch-invariant mode."""
+        if invariant.active():
+            if row_keys is None:
+                raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
+            return experts_row_tiled(x, self.gate_up_proj, self.down_proj, counts, row_keys)
         if x.dtype in GROUPED_MM_DTYPES:
             return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets)
         return experts_loop(x, self.gate_up_proj, self.down_proj, counts)
@@ -416,12 +449,13 @@ class MoEGate(nn.Module):
             )
         return self
 
-    def forward(self, x: Tensor, row_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, row_mask: Tensor | None = None,
+                row_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``route`` with this layer's weights and the config's routing settings."""
         c = self.config
         return route(
             x, self.weight, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, row_mask,
+            c.topk_group, c.norm_topk_prob, c.routed_scaling_factor, row_mask, row_keys,
         )
 
 
@@ -454,8 +488,10 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, row_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """``x: [n, hidden]``, ``row_mask: [n]`` bool or None.
+    def forward(self, x: Tensor, row_mask: Tensor | None = None,
+                row_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``x: [n, hidden]``, ``row_mask: [n]`` bool or None, ``row_keys: [n]`` int positions
+        (needed in batch-invariant mode, ``glm_dsa.invariant``).
 
         Returns ``(out [n, hidden] in x.dtype, expert_counts int64 [E])``, the counts being the
         rows routed to each expert. Masked rows (``row_mask`` False; context parallel pads ranks
@@ -470,7 +506,7 @@ class MoE(nn.Module):
             )
         n, hidden = x.shape
         top_k, num_experts = self.config.num_experts_per_tok, self.config.n_routed_experts
-        topk_ids, topk_weights = self.gate(x, row_mask)  # [n, top_k] each
+        topk_ids, topk_weights = self.gate(x, row_mask, row_keys)  # [n, top_k] each
 
         # Pair p = row * top_k + slot. Masked pairs (id -1) get key E and sort past every expert,
         # so `order` lists the routed pairs grouped by ascending expert, then the masked ones.
@@ -485,7 +521,8 @@ class MoE(nn.Module):
 
         if routed:
             offsets = expert_counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
-            expert_out = self.experts(x[rows], counts, offsets)  # [routed, hidden], sorted order
+            pair_keys = None if row_keys is None else row_keys[rows]
+            expert_out = self.experts(x[rows], counts, offsets, pair_keys)  # [routed, hidden], sorted
         else:
             expert_out = x.new_empty(0, hidden)
         if routed < n * top_k:
@@ -504,7 +541,7 @@ class MoE(nn.Module):
             out += expert_out[p].to(out.dtype) * weights[p, None]
 
         if self.shared_experts is not None:
-            out += self.shared_experts(x).to(out.dtype)
+            out += self.shared_experts(x, row_keys).to(out.dtype)
         if row_mask is not None:
             out.masked_fill_(~row_mask[:, None], 0.0)
         return out.to(x.dtype), expert_counts

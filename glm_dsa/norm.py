@@ -1,9 +1,14 @@
-"""RMSNorm and LayerNorm over the last dim, with float32 (or float64) math."""
+"""RMSNorm and LayerNorm over the last dim, with float32 (or float64) math.
+
+The row means are ``glm_dsa.invariant.row_mean``: ``Tensor.mean`` unless batch-invariant mode
+fixes their summation order."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from glm_dsa.invariant import row_mean
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm"]
 
@@ -29,7 +34,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         raise ValueError(f"eps={eps!r} must be > 0")
     compute = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(compute)
-    inv_rms = torch.rsqrt(xc.square().mean(dim=-1, keepdim=True) + eps)
+    inv_rms = torch.rsqrt(row_mean(xc.square()) + eps)
     return (xc * inv_rms * weight.to(compute)).to(x.dtype)
 
 
@@ -45,9 +50,9 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
         raise ValueError(f"eps={eps!r} must be > 0")
     compute = torch.promote_types(x.dtype, torch.float32)
     xc = x.to(compute)
-    mean = xc.mean(dim=-1, keepdim=True)
+    mean = row_mean(xc)
     centered = xc - mean
-    inv_std = torch.rsqrt(centered.square().mean(dim=-1, keepdim=True) + eps)
+    inv_std = torch.rsqrt(row_mean(centered.square()) + eps)
     return (centered * inv_std * weight.to(compute) + bias.to(compute)).to(x.dtype)
 
 

@@ -373,9 +373,10 @@ def flash_mla_sparse_fwd(
         lse_base: ``"e"`` (newest) or ``"2"`` (Sep 2025); lonely_lse: ``"+inf"`` or ``"-inf"``.
         budget_bytes: not an upstream argument. Rows are attended in chunks whose temporaries
             (gathered keys, scores, masks) fit this many bytes, so the peak memory is the
-            inputs, the outputs and at most ``budget_bytes`` more (one row's temporaries if
-            that is larger: ``topk · d_qk`` keys and ``h_q · topk`` scores, 11 MB for GLM-5.3
-            with a bf16 kv, 25 MB in float64). The results do not depend on it, bit for bit.
+            inputs, the outputs and at most ``budget_bytes`` more (one tile's temporaries if
+            that is larger: 16 rows of ``topk · d_qk`` keys and ``h_q · topk`` scores, 173 MB
+            for GLM-5.3 with a bf16 kv, 394 MB in float64). The results do not depend on it,
+            bit for bit, on every MKL path (the products run 16 rows per call).
 
     Returns:
         ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])`` in float32 (float64

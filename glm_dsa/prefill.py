@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from glm_dsa import invariant
 from glm_dsa.backend import Backend, get_backend
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
@@ -177,6 +178,10 @@ class PrefillEngine:
             (DeepGEMM and FlashMLA), or a ``Backend`` object; see ``glm_dsa.backend``.
         layer_outputs: keep every layer's output and every full layer's top-k of each request
             (``outputs`` writes them; one rank only).
+        batch_invariant: every product row-tiled on the tokens' positions and the absorbed
+            attention at every length (``glm_dsa.invariant``), so a request's outputs are
+            bitwise the same whatever the chunk size, the requests sharing its steps and its
+            prefix-cache hits (same device, library and thread count). Reference backend only.
     """
 
     pages_peak: int  # most pages in use at once since the last reset_stats
@@ -194,6 +199,7 @@ class PrefillEngine:
         cp_group: CPGroup | None = None,
         backend: str | Backend = "auto",
         layer_outputs: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         cfg = model.config
         if layer_outputs and cp_group is not None:
@@ -208,6 +214,10 @@ class PrefillEngine:
         self.dtype = next(model.parameters()).dtype
         self.backend = get_backend(backend, self.device)
         self.backend.require(self.dtype, kv_dtype)
+        if batch_invariant and self.backend.name != "reference":
+            raise ValueError(f"batch_invariant=True needs backend='reference' (the {self.backend.name} "
+                             "kernels are not batch-invariant)")
+        self.batch_invariant = batch_invariant
         self.cache = KVCache(cfg, num_pages, kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_caching else None
@@ -315,7 +325,7 @@ class PrefillEngine:
         times = LayerTimes() if self.timing else None
         t0 = time.perf_counter()
         step = StepContext(batch, cache, self.budgets, self.backend, times=times)
-        with torch.no_grad():
+        with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
             if self.cp_group is None:
                 with self._layer_capture(plan, batch):
                     hidden = self.model.model(inputs, step)
@@ -331,7 +341,8 @@ class PrefillEngine:
                 if req.done:
                     last_rows.append((req, q0 + e - 1))
             if self.compute_logits and last_rows:
-                logits = self.model.logits(hidden[[row for _, row in last_rows]])
+                rows = [row for _, row in last_rows]
+                logits = self.model.logits(hidden[rows], batch.positions[rows])
                 for (req, _), lg in zip(last_rows, logits):
                     req.logits = lg.cpu()
         if self.device.type == "cuda":

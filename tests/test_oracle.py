@@ -569,16 +569,31 @@ def test_flash_mla_sparse_fwd_is_bitwise_independent_of_its_budget():
 
 
 def test_flash_mla_sparse_fwd_peak_memory_is_its_outputs_plus_the_budget():
-    s_q, h = 64, 16
-    q, kv, indices = _sparse_case(s_q, h, 512, 128)
+    # 2 heads, top-16: one 16-row tile's temporaries (about 1.6 MB) fit the 2 MiB budget.
+    s_q, h = 1024, 2
+    q, kv, indices = _sparse_case(s_q, h, 512, 16)
     outputs = s_q * h * (512 + 2) * 4  # out, max_logits, lse in float32
     budget = 2 << 20
     peak = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=budget))
     assert peak <= outputs + budget, f"peak {peak / 2**20:.1f} MiB"
     print(f"\npeak {peak / 2**20:.2f} MiB for outputs {outputs / 2**20:.2f} MiB + budget 2 MiB")
-    # One chunk holds all rows' gathered keys alone: 64 × 128 × 576 float32 = 18 MiB.
+    # One chunk holds all rows' gathered keys alone: 1024 × 16 × 576 float32 = 36 MiB.
     unbounded = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=None))
     assert unbounded > outputs + 8 * budget
+
+
+def test_flash_mla_sparse_fwd_below_one_tile_of_budget_holds_one_tile():
+    # The smallest chunk is one 16-row tile (the products' fixed call shape): a 1-byte budget
+    # peaks at the outputs plus that tile's temporaries, not at a larger chunk's.
+    s_q, h, topk = 128, 16, 128
+    q, kv, indices = _sparse_case(s_q, h, 512, topk)
+    outputs = s_q * h * (512 + 2) * 4
+    tile = 16 * (topk * 576 * 8 + 3 * h * topk * 4 + h * topk * 10 + 3 * topk * 8
+                 + h * (2 * 576 + 512) * 4 + h * 576 * 10)
+    peak = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=1))
+    assert peak <= outputs + tile, f"peak {peak / 2**20:.1f} MiB, one tile {tile / 2**20:.1f} MiB"
+    unbounded = peak_cpu_bytes(lambda: oracle.flash_mla_sparse_fwd(q, kv, indices, 0.1, budget_bytes=None))
+    assert unbounded > outputs + 2 * tile
 
 
 @pytest.mark.cuda

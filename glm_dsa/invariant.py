@@ -1,0 +1,177 @@
+"""Batch-invariant products: a row's floating-point result depends only on that row.
+
+A BLAS library picks its kernel, its blocking and its thread split by the GEMM's shape, so the
+same row of ``x @ W`` rounds differently when the call has another number of rows (MKL's
+AVX-512 path: 1–15 rows; its AVX2 path: whenever the rows per thread leave a 1- or 2-row tail
+of its 6-row micro-kernel, and for 30–60 % of all row counts) or when a batched product has
+another batch count (one item runs multi-threaded, several run one per thread). What we
+measured, and on which paths, is in ``docs/determinism.md`` (``scripts/probe_gemm_invariance.py``
+reproduces it). Two tools take the shape out of the rounding:
+
+* ``batch_tiled(fn, a, b)``: a batched product whose items are independent (one query row's
+  scores over its own keys) runs in calls of exactly ``BATCH_TILE`` items, the last one padded
+  with zeros. Always on: the sparse attention uses it, which makes ``sparse_mla_fwd`` bitwise
+  independent of its row budget.
+* ``row_tiled(fn, x, keys)``: a product over the rows of ``x`` (a projection, an expert, the
+  absorbed MLA products) runs on tiles of exactly ``ROW_TILE`` rows, and row ``i`` sits at tile
+  row ``keys[i] % ROW_TILE``. With the token's position as its key, a token meets the same call
+  shape at the same place in the tile whatever else the step holds, so even a kernel whose
+  rounding depends on the row's place in the tile (MKL's AVX2 edge kernels) treats it alike.
+  ``linear`` is ``F.linear`` through it. It runs only inside ``batch_invariant()``
+  (``PrefillEngine(batch_invariant=True)``); elsewhere ``linear`` is ``F.linear``.
+
+The promise holds for one process: same device, same library, same thread count. In the mode,
+row-wise reductions are fixed too: norms and the router's weight sum use ``row_sum`` (a fixed
+tree of elementwise adds), and the sparse attention runs one ``BATCH_TILE`` of rows at a time,
+so its softmax reductions always see the same shape. Elementwise ops are per row by
+construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["BATCH_TILE", "ROW_TILE", "batch_invariant", "active", "batch_tiled", "row_tiled",
+           "linear", "row_sum", "row_mean"]
+
+# Items per batched GEMM call. More than any thread count splits one GEMM over, few enough that
+# padding a one-row chunk costs little.
+BATCH_TILE = 16
+# Rows per GEMM call in row-tiled products: the page size, so a chunk (which starts on a page
+# boundary) fills whole tiles, and a multiple of every micro-kernel height we met (6, 8, 16).
+ROW_TILE = 64
+
+_ACTIVE: ContextVar[bool] = ContextVar("glm_dsa_batch_invariant", default=False)
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Within the block (this thread or task), ``linear`` and ``row_tiled`` products give each
+    row a result that depends only on that row and its key."""
+    token = _ACTIVE.set(enabled)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> bool:
+    """True inside ``batch_invariant()``."""
+    return _ACTIVE.get()
+
+
+def _aligned(t: Tensor) -> Tensor:
+    # BLAS may take another code path for operands at another alignment.
+    return t if t.data_ptr() % 64 == 0 else t.clone()
+
+
+def _padded(t: Tensor, rows: int) -> Tensor:
+    """``t [r, ...]`` zero-padded to ``[rows, ...]`` in ``t``'s stride order (a transposed
+    operand stays transposed: the kernel follows the layout)."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    shape = (rows, *t.shape[1:])
+    out = t.new_zeros([shape[d] for d in order]).permute(*[order.index(d) for d in range(t.dim())])
+    out[: t.shape[0]] = t
+    return out
+
+
+def batch_tiled(fn: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor) -> Tensor:
+    """``fn(a, b)`` for a batched product (``torch.bmm``-like: item ``i`` of the result depends on
+    item ``i`` of ``a [B, ...]`` and ``b [B, ...]`` only), computed in calls of exactly
+    ``BATCH_TILE`` items; a short last tile is zero-padded. Returns ``fn``'s ``[B, ...]``."""
+    n = a.shape[0]
+    if b.shape[0] != n:
+        raise ValueError(f"batch_tiled needs one batch count, got {a.shape[0]} and {b.shape[0]}")
+    if n == 0:
+        return fn(a, b)
+    out = None
+    for t0 in range(0, n, BATCH_TILE):
+        t1 = min(n, t0 + BATCH_TILE)
+        ta, tb = a[t0:t1], b[t0:t1]
+        if t1 - t0 < BATCH_TILE:
+            ta, tb = _padded(ta, BATCH_TILE), _padded(tb, BATCH_TILE)
+        else:
+            ta, tb = _aligned(ta), _aligned(tb)
+        res = fn(ta, tb)[: t1 - t0]
+        if out is None:
+            out = res.new_empty((n, *res.shape[1:]))
+        out[t0:t1] = res
+    return out
+
+
+def _tile_rows(keys: Tensor, tile: int) -> tuple[Tensor, int]:
+    """Row of the padded layout for each key (tile ``r`` holds the ``r``-th row of each slot
+    ``key % tile``, in row order) and the number of tiles. One host sync."""
+    slot = keys.long() % tile
+    n = slot.numel()
+    order = torch.sort(slot, stable=True).indices
+    counts = torch.bincount(slot, minlength=tile)
+    starts = counts.cumsum(0) - counts
+    rank = torch.empty_like(slot)
+    rank[order] = torch.arange(n, device=slot.device) - starts[slot[order]]
+    return rank * tile + slot, int(counts.max())
+
+
+def row_tiled(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor,
+              tile: int = ROW_TILE) -> Tensor:
+    """``fn`` applied to the rows of ``x [n, ...]`` in tiles of exactly ``tile`` rows.
+
+    ``fn`` maps ``[tile, ...]`` to ``[tile, ...]`` row by row (a GEMM against fixed weights).
+    Row ``i`` is placed at row ``keys[i] % tile`` of a zero tile (rows sharing a slot go to
+    successive tiles), so its result depends on its values and its key only. ``keys``: int
+    ``[n]``, the token positions. Returns ``[n, ...]`` in ``fn``'s dtype.
+    """
+    n = x.shape[0]
+    if keys.shape != (n,) or keys.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"keys must be int32/int64 [n={n}] (the rows' positions), got "
+                         f"{keys.dtype} {tuple(keys.shape)}")
+    if n == 0:
+        return fn(x)
+    where, num_tiles = _tile_rows(keys.to(x.device), tile)
+    padded = x.new_zeros((num_tiles * tile, *x.shape[1:]))
+    padded[where] = x
+    out = None
+    for t in range(num_tiles):
+        res = fn(padded[t * tile : (t + 1) * tile])
+        if out is None:
+            out = res.new_empty((num_tiles * tile, *res.shape[1:]))
+        out[t * tile : (t + 1) * tile] = res
+    return out[where]
+
+
+def linear(x: Tensor, weight: Tensor, keys: Tensor | None) -> Tensor:
+    """``F.linear(x, weight)`` (``x [n, in]``, ``weight [out, in]``, no bias); inside
+    ``batch_invariant()`` row-tiled on ``keys`` (int ``[n]``, required there)."""
+    if not active():
+        return F.linear(x, weight)
+    if keys is None:
+        raise ValueError("batch-invariant mode needs each row's key (its position) for a projection")
+    return row_tiled(lambda t: F.linear(t, weight), x, keys)
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """``x.sum(-1)``; inside ``batch_invariant()`` added as a fixed pairwise tree of elementwise
+    adds (the last half folded onto the first, a middle element of an odd width waiting), so a
+    row's sum depends on its width only, not on how many rows a library reduction kernel was
+    given (CUDA's reduction picks its thread split by the number of rows)."""
+    if not active():
+        return x.sum(dim=-1)
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        folded = x[..., :half] + x[..., n - half :]
+        x = folded if n % 2 == 0 else torch.cat([folded, x[..., half : half + 1]], dim=-1)
+    return x[..., 0]
+
+
+def row_mean(x: Tensor) -> Tensor:
+    """``x.mean(-1, keepdim=True)``; inside ``batch_invariant()`` ``row_sum(x) / width``."""
+    if not active():
+        return x.mean(dim=-1, keepdim=True)
+    return (row_sum(x) / x.shape[-1])[..., None]

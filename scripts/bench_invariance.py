@@ -1,0 +1,123 @@
+"""The cost of batch invariance (PrefillEngine(batch_invariant=True)), reference backend.
+
+Two cases, each timed with the switch off and on, best of ``--repeat`` after a warm-up:
+
+* ``small``: one step of the `small` preset in float32 (fp32 KV): 512 new tokens over a
+  512-token prefix;
+* ``glm-5.3[6:7]``: one GLM-5.3 layer (layer 6: full indexer, MoE) in bf16, FP8 KV, random
+  weights, one 8,192-token step (``--glm-tokens``).
+
+Each case also checks what the switch promises: the step's new rows run alone (as a one-request
+step of its own) against the same rows run beside another request, bitwise (``equal``) and the
+largest relative difference. Prints a table; ``--out DIR`` writes ``bench_invariance.json``.
+
+    python scripts/bench_invariance.py --device cuda --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from glm_dsa.config import PRESETS, keep_layers
+from glm_dsa.prefill import PrefillEngine
+from glm_dsa.weights import build_model, init_weights
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _engine(model, kv, invariant, pages):
+    return PrefillEngine(model, num_pages=pages, kv_dtype=kv, chunked_prefill_size=1 << 20,
+                         compute_logits=False, batch_invariant=invariant)
+
+
+def _step_seconds(model, prefix, new, kv, invariant, device, repeat):
+    """Best wall seconds of the step that runs ``new`` after ``prefix`` (prefix-cache hit)."""
+    best, out = float("inf"), None
+    pages = 2 * (prefix.numel() + new.numel()) // model.config.page_size + 8
+    for _ in range(repeat + 1):  # the first is the warm-up
+        eng = _engine(model, kv, invariant, pages)
+        if prefix.numel():
+            eng.warm_up(prefix)
+        rid = eng.add_request(torch.cat([prefix, new]).to(device))
+        _sync(device)
+        t = time.perf_counter()
+        eng.run()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+        out = eng.output_hidden(rid)
+    return best, out
+
+
+def _beside(model, prefix, new, other, kv, invariant, device):
+    """The same request's new rows, with ``other`` sharing its step."""
+    pages = 2 * (prefix.numel() + new.numel() + other.numel()) // model.config.page_size + 8
+    eng = _engine(model, kv, invariant, pages)
+    if prefix.numel():
+        eng.warm_up(prefix)
+    eng.add_request(other.to(device))
+    rid = eng.add_request(torch.cat([prefix, new]).to(device))
+    eng.run()
+    return eng.output_hidden(rid)
+
+
+def run_case(name, model, prefix_len, new_len, kv, device, repeat):
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (prefix_len,), generator=g)
+    new = torch.randint(0, vocab, (new_len,), generator=g)
+    other = torch.randint(0, vocab, (max(64, new_len // 4) + 17,), generator=g)
+    row = {"case": name, "prefix": prefix_len, "tokens": new_len}
+    for invariant in (False, True):
+        key = "on" if invariant else "off"
+        seconds, alone = _step_seconds(model, prefix, new, kv, invariant, device, repeat)
+        beside = _beside(model, prefix, new, other, kv, invariant, device)
+        diff = ((beside.float() - alone.float()).abs().max() / alone.float().abs().max()).item()
+        row[f"seconds_{key}"] = seconds
+        row[f"equal_{key}"] = bool(torch.equal(beside, alone))
+        row[f"rel_diff_{key}"] = diff
+    row["cost"] = row["seconds_on"] / row["seconds_off"]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--cases", default="small,glm", help="comma list of small, glm")
+    ap.add_argument("--glm-tokens", type=int, default=8192)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--out", help="directory for bench_invariance.json")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    if "small" in args.cases:
+        model = init_weights(build_model(PRESETS["small"], torch.float32, device), 0).eval()
+        rows.append(run_case("small fp32, 1 step", model, 512, 512, "fp32", device, args.repeat))
+        del model
+    if "glm" in args.cases:
+        cfg = keep_layers(PRESETS["glm-5.3"], "6:7")
+        model = init_weights(build_model(cfg, torch.bfloat16, device), 0).eval()
+        rows.append(run_case(f"glm-5.3[6:7] bf16 fp8-KV, {args.glm_tokens}", model, 0,
+                             args.glm_tokens, "fp8", device, args.repeat))
+        del model
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    print(f"batch invariance cost on {name}, torch {torch.__version__}, reference backend")
+    print(f"{'case':<34} {'off s':>8} {'on s':>8} {'on/off':>7} {'equal off':>10} {'equal on':>9} {'diff off':>9} {'diff on':>8}")
+    for r in rows:
+        print(f"{r['case']:<34} {r['seconds_off']:8.3f} {r['seconds_on']:8.3f} {r['cost']:7.2f} "
+              f"{str(r['equal_off']):>10} {str(r['equal_on']):>9} {r['rel_diff_off']:9.1e} {r['rel_diff_on']:8.1e}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_invariance.json"), "w") as f:
+            json.dump({"device": name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
