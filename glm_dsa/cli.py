@@ -13,11 +13,14 @@ One ``_add_<command>`` function per subcommand registers its arguments and handl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
-import tempfile
+import threading
 import time
+import warnings
 from typing import Sequence
 
 from glm_dsa.backend import BACKENDS, get_backend
@@ -251,7 +254,7 @@ def _input_id_lengths(path: str) -> list[int]:
 
 def _check_prefill(args) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module, check_output_file, safetensors_header
+    from glm_dsa.checks import check_device, check_fits, check_optional_module, safetensors_header
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
 
@@ -295,10 +298,8 @@ def _check_prefill(args) -> list[int]:
         if not 0 <= args.prefix < args.tokens:
             raise ValueError(f"--prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
         lengths = [args.tokens] * args.requests + ([args.prefix] if args.prefix else [])
-    if args.save_outputs:
-        check_output_file("--save-outputs", args.save_outputs)
+    _check_prefill_outputs(args)
     if args.plot:
-        check_output_file("--plot", args.plot)
         check_optional_module("--plot", "matplotlib", "plot")
     dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
                                                                              else "float32")]
@@ -308,6 +309,26 @@ def _check_prefill(args) -> list[int]:
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
     return lengths
+
+
+def _check_prefill_outputs(args) -> None:
+    """``--save-outputs`` and ``--plot``: writable regular files, neither an input of the run
+    (``--input-ids``, ``--input-hidden``, a ``--config`` file, any file under ``--weights``)
+    nor each other."""
+    from glm_dsa.outputs import check_output_file
+
+    inputs = {flag: getattr(args, flag[2:].replace("-", "_"), None)
+              for flag in ("--input-ids", "--input-hidden", "--weights")}
+    inputs["--config"] = args.config if os.path.exists(args.config) else None
+    written: dict[str, str] = {}
+    for flag, path in (("--save-outputs", args.save_outputs), ("--plot", args.plot)):
+        if not path:
+            continue
+        check_output_file(flag, path, inputs)
+        target = os.path.realpath(path)
+        if target in written:
+            raise ValueError(f"{flag} {path} is also {written[target]}; give each output its own file")
+        written[target] = f"{flag} {path}"
 
 
 def _prompts(args, config):
@@ -339,6 +360,7 @@ def _run_prefill(args) -> int:
     from safetensors.torch import save_file
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
+    from glm_dsa.outputs import write_file
     from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
 
     device = torch.device(args.device)
@@ -375,7 +397,7 @@ def _run_prefill(args) -> int:
     if quiet:
         return 0
     if args.save_outputs:
-        _write_atomically(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
+        write_file(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
     if args.plot:
         lengths = [r["tokens"] for r in report["requests"]]
         tokens = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
@@ -427,24 +449,6 @@ def _format_prefill_report(report: dict) -> str:
     return "\n\n".join(blocks)
 
 
-def _write_atomically(path: str, write) -> None:
-    """``write(tmp)`` to a temporary file beside ``path``, then rename it over ``path``, with the
-    mode a plain ``open`` would give (0666 less the umask; temporary files are 0600)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _plot_steps(timeline, path: str, title: str) -> None:
     try:
         import matplotlib
@@ -468,12 +472,14 @@ def _plot_steps(timeline, path: str, title: str) -> None:
     # Outside the axes, so the legend never covers a bar.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    _write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    from glm_dsa.outputs import write_file
+
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def _cmd_golden(args) -> int:
-    from glm_dsa.checks import check_output_dir
     from glm_dsa.golden import write_golden
+    from glm_dsa.outputs import check_output_dir
 
     check_output_dir("--out", args.out)
     manifest = write_golden(args.out, seed=args.seed)
@@ -550,25 +556,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so output temporaries are removed on the way out."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+@contextlib.contextmanager
+def _signals_unwind(command: str):
+    """While a command runs: SIGTERM unwinds like Ctrl-C does, and a library warning prints as
+    one line ``glm-dsa <command>: warning: …``. Both are restored afterwards (``main`` may be
+    called from Python)."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, *rest, **kw: print(f"glm-dsa {command}: warning: {message}",
+                                                              file=sys.stderr)
+    try:
+        yield
+    finally:
+        warnings.showwarning = show
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``glm-dsa`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
-    Every error is one line ``glm-dsa <command>: error: <what and how to fix>`` on stderr: exit
-    status 2 for bad input (a ValueError: every command checks its inputs before computing),
-    1 for a failure during the run; ``--debug`` raises instead, with the traceback.
+    Every error is one line ``glm-dsa <command>: error: <what and how to fix>`` on stderr (a
+    config with several bad keys gives one such line per key): exit status 2 for bad input (a
+    ValueError: every command checks its inputs before computing), 1 for a failure during the
+    run, 130 for Ctrl-C and 143 for SIGTERM (``glm-dsa <command>: interrupted`` /
+    ``terminated``, partial outputs removed); ``--debug`` raises instead, with the traceback.
     """
     parser = build_parser()
     for sub in parser._subparsers._group_actions[0].choices.values():
         sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with _signals_unwind(args.command):
+            return args.func(args)
+    except (KeyboardInterrupt, _Terminated) as e:
+        if args.debug:
+            raise
+        terminated = isinstance(e, _Terminated)
+        print(f"glm-dsa {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except Exception as e:
         if args.debug:
             raise
         bad_input = isinstance(e, ValueError)
         what = str(e) if bad_input else f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
-        print(f"glm-dsa {args.command}: error: {what}", file=sys.stderr)
+        for line in what.splitlines() or [""]:
+            print(f"glm-dsa {args.command}: error: {line}", file=sys.stderr)
         return 2 if bad_input else 1
 
 

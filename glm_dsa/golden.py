@@ -43,6 +43,7 @@ from torch import Tensor
 
 from glm_dsa import oracle
 from glm_dsa.config import get_config
+from glm_dsa.outputs import replace_dir
 from glm_dsa.testing.cases import block_table, ragged_rows, relative_indices
 from glm_dsa.testing.metrics import (
     CALC_DIFF_MAX,
@@ -537,13 +538,17 @@ def _resolve(case: Case, spec: dict) -> dict:
 
 
 def write_golden(out_dir: str | os.PathLike, seed: int = 0) -> dict:
-    """Write ``<contract>.safetensors`` per contract and ``manifest.json`` into ``out_dir``.
+    """Write ``<contract>.safetensors`` per contract and ``manifest.json`` as the directory
+    ``out_dir``, written beside it and swapped in whole (``glm_dsa.outputs.replace_dir``): an
+    interrupted write leaves an existing golden directory as it was.
 
-    Returns the manifest (also written). Existing files of the same names are replaced.
+    Returns the manifest (also written).
     """
+    return replace_dir(os.fspath(out_dir), lambda tmp: _write_golden_into(tmp, seed))
+
+
+def _write_golden_into(out_dir: str, seed: int) -> dict:
     cases = build_cases(seed)
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     by_contract: dict[str, list[Case]] = {}
     for case in cases:
         by_contract.setdefault(case.contract, []).append(case)
