@@ -311,8 +311,10 @@ class Experts(nn.Module):
     def forward(self, x: Tensor, counts: list[int], offsets: Tensor) -> Tensor:
         """``x: [m, H]`` rows grouped by expert, ``counts[e]`` rows for expert ``e`` (host
         ints) ending at ``offsets[e]`` (int32, on ``x``'s device) → ``[m, H]`` in ``x.dtype``:
-        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES``, ``experts_loop`` otherwise."""
-        if x.dtype in GROUPED_MM_DTYPES:
+        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES`` where ``F.grouped_mm`` takes the shapes
+        (rows of ``H`` and ``I`` elements a multiple of 16 bytes), ``experts_loop`` otherwise."""
+        row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
+        if x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes):
             return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets)
         return experts_loop(x, self.gate_up_proj, self.down_proj, counts)
 
