@@ -298,6 +298,7 @@ def _check_prefill(args) -> list[int]:
         if not 0 <= args.prefix < args.tokens:
             raise ValueError(f"--prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
         lengths = [args.tokens] * args.requests + ([args.prefix] if args.prefix else [])
+    _check_positions(args, config, lengths)
     _check_prefill_outputs(args)
     if args.plot:
         check_optional_module("--plot", "matplotlib", "plot")
@@ -309,6 +310,19 @@ def _check_prefill(args) -> list[int]:
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
     return lengths
+
+
+def _check_positions(args, config, lengths: list[int]) -> None:
+    """Every prompt within the config's ``max_position_embeddings`` (as ``add_request`` requires)."""
+    longest = config.max_position_embeddings
+    fix = "or use a config whose config.json has a larger max_position_embeddings"
+    for i, n in enumerate(lengths):
+        if n > longest:
+            if args.input_ids:
+                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids has {n} tokens, past "
+                                 f"max_position_embeddings={longest} of config {config.name}; shorten it {fix}")
+            raise ValueError(f"--tokens {n} runs past max_position_embeddings={longest} of config {config.name}; "
+                             f"lower --tokens {fix}")
 
 
 def _check_prefill_outputs(args) -> None:

@@ -231,6 +231,13 @@ class PrefillEngine:
                              f"{tuple(input_ids.shape)}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size})")
+        longest = self.config.max_position_embeddings
+        if input_ids.numel() + max_new_tokens > longest:
+            raise ValueError(
+                f"request of {input_ids.numel()} + {max_new_tokens} tokens runs past max_position_embeddings="
+                f"{longest} of config {self.config.name} (positions the model was not built for): shorten it, "
+                "or use a config with a larger max_position_embeddings"
+            )
         need = math.ceil((input_ids.numel() + max_new_tokens) / self.config.page_size)
         if need > self.allocator.num_pages:
             raise ValueError(
@@ -373,7 +380,7 @@ class PrefillEngine:
         written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
         pool = cache.pool_bytes()
         report = {
-            "requests": [{"tokens": self.finished[r].length, "cached": self.finished[r].cached_len}
+            "requests": [{"tokens": self._finished(r).length, "cached": self._finished(r).cached_len}
                          for r in rids],
             "budget_bytes": self.budget_bytes,
             "total_seconds": sum(s.seconds for s in self.timeline),
@@ -404,7 +411,7 @@ class PrefillEngine:
         warm = torch.cat(self.finished[self.warm_rid].hidden) if self.warm_rid is not None else None
         out = {}
         for i, rid in enumerate(rids):
-            r = self.finished[rid]
+            r = self._finished(rid)
             if r.cached_len and (warm is None or warm.shape[0] < r.cached_len):
                 raise ValueError(f"request {rid} hit {r.cached_len} cached tokens that no warm_up "
                                  "request computed; run the shared prefix with warm_up first")
@@ -419,7 +426,19 @@ class PrefillEngine:
         """The last layer's output ``[L - cached_len, hidden]`` for the tokens request ``rid`` ran,
         on the model's device (``L × hidden_size × 2`` bytes in bf16: 12.9 GB for 1M tokens of
         GLM-5.3)."""
-        return torch.cat(self.finished[rid].hidden)
+        return torch.cat(self._finished(rid).hidden)
+
+    def _finished(self, rid: int) -> Request:
+        """The finished request ``rid``; a ``ValueError`` naming its state otherwise."""
+        if rid in self.finished:
+            return self.finished[rid]
+        for state, queue in (("waiting", self.waiting), ("running", self.running)):
+            for req in queue:
+                if req.rid == rid:
+                    raise ValueError(f"request {rid} is {state} ({req.prefix_len} of {req.length} tokens run); "
+                                     "call run() (or step() until it returns None) before reading its outputs")
+        added = f"ids 0 … {self._next_rid - 1}" if self._next_rid else "no request yet"
+        raise ValueError(f"no request {rid}: add_request has returned {added}")
 
 
 def _step_json(s: StepRecord, rids: Sequence[int]) -> dict:
