@@ -188,16 +188,17 @@ def _cmd_prefill(args) -> int:
     """One rank, ``--cp N`` ranks spawned here, or this rank of a torchrun group."""
     import torch.multiprocessing as mp
 
-    from glm_dsa.cp import launch, launched_by_torchrun
+    from glm_dsa.cp import check_launch, launch, launched_by_torchrun
 
     from glm_dsa.checks import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
-    check_device("--device", args.device)
+    device = check_device("--device", args.device)
     if launched_by_torchrun() or (args.cp or 1) == 1:
         return _run_prefill(args)
-    _check_prefill(args)
+    check_launch(args.cp, device, f"--cp {args.cp}")
+    _check_prefill(args, ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
         launch(_run_prefill, args.cp, args.device, (args,))
     except mp.ProcessRaisedException as e:
@@ -252,8 +253,10 @@ def _input_id_lengths(path: str) -> list[int]:
     return lengths
 
 
-def _check_prefill(args) -> list[int]:
-    """Every prefill input, before a model is built; returns the prompt lengths."""
+def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
+    """Every prefill input, before a model is built; returns the prompt lengths. The memory
+    check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
+    model and caches)."""
     from glm_dsa.checks import check_device, check_fits, check_optional_module, safetensors_header
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
@@ -308,6 +311,9 @@ def _check_prefill(args) -> list[int]:
                                    else 0)
     need = prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
+    if ranks_on_host > 1:
+        need *= ranks_on_host
+        lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
     return lengths
 
@@ -387,7 +393,7 @@ def _run_prefill(args) -> int:
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
-        _check_prefill(args)
+        _check_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
     backend = get_backend(args.backend, device).name
     model = _load_model(args, device, getattr(torch, dtype_name))
     config = model.config
