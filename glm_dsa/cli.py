@@ -332,23 +332,14 @@ def _check_positions(args, config, lengths: list[int]) -> None:
 
 
 def _check_prefill_outputs(args) -> None:
-    """``--save-outputs`` and ``--plot``: writable regular files, neither an input of the run
-    (``--input-ids``, ``--input-hidden``, a ``--config`` file, any file under ``--weights``)
-    nor each other."""
-    from glm_dsa.outputs import check_output_file
+    """``--save-outputs`` and ``--plot`` against the run's inputs (``--input-hidden`` where the
+    command has it) and each other."""
+    from glm_dsa.outputs import check_outputs
 
     inputs = {flag: getattr(args, flag[2:].replace("-", "_"), None)
               for flag in ("--input-ids", "--input-hidden", "--weights")}
     inputs["--config"] = args.config if os.path.exists(args.config) else None
-    written: dict[str, str] = {}
-    for flag, path in (("--save-outputs", args.save_outputs), ("--plot", args.plot)):
-        if not path:
-            continue
-        check_output_file(flag, path, inputs)
-        target = os.path.realpath(path)
-        if target in written:
-            raise ValueError(f"{flag} {path} is also {written[target]}; give each output its own file")
-        written[target] = f"{flag} {path}"
+    check_outputs({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
 def _prompts(args, config):

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Mapping, TypeVar
 __all__ = [
     "PARTIAL_SUFFIX",
     "check_output_file",
+    "check_outputs",
     "check_output_dir",
     "write_file",
     "replace_dir",
@@ -99,6 +100,20 @@ def check_output_file(flag: str, path: str, inputs: Mapping[str, str | None] | N
         raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(target) and not os.access(target, os.W_OK)):
         raise ValueError(f"{flag} {path} is not writable; choose another path")
+
+
+def check_outputs(outputs: Mapping[str, str | None], inputs: Mapping[str, str | None] | None = None) -> None:
+    """Every given path of ``outputs`` (``{flag: path}``) as :func:`check_output_file` checks it,
+    and no two of them the same file."""
+    written: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if not path:
+            continue
+        check_output_file(flag, path, inputs)
+        target = os.path.realpath(path)
+        if target in written:
+            raise ValueError(f"{flag} {path} is also {written[target]}; give each output its own file")
+        written[target] = f"{flag} {path}"
 
 
 def check_output_dir(flag: str, path: str) -> None:
