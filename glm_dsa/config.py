@@ -38,6 +38,10 @@ SHARED = "shared"
 
 
 # ------------------------------------------------------------------ the typed schema
+_PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "bool": bool, "str": str, "object": Mapping, "list": (list, tuple)}
+
+
 @dataclass(frozen=True)
 class Rule:
     """What one configuration key may hold: a JSON kind and a range or a set of values.
@@ -76,8 +80,7 @@ class Rule:
         if self.kind == "number":
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 return False
-        elif not isinstance(value, {"int": int, "bool": bool, "str": str, "object": Mapping,
-                                    "list": (list, tuple)}[self.kind]):
+        elif not isinstance(value, _PYTHON_TYPES[self.kind]):
             return False
         if self.choices and value not in self.choices:
             return False
@@ -663,8 +666,9 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
     for f in _EXTRA_FIELDS:
         if f in d:
             kw[f] = d[f]
-    kw["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10_000.0)) if rope_key == "rope_parameters"
-                             else d.get("rope_theta", 10_000.0))
+    top_theta = d.get("rope_theta", 10_000.0)
+    kw["rope_theta"] = float(rope.get("rope_theta", top_theta) if rope is not None and rope_key == "rope_parameters"
+                             else top_theta)
     if d.get("indexer_types"):
         kw["indexer_types"] = tuple(d["indexer_types"])
     try:

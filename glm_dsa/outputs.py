@@ -144,7 +144,7 @@ def sweep_partials(path: str) -> list[str]:
     their paths."""
     target = os.path.realpath(path)
     parent, base = os.path.split(target)
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(parent)
     except OSError:
