@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -118,7 +119,10 @@ def _add_prefill(sub) -> None:
         "print the per-step timeline and the cache usage.",
     )
     p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
-    p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
+    p.add_argument("--weights", metavar="DIR",
+                   help="Hugging Face checkpoint directory: config.json and model.safetensors, or shards named by "
+                        "model.safetensors.index.json (bf16 or FP8 with 128x128 weight_scale_inv); only the "
+                        "tensors of --layers and the embedding, final norm and head are read. Random weights if absent")
     p.add_argument("--layers", metavar="SPEC",
                    help="keep only these layers of the config: a count N (the first N) or a range a:b of "
                         "layer indices, e.g. 6:7 = GLM-5.3's first full MoE layer (default: all)")
@@ -137,6 +141,12 @@ def _add_prefill(sub) -> None:
                         "(default auto: triton on CUDA when Triton imports, else reference)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
+    p.add_argument("--input-hidden", metavar="FILE.safetensors",
+                   help="start from hidden states instead of tokens: request.{i}.hidden [L, hidden_size] is the input "
+                        "of the first kept layer (e.g. request.{i}.layer.{a-1}.hidden of a --save-layer-outputs run)")
+    p.add_argument("--text", metavar="FILE",
+                   help="prefill this UTF-8 text as one request, tokenized with the tokenizer.json of the checkpoint "
+                        "directory (needs the 'text' extra: pip install 'glm-dsa[text]')")
     p.add_argument("--budget-bytes", type=int,
                    help="indexer logits / sparse gather budget in bytes (default: SGLang's rule on CUDA, "
                         "docs/conventions.md §12; 256 MiB on CPU)")
@@ -145,6 +155,10 @@ def _add_prefill(sub) -> None:
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
                    help="write request.{i}.input_ids, request.{i}.hidden (every position, last layer before the "
                         "final norm) and request.{i}.logits (float32 [vocab], the last position only)")
+    p.add_argument("--save-layer-outputs", action="store_true",
+                   help="with --save-outputs, also write request.{i}.layer.{l}.hidden (float32 [L, hidden], kept layer "
+                        "l's output) and request.{i}.layer.{l}.topk (int32 [L, index_topk], each full layer's "
+                        "request-relative top-k, -1 padded); one rank only")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-step cost curve (needs the 'plot' extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--cp", type=int,
@@ -210,17 +224,21 @@ def _cmd_prefill(args) -> int:
     return 0
 
 
-def _load_model(args, device, dtype):
-    """The checkpoint of ``--weights`` (checked against ``--config``), or seeded random weights,
-    cut to ``--layers``; parameters are allocated on ``device`` directly."""
+def _load_model(args, device, dtype, quiet: bool = False):
+    """The checkpoint of ``--weights`` (checked against ``--config``; its one-line note of what
+    is read and skipped on stderr unless ``quiet``), or seeded random weights, cut to
+    ``--layers``; parameters are allocated on ``device`` directly, in ``dtype``."""
     from glm_dsa.config import keep_layers
-    from glm_dsa.weights import build_model, init_weights, load_checkpoint
+    from glm_dsa.weights import build_model, init_weights, open_checkpoint
 
     if args.weights:
         if args.config != args.weights and get_config(args.config) != get_config(args.weights):
             raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                              "pass the checkpoint directory as --config or leave them consistent")
-        model = load_checkpoint(args.weights, dtype=dtype, device=device, layers=args.layers)
+        checkpoint = open_checkpoint(args.weights, layers=args.layers)
+        if not quiet:
+            print(checkpoint.note, file=sys.stderr)
+        model = checkpoint.load(dtype, device)
     else:
         config = get_config(args.config)
         if args.layers is not None:
@@ -229,22 +247,28 @@ def _load_model(args, device, dtype):
     return model.eval()
 
 
+def _numbered_requests(flag: str, path: str, suffix: str) -> list[tuple[str, dict]]:
+    """``(name, header entry)`` of ``request.{i}.{suffix}`` for i = 0..n-1 in an input file,
+    from its header; other numberings are refused, other tensors ignored."""
+    from glm_dsa.checks import safetensors_header
+
+    header = safetensors_header(flag, path)
+    names = [k for k in header if re.fullmatch(rf"request\.[^.]+\.{suffix}", k)]
+    if not names:
+        raise ValueError(f"{flag} {path} holds no request.{{i}}.{suffix} tensors")
+    want = [f"request.{i}.{suffix}" for i in range(len(names))]
+    if sorted(names) != sorted(want):
+        raise ValueError(f"{flag} {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
+                         f"found {', '.join(sorted(names))}")
+    return [(name, header[name]) for name in want]
+
+
 def _input_id_lengths(path: str) -> list[int]:
     """Prompt lengths of an ``--input-ids`` file, from its header: ``request.{i}.input_ids`` for
     i = 0..n-1, each 1-D, non-empty and of an integer dtype."""
-    from glm_dsa.checks import safetensors_header
-
-    header = safetensors_header("--input-ids", path)
-    names = [k for k in header if k.startswith("request.") and k.endswith(".input_ids")]
-    if not names:
-        raise ValueError(f"--input-ids {path} holds no request.{{i}}.input_ids tensors")
-    want = [f"request.{i}.input_ids" for i in range(len(names))]
-    if sorted(names) != sorted(want):
-        raise ValueError(f"--input-ids {path}: requests must be numbered request.0 .. request.{len(names) - 1}, "
-                         f"found {', '.join(sorted(names))}")
     lengths = []
-    for name in want:
-        dtype, shape = header[name]["dtype"], header[name]["shape"]
+    for name, info in _numbered_requests("--input-ids", path, "input_ids"):
+        dtype, shape = info["dtype"], info["shape"]
         if dtype not in ("I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64"):
             raise ValueError(f"--input-ids {path}: {name} has dtype {dtype}; token ids must be integers")
         if len(shape) != 1 or shape[0] < 1:
@@ -253,11 +277,57 @@ def _input_id_lengths(path: str) -> list[int]:
     return lengths
 
 
+def _input_hidden_lengths(path: str, hidden_size: int) -> list[int]:
+    """Prompt lengths of an ``--input-hidden`` file, from its header: ``request.{i}.hidden`` for
+    i = 0..n-1, each ``[L ≥ 1, hidden_size]`` and floating point."""
+    lengths = []
+    for name, info in _numbered_requests("--input-hidden", path, "hidden"):
+        dtype, shape = info["dtype"], info["shape"]
+        if dtype not in ("F64", "F32", "BF16", "F16"):
+            raise ValueError(f"--input-hidden {path}: {name} has dtype {dtype}; hidden states must be F32, BF16, "
+                             "F16 or F64")
+        if len(shape) != 2 or shape[0] < 1 or shape[1] != hidden_size:
+            raise ValueError(f"--input-hidden {path}: {name} has shape {shape}; expected [L, {hidden_size}] "
+                             "(L ≥ 1, the model's hidden_size)")
+        lengths.append(shape[0])
+    return lengths
+
+
+def _text_ids(args, vocab_size: int) -> list[int]:
+    """``--text`` tokenized with the checkpoint directory's ``tokenizer.json``."""
+    from glm_dsa.checks import check_optional_module
+
+    dirs = [d for d in (args.weights, args.config) if d and os.path.isdir(d)]
+    found = [os.path.join(d, "tokenizer.json") for d in dirs if os.path.isfile(os.path.join(d, "tokenizer.json"))]
+    if not found:
+        raise ValueError("--text needs a tokenizer.json in the checkpoint directory (--weights DIR or --config DIR)")
+    check_optional_module("--text", "tokenizers", "text")
+    from tokenizers import Tokenizer
+
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"--text {args.text} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--text {args.text} is not a readable UTF-8 text file ({e})") from None
+    try:
+        ids = Tokenizer.from_file(found[0]).encode(text).ids
+    except Exception as e:  # tokenizers raises its own exception type for a malformed file
+        raise ValueError(f"--text: {found[0]} is not a tokenizers tokenizer.json ({e})") from None
+    if not ids:
+        raise ValueError(f"--text {args.text} tokenizes to no tokens; give a non-empty prompt")
+    if max(ids) >= vocab_size:
+        raise ValueError(f"--text: {found[0]} gives token id {max(ids)}, outside the model's vocab_size={vocab_size}; "
+                         "use the checkpoint's own tokenizer")
+    return ids
+
+
 def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths. The memory
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module, safetensors_header
+    from glm_dsa.checks import check_device, check_fits, check_optional_module
     from glm_dsa.ledger import prefill_peak_bytes
     from glm_dsa.prefill import default_budget_bytes
 
@@ -271,37 +341,55 @@ def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
     if args.weights:
         if not os.path.isdir(args.weights):
             raise ValueError(f"--weights {args.weights} is not a directory (config.json + model.safetensors)")
-        for name in ("config.json", "model.safetensors"):
-            if not os.path.isfile(os.path.join(args.weights, name)):
-                raise ValueError(f"--weights {args.weights} has no {name}")
-        if not safetensors_header("--weights", os.path.join(args.weights, "model.safetensors")):
-            raise ValueError(f"--weights {args.weights}/model.safetensors holds no tensors")
+        if not os.path.isfile(os.path.join(args.weights, "config.json")):
+            raise ValueError(f"--weights {args.weights} has no config.json")
     config = get_config(args.weights or args.config)
     if args.weights and args.config != args.weights and get_config(args.config) != config:
         raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
                          "pass the checkpoint directory as --config or leave them consistent")
+    if args.weights:  # every tensor name, shape and dtype from the headers, before a model is built
+        from glm_dsa.weights import open_checkpoint
+
+        open_checkpoint(args.weights, layers=args.layers)
     if args.layers is not None:  # the memory check below is for the layers that will run
         from glm_dsa.config import keep_layers
 
         config = keep_layers(config, args.layers)
     if args.chunk < config.page_size:
         raise ValueError(f"--chunk {args.chunk} is smaller than one page ({config.page_size} tokens)")
-    if args.input_ids:
-        lengths = _input_id_lengths(args.input_ids)
+    given = [flag for flag, v in (("--input-ids", args.input_ids), ("--input-hidden", args.input_hidden),
+                                  ("--text", args.text)) if v]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} are alternatives; give one")
+    if given and (args.cp or 1) > 1 and given[0] == "--input-hidden":
+        raise ValueError("--input-hidden runs on one rank; drop --cp")
+    if args.save_layer_outputs and not args.save_outputs:
+        raise ValueError("--save-layer-outputs adds to the --save-outputs file; give --save-outputs FILE.safetensors")
+    if args.save_layer_outputs and (args.cp or 1) > 1:
+        raise ValueError("--save-layer-outputs runs on one rank (a context-parallel rank holds a share of each "
+                         "layer's rows); drop --cp")
+    if given:
+        flag = given[0]
+        if flag == "--input-ids":
+            lengths = _input_id_lengths(args.input_ids)
+        elif flag == "--input-hidden":
+            lengths = _input_hidden_lengths(args.input_hidden, config.hidden_size)
+        else:
+            lengths = [len(_text_ids(args, config.vocab_size))]
         if args.tokens is not None and any(n != args.tokens for n in lengths):
-            raise ValueError(f"--tokens {args.tokens} disagrees with --input-ids (lengths {lengths}); drop --tokens")
+            raise ValueError(f"--tokens {args.tokens} disagrees with {flag} (lengths {lengths}); drop --tokens")
         if args.requests not in (1, len(lengths)):
-            raise ValueError(f"--requests {args.requests} disagrees with --input-ids ({len(lengths)} requests); "
+            raise ValueError(f"--requests {args.requests} disagrees with {flag} ({len(lengths)} requests); "
                              "drop --requests")
         if args.prefix:
-            raise ValueError("--prefix does not apply to --input-ids (the file's prompts are run as given)")
+            raise ValueError(f"--prefix does not apply to {flag} (the prompts are run as given)")
     else:
         if args.tokens is None or args.tokens < 1:
-            raise ValueError("--tokens N (≥ 1) is required unless --input-ids is given")
+            raise ValueError("--tokens N (≥ 1) is required unless --input-ids, --input-hidden or --text is given")
         if not 0 <= args.prefix < args.tokens:
             raise ValueError(f"--prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
         lengths = [args.tokens] * args.requests + ([args.prefix] if args.prefix else [])
-    _check_positions(args, config, lengths)
+    _check_positions(given[0] if given else "--tokens", args, config, lengths)
     _check_prefill_outputs(args)
     if args.plot:
         check_optional_module("--plot", "matplotlib", "plot")
@@ -309,7 +397,12 @@ def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
                                                                              else "float32")]
     budget = args.budget_bytes or (default_budget_bytes(device, args.mem_fraction_static) if device.type == "cpu"
                                    else 0)
-    need = prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
+    # the kept layers' weights are in the estimate; building them adds one float32 copy of the
+    # largest tensor (its random draw, or an FP8 weight being dequantized)
+    from glm_dsa.weights import largest_tensor_numel
+
+    need = (prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
+            + 4 * largest_tensor_numel(config))
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
     if ranks_on_host > 1:
         need *= ranks_on_host
@@ -318,36 +411,48 @@ def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
     return lengths
 
 
-def _check_positions(args, config, lengths: list[int]) -> None:
-    """Every prompt within the config's ``max_position_embeddings`` (as ``add_request`` requires)."""
+def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
+    """Every prompt of ``flag`` within the config's ``max_position_embeddings`` (as
+    ``add_request`` requires)."""
     longest = config.max_position_embeddings
     fix = "or use a config whose config.json has a larger max_position_embeddings"
     for i, n in enumerate(lengths):
-        if n > longest:
-            if args.input_ids:
-                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids has {n} tokens, past "
-                                 f"max_position_embeddings={longest} of config {config.name}; shorten it {fix}")
-            raise ValueError(f"--tokens {n} runs past max_position_embeddings={longest} of config {config.name}; "
-                             f"lower --tokens {fix}")
+        if n <= longest:
+            continue
+        past = f"past max_position_embeddings={longest} of config {config.name}"
+        if flag == "--tokens":
+            raise ValueError(f"--tokens {n} runs {past}; lower --tokens {fix}")
+        what = {"--input-ids": f"request.{i}.input_ids has", "--input-hidden": f"request.{i}.hidden has",
+                "--text": "tokenizes to"}[flag]
+        path = getattr(args, flag[2:].replace("-", "_"))
+        raise ValueError(f"{flag} {path}: {what} {n} tokens, {past}; shorten it {fix}")
 
 
 def _check_prefill_outputs(args) -> None:
-    """``--save-outputs`` and ``--plot`` against the run's inputs (``--input-hidden`` where the
-    command has it) and each other."""
+    """``--save-outputs`` and ``--plot`` against the run's inputs and each other."""
     from glm_dsa.outputs import check_outputs
 
-    inputs = {flag: getattr(args, flag[2:].replace("-", "_"), None)
-              for flag in ("--input-ids", "--input-hidden", "--weights")}
-    inputs["--config"] = args.config if os.path.exists(args.config) else None
+    inputs = {"--input-ids": args.input_ids, "--input-hidden": args.input_hidden, "--text": args.text,
+              "--weights": args.weights, "--config": args.config if os.path.exists(args.config) else None}
     check_outputs({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
 def _prompts(args, config):
-    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests (no prefix), or
+    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests, the ``--input-hidden``
+    file's (float ``[L, hidden]`` each), the ``--text`` prompt (no prefix for these), or
     ``--requests`` random prompts of ``--tokens`` sharing their first ``--prefix`` tokens."""
     import torch
     from safetensors.torch import load_file
 
+    if args.input_hidden:
+        stored = load_file(args.input_hidden)
+        prompts = [stored[f"request.{i}.hidden"] for i in range(len(stored)) if f"request.{i}.hidden" in stored]
+        for i, p in enumerate(prompts):
+            if not bool(torch.isfinite(p).all()):
+                raise ValueError(f"--input-hidden {args.input_hidden}: request.{i}.hidden holds NaN or inf")
+        return prompts, None
+    if args.text:
+        return [torch.tensor(_text_ids(args, config.vocab_size), dtype=torch.int64)], None
     if args.input_ids:
         stored = load_file(args.input_ids)
         prompts = [stored[f"request.{i}.input_ids"].to(torch.int64) for i in range(len(stored))
@@ -386,7 +491,14 @@ def _run_prefill(args) -> int:
     if cp_group is None or cp_group.rank == 0:
         _check_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
     backend = get_backend(args.backend, device).name
-    model = _load_model(args, device, getattr(torch, dtype_name))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model = _load_model(args, device, getattr(torch, dtype_name), quiet)
+    memory = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+              "weights_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
     budget = args.budget_bytes
@@ -395,20 +507,26 @@ def _run_prefill(args) -> int:
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
     engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
                            kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
-                           timing=True, cp_group=cp_group, backend=backend)
+                           timing=True, cp_group=cp_group, backend=backend,
+                           layer_outputs=args.save_layer_outputs)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
-    rids = [engine.add_request(p) for p in prompts]
+    rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
+            for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
     update, close = _progress_bar(engine.tokens_to_run(), progress)
     engine.run(update)
     close()
+    memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     weights = args.weights or f"random, seed {args.seed}"
     report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
-              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, **engine.report(rids)}
+              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, "memory": memory,
+              **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
-        write_file(args.save_outputs, lambda tmp: save_file(engine.outputs(rids), tmp))
+        outputs = _config_layer_names(engine.outputs(rids), args.layers,
+                                      get_config(args.weights or args.config).num_hidden_layers)
+        write_file(args.save_outputs, lambda tmp: save_file(outputs, tmp))
     if args.plot:
         lengths = [r["tokens"] for r in report["requests"]]
         tokens = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
@@ -421,8 +539,27 @@ def _run_prefill(args) -> int:
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
     print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend} on {device}")
+    print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB" + (
+        f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
+        f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else ""))
     print(_format_prefill_report(report))
     return 0
+
+
+def _config_layer_names(outputs: dict, layers: str | None, num_hidden_layers: int) -> dict:
+    """``request.{i}.layer.{l}.*`` renamed from the kept stack's numbering to the config's (``l +
+    a`` under ``--layers a:b``), so a file names layers as the checkpoint does."""
+    if layers is None:
+        return outputs
+    from glm_dsa.config import parse_layers
+
+    start = parse_layers(layers, num_hidden_layers).start
+
+    def rename(name: str) -> str:
+        m = re.fullmatch(r"(request\.\d+\.layer\.)(\d+)(\..+)", name)
+        return name if m is None else f"{m.group(1)}{int(m.group(2)) + start}{m.group(3)}"
+
+    return {rename(k): v for k, v in outputs.items()}
 
 
 def _format_prefill_report(report: dict) -> str:

@@ -614,7 +614,8 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
 
     Reads HF's own names: ``rope_parameters`` (transformers ≥ 5) or ``rope_theta`` +
     ``rope_scaling``; an explicit ``indexer_types`` list wins over the freq/offset rule; HF's
-    defaults for GLM (freq 1, offset 2) apply when neither is given.
+    defaults for GLM (freq 1, offset 2) apply when neither is given. A ``deepseek_v32`` config
+    (DeepSeek-V3.2's published ``config.json``) defaults to a half-split indexer RoPE.
 
     Every key read is checked against ``SCHEMA`` / ``ROPE_SCHEMA`` (type, range, allowed values)
     and then the cross-field rules, before anything is built: the ``ValueError`` has one line per
@@ -657,7 +658,11 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
         raise refuse(problems)
 
     kw: dict[str, Any] = {"name": name, "model_type": d.get("model_type", "glm_moe_dsa")}
-    defaults = {"index_topk_freq": 1, "index_skip_topk_offset": 2}
+    defaults: dict[str, Any] = {"index_topk_freq": 1, "index_skip_topk_offset": 2}
+    if kw["model_type"] == "deepseek_v32":
+        # DeepSeek-V3.2's config.json has no RoPE-layout keys; its indexer rotates half-split pairs
+        # (DeepSeek's inference code, fixed 2025-11-17) while MLA's are interleaved
+        defaults["indexer_rope_interleave"] = False
     for f in _DIRECT_FIELDS:
         if f in d:
             kw[f] = d[f]

@@ -14,6 +14,7 @@ every later query's context).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -67,7 +68,13 @@ def pages_for(lengths: Sequence[int], page_size: int) -> int:
 
 @dataclass
 class Request:
-    """One prompt being prefilled. ``prefix_len`` counts tokens already in the cache."""
+    """One prompt being prefilled. ``prefix_len`` counts tokens already in the cache.
+
+    The prompt is token ids (``input_ids``, int64 ``[L]``) or, for a run that starts at a later
+    layer, that layer's input hidden states (``input_hidden``, ``[L, hidden]``, on the host;
+    ``input_ids`` is then empty). ``layer_hidden[l]`` / ``layer_topk[l]`` collect each kept
+    layer's output rows and each full layer's top-k rows per step when the engine keeps them.
+    """
 
     rid: int
     input_ids: torch.Tensor
@@ -77,10 +84,13 @@ class Request:
     cached_len: int = 0
     hidden: list[torch.Tensor] = field(default_factory=list)
     logits: torch.Tensor | None = None
+    input_hidden: torch.Tensor | None = None
+    layer_hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    layer_topk: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
-        return int(self.input_ids.numel())
+        return int(self.input_ids.numel() if self.input_hidden is None else self.input_hidden.shape[0])
 
     @property
     def done(self) -> bool:
@@ -182,6 +192,8 @@ class PrefillEngine:
         backend: ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``: Triton indexer
             and paged sparse attention) or ``"auto"`` (triton on CUDA when Triton imports);
             see ``glm_dsa.backend``.
+        layer_outputs: keep every layer's output and every full layer's top-k of each request
+            (``outputs`` writes them; one rank only).
     """
 
     def __init__(
@@ -196,8 +208,11 @@ class PrefillEngine:
         timing: bool = False,
         cp_group: CPGroup | None = None,
         backend: str = "reference",
+        layer_outputs: bool = False,
     ) -> None:
         cfg = model.config
+        if layer_outputs and cp_group is not None:
+            raise ValueError("layer_outputs is for one rank: a context-parallel rank sees only its share of the rows")
         if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
             raise ValueError(
                 f"chunked_prefill_size={chunked_prefill_size} must be a positive multiple of "
@@ -215,6 +230,7 @@ class PrefillEngine:
         self.compute_logits = compute_logits
         self.timing = timing
         self.cp_group = cp_group
+        self.layer_outputs = layer_outputs
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -224,30 +240,56 @@ class PrefillEngine:
         self.reset_stats()
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, input_ids: torch.Tensor, max_new_tokens: int = 0) -> int:
-        """Queue a prompt (int64 ``[L]``); returns its request id."""
-        if input_ids.dtype != torch.int64 or input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D int64 tensor, got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size})")
+    def add_request(self, input_ids: torch.Tensor | None, max_new_tokens: int = 0,
+                    input_hidden: torch.Tensor | None = None) -> int:
+        """Queue a prompt, int64 token ids ``[L]`` or (``input_ids=None``) ``input_hidden``, the
+        first layer's input ``[L, hidden]`` (floating point, finite; cast to the model's dtype
+        step by step, never matched against the prefix cache); returns its request id."""
+        if (input_ids is None) == (input_hidden is None):
+            raise ValueError("give a request its input_ids or its input_hidden, not both or neither")
+        if input_hidden is not None:
+            h = self.config.hidden_size
+            if not input_hidden.is_floating_point() or input_hidden.dim() != 2 or input_hidden.shape[0] == 0 \
+                    or input_hidden.shape[1] != h:
+                raise ValueError(f"input_hidden must be a floating-point [L ≥ 1, hidden_size={h}] tensor, got "
+                                 f"{input_hidden.dtype} {tuple(input_hidden.shape)}")
+            if self.cp_group is not None:
+                raise ValueError("input_hidden is for one rank: context parallel runs from token ids")
+            if not bool(torch.isfinite(input_hidden).all()):
+                raise ValueError("input_hidden holds NaN or inf")
+            n = input_hidden.shape[0]
+        else:
+            if input_ids.dtype != torch.int64 or input_ids.dim() != 1 or input_ids.numel() == 0:
+                raise ValueError(f"input_ids must be a non-empty 1-D int64 tensor, got {input_ids.dtype} "
+                                 f"{tuple(input_ids.shape)}")
+            if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size})")
+            n = input_ids.numel()
         longest = self.config.max_position_embeddings
-        if input_ids.numel() + max_new_tokens > longest:
+        if n + max_new_tokens > longest:
             raise ValueError(
-                f"request of {input_ids.numel()} + {max_new_tokens} tokens runs past max_position_embeddings="
-                f"{longest} of config {self.config.name} (positions the model was not built for): shorten it, "
-                "or use a config with a larger max_position_embeddings"
+                f"request of {n} + {max_new_tokens} tokens runs past max_position_embeddings={longest} of config "
+                f"{self.config.name} (positions the model was not built for): shorten it, or use a config with a "
+                "larger max_position_embeddings"
             )
-        need = math.ceil((input_ids.numel() + max_new_tokens) / self.config.page_size)
+        need = math.ceil((n + max_new_tokens) / self.config.page_size)
         if need > self.allocator.num_pages:
             raise ValueError(
-                f"request of {input_ids.numel()} + {max_new_tokens} tokens needs {need} pages; the pool "
+                f"request of {n} + {max_new_tokens} tokens needs {need} pages; the pool "
                 f"has {self.allocator.num_pages}: raise num_pages or shorten the request"
             )
         rid = self._next_rid
         self._next_rid += 1
-        self.waiting.append(Request(rid, input_ids.cpu(), max_new_tokens))
+        if input_hidden is None:
+            self.waiting.append(Request(rid, input_ids.cpu(), max_new_tokens))
+        else:
+            self.waiting.append(Request(rid, torch.empty(0, dtype=torch.int64), max_new_tokens,
+                                        input_hidden=input_hidden.detach().cpu()))
         return rid
+
+    def _cacheable(self, req: Request) -> bool:
+        """Whether ``req`` takes part in the prefix cache (keyed by token ids: not hidden inputs)."""
+        return self.prefix_cache is not None and req.input_hidden is None
 
     def _admit(self) -> None:
         """Reserve pages for waiting requests in FIFO order while the pool has room."""
@@ -255,7 +297,7 @@ class PrefillEngine:
             req = self.waiting[0]
             page = self.config.page_size
             # A hit must leave at least one token to run: its last position's logits are needed.
-            hit = self.prefix_cache.match(req.input_ids, req.length - 1) if self.prefix_cache else []
+            hit = self.prefix_cache.match(req.input_ids, req.length - 1) if self._cacheable(req) else []
             total = math.ceil((req.length + req.max_new_tokens) / page)
             fresh = self.allocator.alloc(total - len(hit))
             if fresh is None:
@@ -281,15 +323,16 @@ class PrefillEngine:
         extend_lens = [e for _, e in plan]
         context_slots = [cache.slots_of(r.pages, r.prefix_len + e) for r, e in plan]
         batch = ForwardBatch.from_slots(prefix_lens, extend_lens, context_slots, device=self.device)
-        ids = torch.cat([r.input_ids[r.prefix_len : r.prefix_len + e] for r, e in plan]).to(self.device)
+        inputs = self._step_inputs(plan)
         times = LayerTimes() if self.timing else None
         t0 = time.perf_counter()
         with torch.no_grad():
             if self.cp_group is None:
-                hidden = self.model.model(ids, batch, cache, self.budget_bytes, times=times,
-                                          backend=self.backend)
+                with self._layer_capture(plan, batch):
+                    hidden = self.model.model(inputs, batch, cache, self.budget_bytes, times=times,
+                                              backend=self.backend)
             else:
-                hidden = self.cp_group.forward(self.model.model, ids, batch, cache, self.budget_bytes,
+                hidden = self.cp_group.forward(self.model.model, inputs, batch, cache, self.budget_bytes,
                                                times, self.backend)
             last_rows = []
             for i, (req, e) in enumerate(plan):
@@ -327,9 +370,45 @@ class PrefillEngine:
         self.pages_peak = max(self.pages_peak, self.allocator.num_pages - self.allocator.num_free)
         return record
 
+    def _step_inputs(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        """The step's model input: token ids ``[n]``, or hidden rows ``[n, hidden]`` in the model's
+        dtype when a request of the step starts from hidden states (token requests embedded)."""
+        if all(r.input_hidden is None for r, _ in plan):
+            return torch.cat([r.input_ids[r.prefix_len : r.prefix_len + e] for r, e in plan]).to(self.device)
+        rows = []
+        for r, e in plan:
+            if r.input_hidden is None:
+                rows.append(self.model.model.embed_tokens(r.input_ids[r.prefix_len : r.prefix_len + e].to(self.device)))
+            else:
+                rows.append(r.input_hidden[r.prefix_len : r.prefix_len + e].to(self.device, self.dtype))
+        return torch.cat(rows)
+
+    @contextlib.contextmanager
+    def _layer_capture(self, plan: list[tuple[Request, int]], batch: ForwardBatch):
+        """With ``layer_outputs``, hooks on the layers that append each layer's output rows (and a
+        full layer's top-k rows) of the step to the requests of ``plan``; removed on exit."""
+        if not self.layer_outputs:
+            yield
+            return
+
+        def keep(layer, args, output) -> None:
+            out, topk = output
+            for i, (req, e) in enumerate(plan):
+                q0 = int(batch.cu_seqlens_q[i])
+                req.layer_hidden.setdefault(layer.layer_idx, []).append(out[q0 : q0 + e].detach())
+                if layer.is_full:
+                    req.layer_topk.setdefault(layer.layer_idx, []).append(topk[q0 : q0 + e].detach())
+
+        handles = [layer.register_forward_hook(keep) for layer in self.model.model.layers]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
-        if self.prefix_cache is not None:
+        if self._cacheable(req):
             self.prefix_cache.insert(req.input_ids, req.pages, req.length)
         self.allocator.release(req.pages)
         self.finished[req.rid] = req
@@ -368,7 +447,8 @@ class PrefillEngine:
         page = self.config.page_size
         hits = 0
         if self.prefix_cache is not None:
-            hits = sum(len(self.prefix_cache.match(r.input_ids, r.length - 1)) * page for r in self.waiting)
+            hits = sum(len(self.prefix_cache.match(r.input_ids, r.length - 1)) * page for r in self.waiting
+                       if self._cacheable(r))
         return sum(r.length for r in self.waiting) - hits
 
     def report(self, rids: Sequence[int]) -> dict:
@@ -402,24 +482,36 @@ class PrefillEngine:
         return report
 
     def outputs(self, rids: Sequence[int]) -> dict[str, torch.Tensor]:
-        """``request.{i}.input_ids``, ``.hidden`` (float32 ``[L, hidden]``, every token of the
-        prompt) and ``.logits`` of the finished requests ``rids``, on the host.
+        """``request.{i}.input_ids`` (token requests), ``.hidden`` (float32 ``[L, hidden]``, every
+        token of the prompt) and ``.logits`` of the finished requests ``rids``, on the host; with
+        ``layer_outputs`` also ``request.{i}.layer.{l}.hidden`` (float32 ``[L, hidden]``, layer
+        ``l``'s output) and, for each full layer, ``request.{i}.layer.{l}.topk`` (int32 ``[L,
+        index_topk]``, request-relative key positions, ``-1`` padded).
 
         Tokens served from the prefix cache were computed by the ``warm_up`` request (same
         tokens, same positions): their rows are taken from it.
         """
-        warm = torch.cat(self.finished[self.warm_rid].hidden) if self.warm_rid is not None else None
+        warm = self.finished[self.warm_rid] if self.warm_rid is not None else None
+
+        def rows(r: Request, own: list[torch.Tensor], cached: list[torch.Tensor] | None) -> torch.Tensor:
+            head = [torch.cat(cached)[: r.cached_len]] if r.cached_len else []
+            return torch.cat(head + own).cpu().contiguous()
+
         out = {}
         for i, rid in enumerate(rids):
             r = self._finished(rid)
-            if r.cached_len and (warm is None or warm.shape[0] < r.cached_len):
+            if r.cached_len and (warm is None or warm.length < r.cached_len):
                 raise ValueError(f"request {rid} hit {r.cached_len} cached tokens that no warm_up "
                                  "request computed; run the shared prefix with warm_up first")
-            out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
-            rows = ([warm[: r.cached_len]] if r.cached_len else []) + r.hidden
-            out[f"request.{i}.hidden"] = torch.cat(rows).float().cpu().contiguous()
+            if r.input_hidden is None:
+                out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
+            out[f"request.{i}.hidden"] = rows(r, r.hidden, warm and warm.hidden).float()
             if r.logits is not None:
                 out[f"request.{i}.logits"] = r.logits.float().contiguous()
+            for layer, parts in r.layer_hidden.items():
+                out[f"request.{i}.layer.{layer}.hidden"] = rows(r, parts, warm and warm.layer_hidden[layer]).float()
+            for layer, parts in r.layer_topk.items():
+                out[f"request.{i}.layer.{layer}.topk"] = rows(r, parts, warm and warm.layer_topk[layer]).to(torch.int32)
         return out
 
     def output_hidden(self, rid: int) -> torch.Tensor:

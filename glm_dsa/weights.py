@@ -1,26 +1,39 @@
-"""Checkpoint I/O in Hugging Face form: ``config.json`` + ``model.safetensors`` with HF names.
+"""Checkpoints in Hugging Face's layout: ``config.json`` and safetensors files with HF names.
 
-Names are the model's own state-dict keys, which are HF's (``model.layers.{i}.self_attn.q_a_proj.weight``,
+A checkpoint directory holds one ``model.safetensors`` or shards ``model-000NN-of-000MM.safetensors``
+named by ``model.safetensors.index.json``'s ``weight_map``. Names are the model's own state-dict
+keys, which are HF's (``model.layers.{i}.self_attn.q_a_proj.weight``,
 ``model.layers.{i}.mlp.experts.{e}.gate_proj.weight`` …). FP8 checkpoints store e4m3 weights
 with a float32 ``weight_scale_inv`` of shape ``[ceil(out/128), ceil(in/128)]``; the weight is
 ``W_fp8 * scale`` per 128×128 block and is dequantized at load. Never quantized (docs/conventions.md
 §10): the router ``mlp.gate.*``, ``indexer.weights_proj``, norms, biases, the embedding and the
 LM head.
 
-Loading is strict: every missing, unexpected, mis-shaped or mis-typed tensor is collected and
-reported in one ``CheckpointError`` listing each key. Shared layers carry no indexer tensors;
-the MTP layer (index ``num_hidden_layers``) is ignored.
+Loading is checked before it reads: ``open_checkpoint`` matches every name, shape and dtype of
+the tensors the model needs against the safetensors headers (no tensor read, no parameter
+allocated) and collects every problem in one ``CheckpointError``. ``Checkpoint.load`` then reads
+the FP8 block scales (finite and positive, or refused), allocates the model on its device and
+reads one tensor at a time, straight to that device, each from a freshly opened file: host
+memory stays bounded by the largest tensor, and only files holding a kept tensor are opened.
+The multi-token-prediction layers (``model.layers.{num_hidden_layers + j}.*`` for ``j <
+num_nextn_predict_layers``) and the layers ``--layers`` leaves out are skipped and counted in
+``Checkpoint.note``; a layer beyond those is an unexpected tensor. Shared layers carry no
+indexer tensors.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from glm_dsa.config import DSAConfig, from_hf_config, keep_layers, parse_layers, to_hf_config
 from glm_dsa.fp8 import FP8_E4M3_MAX
@@ -28,31 +41,73 @@ from glm_dsa.layer import DSAForCausalLM
 
 __all__ = [
     "CheckpointError",
+    "Checkpoint",
+    "resolve_dtype",
     "is_quantizable",
     "block_quantize_weight",
     "block_dequantize_weight",
     "state_dict_for_save",
     "load_state_dict",
+    "write_config",
+    "write_safetensors",
     "save_checkpoint",
+    "checkpoint_files",
+    "open_checkpoint",
+    "largest_tensor_numel",
     "build_model",
     "load_checkpoint",
     "init_weights",
 ]
 
+_log = logging.getLogger(__name__)
+
 WEIGHT_BLOCK = 128
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+# safetensors' dtype names of the tensors a checkpoint may hold for this model
+_HEADER_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16,
+                  "F32": torch.float32, "F64": torch.float64}
 _NEVER_QUANTIZED = re.compile(
     r"(^lm_head\.|^model\.embed_tokens\.|norm\.|\.mlp\.gate\.|indexer\.weights_proj\.|\.bias$|_bias$)"
 )
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_SCALE = "weight_scale_inv"
+_SHOWN = 10  # problems spelled out in a CheckpointError's message; .problems holds them all
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; ``problems`` maps each key to what is wrong."""
+    """A checkpoint that does not match the model: ``problems`` maps each tensor (or file) name
+    to what is wrong with it; the message is one line naming them."""
 
-    def __init__(self, problems: dict[str, str]) -> None:
+    def __init__(self, problems: Mapping[str, str], directory: str | os.PathLike | None = None) -> None:
         self.problems = dict(sorted(problems.items()))
-        lines = "\n".join(f"  {k}: {v}" for k, v in self.problems.items())
-        super().__init__(f"{len(self.problems)} checkpoint problem(s):\n{lines}")
+        where = f"checkpoint {os.fspath(directory)}" if directory is not None else "checkpoint"
+        items = [f"{k}: {v}" for k, v in self.problems.items()]
+        if len(items) == 1:
+            message = f"{where}: {items[0]}"
+        else:
+            more = len(items) - _SHOWN
+            message = (f"{where}: {len(items)} problems: " + "; ".join(items[:_SHOWN])
+                       + (f"; and {more} more (CheckpointError.problems lists them all)" if more > 0 else ""))
+        super().__init__(message)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A model dtype from a ``torch.dtype`` or its name (``float32``/``fp32``, ``bfloat16``/``bf16``,
+    ``float16``/``fp16``, ``float64``/``fp64``); anything else is refused in one line."""
+    if isinstance(dtype, torch.dtype) and dtype in _FLOAT_DTYPES:
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    raise ValueError(f"dtype {dtype!r} is not a model dtype; use torch.float32, torch.bfloat16, torch.float16, "
+                     f"torch.float64 or one of the names {', '.join(_DTYPE_NAMES)}")
 
 
 def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
@@ -81,10 +136,15 @@ def block_dequantize_weight(w_fp8: torch.Tensor, scale_inv: torch.Tensor, dtype:
     """``W = W_fp8 * scale_inv`` per 128×128 block, returned in ``dtype``.
 
     The product is taken in float32 (upstream's ``weight_dequant``), or in float64 for a float64
-    target, where it is exact.
+    target, where it is exact; beyond the result it takes one copy of the weight in that precision.
     """
     out_f, in_f = w_fp8.shape
     cdt = torch.promote_types(dtype, torch.float32)
+    if out_f % WEIGHT_BLOCK == 0 and in_f % WEIGHT_BLOCK == 0:  # whole blocks: broadcast, no expanded scale
+        bo, bi = out_f // WEIGHT_BLOCK, in_f // WEIGHT_BLOCK
+        w = w_fp8.to(cdt).view(bo, WEIGHT_BLOCK, bi, WEIGHT_BLOCK)
+        w.mul_(scale_inv.to(cdt)[:, None, :, None])
+        return w.view(out_f, in_f).to(dtype)
     expand = scale_inv.repeat_interleave(WEIGHT_BLOCK, 0)[:out_f].repeat_interleave(WEIGHT_BLOCK, 1)[:, :in_f]
     return (w_fp8.to(cdt) * expand.to(cdt)).to(dtype)
 
@@ -97,84 +157,138 @@ def state_dict_for_save(model: DSAForCausalLM, fp8: bool = False) -> dict[str, t
         if fp8 and is_quantizable(name, t):
             q, s = block_quantize_weight(t)
             out[name] = q
-            out[name[: -len("weight")] + "weight_scale_inv"] = s
+            out[_scale_name(name)] = s
         else:
             out[name] = t
     return out
 
 
-def _ignored(name: str, config: DSAConfig) -> bool:
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= config.num_hidden_layers
+def _scale_name(weight_name: str) -> str:
+    return weight_name[: -len("weight")] + _SCALE
 
 
-def load_state_dict(model: DSAForCausalLM, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
+# ------------------------------------------------------------------ checks against the model
+TensorInfo = tuple  # (torch.dtype, or the header's dtype name when it is not one of ours; shape)
+
+
+def _check_entries(
+    infos: Mapping[str, TensorInfo],
+    expected: Mapping[str, torch.Tensor],
+    label: Mapping[str, str],
+    strict: bool,
+    allow_missing: bool,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Every name, shape and dtype of ``infos`` (model names → ``(dtype, shape)``) against the
+    model's ``expected`` tensors (meta tensors will do). Returns ``(problems keyed by the
+    checkpoint names in label, {FP8 weight: its scale})``. Unexpected tensors are problems
+    under ``strict``; missing ones unless ``allow_missing``."""
+    problems: dict[str, str] = {}
+    fp8: dict[str, str] = {}
+    scales = {k for k in infos if k.endswith("." + _SCALE)}
+    for name, (dtype, shape) in infos.items():
+        if name in scales:
+            continue
+        key = label[name]
+        if name not in expected:
+            if strict:
+                problems[key] = "unexpected tensor (not in this model)"
+            continue
+        target = expected[name]
+        if tuple(shape) != tuple(target.shape):
+            problems[key] = f"shape {tuple(shape)}, expected {tuple(target.shape)}"
+        elif dtype == torch.float8_e4m3fn:
+            scale = _scale_name(name)
+            want = (math.ceil(shape[0] / WEIGHT_BLOCK), math.ceil(shape[1] / WEIGHT_BLOCK))
+            if not is_quantizable(name, target):
+                problems[key] = "stored in FP8, but this tensor is never quantized"
+            elif scale not in infos:
+                problems[key] = f"FP8 weight without its scale {label.get(scale, _scale_name(key))}"
+            elif infos[scale][0] != torch.float32 or tuple(infos[scale][1]) != want:
+                problems[label[scale]] = f"{infos[scale][0]} {tuple(infos[scale][1])}, expected torch.float32 {want}"
+            else:
+                fp8[name] = scale
+        elif dtype in _FLOAT_DTYPES:
+            if name.endswith("e_score_correction_bias") and dtype != torch.float32:
+                problems[key] = f"dtype {dtype}, expected torch.float32 (router bias)"
+        else:
+            problems[key] = f"dtype {dtype} is not a floating point or FP8 weight"
+    if not allow_missing:
+        for name in expected:
+            if name not in infos:
+                problems.setdefault(label.get(name, name), "missing")
+    if strict:
+        for name in scales - set(fp8.values()):
+            weight = name[: -len(_SCALE)] + "weight"
+            if weight not in expected or infos.get(weight, (None,))[0] != torch.float8_e4m3fn:
+                problems.setdefault(label[name], "scale without an FP8 weight")
+    return problems, fp8
+
+
+def _check_scale(scale: torch.Tensor) -> str | None:
+    """What is wrong with an FP8 block-scale tensor's values (every block finite and > 0), or None."""
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if not bool(bad.any()):
+        return None
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    return (f"{int(bad.sum())} of {scale.numel()} block scales are not finite and positive "
+            f"(block {first}: {scale[first].item()}); the FP8 weight it scales would load wrong")
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
+    """No NaN or inf in ``t``, checked ``chunk`` elements at a time (``isfinite`` of a whole
+    embedding would take twice its size again in temporaries)."""
+    return bool(torch.stack([torch.isfinite(part).all() for part in t.reshape(-1).split(chunk)]).all())
+
+
+def _fill(
+    model: DSAForCausalLM,
+    order: Mapping[str, str],
+    read: Callable[[str], torch.Tensor],
+    fp8: Mapping[str, str],
+    scales: Mapping[str, torch.Tensor],
+) -> None:
+    """Copy each tensor ``read(model name)`` (dequantized with its checked scale when FP8) into
+    the model's parameter of that name, one at a time, in ``order`` (model name → checkpoint
+    name, for errors). A tensor holding NaN or inf is refused before it is copied."""
+    targets = model.state_dict(keep_vars=True)  # views: a routed expert's rows of its stack
+    with torch.no_grad():
+        for name, key in order.items():
+            target = targets[name]
+            t = read(name)
+            if name in fp8:
+                t = block_dequantize_weight(t.to(target.device), scales[fp8[name]].to(target.device), target.dtype)
+            else:
+                t = t.to(device=target.device, dtype=target.dtype)
+            if not _all_finite(t):
+                raise CheckpointError({key: "holds NaN or inf"})
+            target.copy_(t)
+            del t
+
+
+def load_state_dict(model: DSAForCausalLM, tensors: Mapping[str, torch.Tensor], strict: bool = True) -> None:
     """Copy ``tensors`` (HF names, bf16/fp16/fp32 or FP8 + ``weight_scale_inv``) into ``model``.
 
     Each tensor is converted to the dtype of the parameter it fills. With ``strict`` every
-    problem raises one ``CheckpointError``; otherwise only shape/dtype problems do and
-    missing/unexpected keys are skipped.
+    problem raises one ``CheckpointError``; otherwise only shape/dtype/scale problems do and
+    missing/unexpected keys are skipped (a missing parameter keeps its value).
     """
-    config = model.config
-    expected = model.state_dict()
-    problems: dict[str, str] = {}
-    scales = {k for k in tensors if k.endswith(".weight_scale_inv")}
-    used_scales: set[str] = set()
-    loaded: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if name in scales or _ignored(name, config):
-            continue
-        if name not in expected:
-            if strict:
-                problems[name] = "unexpected tensor (not in this model)"
-            continue
-        target = expected[name]
-        if tuple(t.shape) != tuple(target.shape):
-            problems[name] = f"shape {tuple(t.shape)}, expected {tuple(target.shape)}"
-            continue
-        if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
-            problems[name] = "holds NaN or inf"
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            scale_name = name[: -len("weight")] + "weight_scale_inv"
-            if not is_quantizable(name, target):
-                problems[name] = "stored in FP8, but this tensor is never quantized"
-                continue
-            if scale_name not in tensors:
-                problems[name] = f"FP8 weight without its scale {scale_name}"
-                continue
-            s = tensors[scale_name]
-            want = (math.ceil(t.shape[0] / WEIGHT_BLOCK), math.ceil(t.shape[1] / WEIGHT_BLOCK))
-            if s.dtype != torch.float32 or tuple(s.shape) != want:
-                problems[scale_name] = f"{s.dtype} {tuple(s.shape)}, expected torch.float32 {want}"
-                continue
-            used_scales.add(scale_name)
-            loaded[name] = block_dequantize_weight(t, s, target.dtype)
-        elif t.dtype in _FLOAT_DTYPES:
-            if name.endswith("e_score_correction_bias") and t.dtype != torch.float32:
-                problems[name] = f"dtype {t.dtype}, expected torch.float32 (router bias)"
-                continue
-            loaded[name] = t.to(target.dtype)
-        else:
-            problems[name] = f"dtype {t.dtype} is not a floating point or FP8 weight"
-    if strict:
-        for name in expected:
-            if name not in tensors and name not in problems:
-                problems[name] = "missing"
-        for name in scales - used_scales:
-            if name not in problems and not _ignored(name, config):
-                problems[name] = "scale without an FP8 weight"
+    infos = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    problems, fp8 = _check_entries(infos, model.state_dict(), {k: k for k in tensors}, strict, not strict)
+    for scale in fp8.values():
+        if (why := _check_scale(tensors[scale])) is not None:
+            problems[scale] = why
     if problems:
         raise CheckpointError(problems)
-    # Every name, shape and dtype is checked above; torch's loader copies each tensor into its
-    # parameter, the routed experts' per-expert names into their stacked parameters included.
-    model.load_state_dict(loaded, strict=False)
+    expected = model.state_dict()
+    order = {k: k for k in tensors if k in expected}
+    _fill(model, order, tensors.__getitem__, fp8, tensors)
 
 
-def save_checkpoint(model: DSAForCausalLM, directory: str | os.PathLike, fp8: bool = False) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (deterministic bytes for equal weights)."""
+# ------------------------------------------------------------------ writing
+def write_config(config: DSAConfig, directory: str | os.PathLike, fp8: bool = False) -> None:
+    """Write ``directory/config.json`` for ``config`` (with HF's FP8 ``quantization_config`` if ``fp8``)."""
     os.makedirs(directory, exist_ok=True)
-    cfg = to_hf_config(model.config)
+    cfg = to_hf_config(config)
     if fp8:
         cfg["quantization_config"] = {
             "quant_method": "fp8",
@@ -186,52 +300,284 @@ def save_checkpoint(model: DSAForCausalLM, directory: str | os.PathLike, fp8: bo
     with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
-    save_file(state_dict_for_save(model, fp8), os.path.join(directory, "model.safetensors"))
+
+
+def write_safetensors(
+    tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike, max_shard_bytes: int | None = None
+) -> list[str]:
+    """Write ``tensors`` as ``model.safetensors``, or, with ``max_shard_bytes``, as HF's shards
+    ``model-{i:05d}-of-{n:05d}.safetensors`` (filled in order, a new one when the next tensor
+    would pass the limit; a larger tensor gets a shard of its own) plus
+    ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``). Deterministic
+    bytes for equal tensors; returns the files written."""
+    os.makedirs(directory, exist_ok=True)
+    if max_shard_bytes is None:
+        save_file(dict(tensors), os.path.join(directory, SINGLE_FILE))
+        return [SINGLE_FILE]
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be ≥ 1")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, shard in zip(files, shards):
+        save_file(shard, os.path.join(directory, file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
+    with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return files
+
+
+def save_checkpoint(
+    model: DSAForCausalLM, directory: str | os.PathLike, fp8: bool = False, max_shard_bytes: int | None = None
+) -> None:
+    """Write ``config.json`` and the weights (``write_safetensors``; FP8 block-quantized where
+    ``fp8``); deterministic bytes for equal weights."""
+    write_config(model.config, directory, fp8)
+    write_safetensors(state_dict_for_save(model, fp8), directory, max_shard_bytes)
+
+
+# ------------------------------------------------------------------ reading
+def _open(path: str, device: str = "cpu"):
+    """``safe_open`` of one file; a file it cannot read is one ``CheckpointError`` line."""
+    directory, file = os.path.split(path)
+    try:
+        return safe_open(path, framework="pt", device=device)
+    except SafetensorError as e:
+        raise CheckpointError({file: f"is not a safetensors file, or is truncated or corrupt ({e}); "
+                                     "download it again"}, directory) from None
+    except OSError as e:
+        raise CheckpointError({file: f"cannot be read ({e.strerror or e})"}, directory) from None
+
+
+def _header(path: str) -> dict[str, TensorInfo]:
+    """``{name: (dtype, shape)}`` of one safetensors file, from its header alone."""
+    with _open(path) as f:
+        out = {}
+        for name in f.keys():
+            s = f.get_slice(name)
+            out[name] = (_HEADER_DTYPES.get(s.get_dtype(), s.get_dtype()), tuple(s.get_shape()))
+        return out
+
+
+def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
+    """``{tensor name: file path}`` of a checkpoint directory: ``model.safetensors.index.json``'s
+    ``weight_map`` (every file it names must exist; nothing is opened), else the names in
+    ``model.safetensors``'s header."""
+    d = os.fspath(directory)
+    index = os.path.join(d, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise CheckpointError({INDEX_FILE: f"is not a JSON object with a weight_map ({e})"}, d) from None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise CheckpointError({INDEX_FILE: "its weight_map is not a non-empty {tensor name: file name} object"}, d)
+        absent: dict[str, int] = {}
+        for file in weight_map.values():
+            if not os.path.isfile(os.path.join(d, file)):
+                absent[file] = absent.get(file, 0) + 1
+        if absent:
+            raise CheckpointError({file: f"named by {INDEX_FILE} for {n} tensor(s) but not in the directory; "
+                                         "download it again" for file, n in absent.items()}, d)
+        return {name: os.path.join(d, file) for name, file in weight_map.items()}
+    single = os.path.join(d, SINGLE_FILE)
+    if os.path.isfile(single):
+        return {name: single for name in _header(single)}
+    raise ValueError(f"checkpoint {d} has no {SINGLE_FILE} and no {INDEX_FILE}: not a Hugging Face checkpoint "
+                     "directory")
+
+
+def _nextn_layers(directory: str) -> int:
+    """``num_nextn_predict_layers`` of the checkpoint's config.json (0 when absent)."""
+    with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+        n = json.load(f).get("num_nextn_predict_layers", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{directory}/config.json: num_nextn_predict_layers={n!r} must be an integer ≥ 0")
+    return n
+
+
+def _meta_model(config: DSAConfig) -> DSAForCausalLM:
+    with torch.device("meta"):
+        return DSAForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint directory checked against the model it fills, from its headers alone.
+
+    ``config`` is the model's (cut to ``layers``, the checkpoint layers kept: checkpoint layer
+    ``layers.start + i`` fills layer ``i``); ``tensors`` maps each model tensor name to the
+    ``(checkpoint name, file)`` it is read from, ``scales`` each FP8 weight's model name to its
+    scale's; ``files`` are the files that hold them (the only ones ``load`` opens); ``note`` is
+    one line saying what is read and what is skipped, and why.
+    """
+
+    directory: str
+    config: DSAConfig
+    layers: range
+    tensors: Mapping[str, tuple[str, str]]
+    scales: Mapping[str, tuple[str, str]]
+    files: tuple[str, ...]
+    note: str
+
+    def weight_bytes(self, dtype: torch.dtype | str) -> int:
+        """Bytes of the model's parameters in ``dtype`` (the router bias stays float32)."""
+        dtype = resolve_dtype(dtype)
+        return sum(p.numel() * p.element_size() for p in _meta_model(self.config).to(dtype).parameters())
+
+    def load(self, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu") -> DSAForCausalLM:
+        """The model in ``dtype`` on ``device``, filled from the checkpoint.
+
+        The FP8 block scales are read and checked first (every block finite and positive), then
+        the parameters are allocated on ``device`` and each tensor is read by itself, straight to
+        ``device``, from a file opened for it alone: host memory stays within about one tensor.
+        """
+        dtype, device = resolve_dtype(dtype), torch.device(device)
+        scales: dict[str, torch.Tensor] = {}  # by the model name of the weight each scales
+        problems: dict[str, str] = {}
+        for weight, (key, path) in self.scales.items():
+            scales[weight] = _read(path, key, "cpu").clone()
+            if (why := _check_scale(scales[weight])) is not None:
+                problems[key] = why
+        if problems:
+            raise CheckpointError(problems, self.directory)
+        model = build_model(self.config, dtype, device)
+        where = "cpu" if device.type == "cpu" else str(device)
+        _fill(model, {n: key for n, (key, _) in self.tensors.items()},
+              lambda n: _read(self.tensors[n][1], self.tensors[n][0], where),
+              {n: n for n in self.scales}, scales)
+        return model
+
+
+def _read(path: str, name: str, device: str) -> torch.Tensor:
+    """Tensor ``name`` of file ``path`` on ``device``, the file opened for it alone (its mapping
+    is dropped once the tensor is: host memory does not grow with the tensors read)."""
+    with _open(path, device) as f:
+        return f.get_tensor(name)
+
+
+def open_checkpoint(
+    directory: str | os.PathLike, layers: str | int | range | None = None, strict: bool = True
+) -> Checkpoint:
+    """Check a checkpoint directory against the model built from its ``config.json``, cut to
+    ``layers`` (``config.keep_layers``), reading headers only: only the files holding a kept
+    tensor are opened (every file, for a single ``model.safetensors``).
+
+    Every missing, mis-shaped or mis-typed tensor, scale problem, file named by the weight map
+    but absent, truncated file, or (with ``strict``) unexpected tensor is one entry of one
+    ``CheckpointError``. Tensors of layers outside ``layers`` and of the MTP layers
+    (``num_nextn_predict_layers`` after the last) are skipped; a layer index beyond those is
+    unexpected (skipped and counted without ``strict``).
+    """
+    d = os.fspath(directory)
+    full = from_hf_config(d)
+    nextn = _nextn_layers(d)
+    n_layers = full.num_hidden_layers
+    kept = parse_layers(layers, n_layers) if layers is not None else range(n_layers)
+    config = keep_layers(full, kept)
+    files = checkpoint_files(d)
+    wanted: dict[str, str] = {}  # model name -> checkpoint name
+    problems: dict[str, str] = {}
+    skipped = {"layers": 0, "mtp": 0, "beyond": 0}
+    for name in files:
+        m = _LAYER.match(name)
+        if m is None:
+            wanted[name] = name
+            continue
+        i = int(m.group(1))
+        if i in kept:
+            wanted[f"model.layers.{i - kept.start}.{name[m.end():]}"] = name
+        elif i < n_layers:
+            skipped["layers"] += 1
+        elif i < n_layers + nextn:
+            skipped["mtp"] += 1
+        elif strict:
+            problems[name] = (f"layer {i} is beyond the model's {n_layers} layers and its "
+                              f"{nextn} MTP layer(s) (num_nextn_predict_layers)")
+        else:
+            skipped["beyond"] += 1
+    needed = sorted({files[k] for k in wanted.values()})
+    headers = {path: _header(path) for path in needed}
+    infos: dict[str, TensorInfo] = {}
+    for model_name, key in wanted.items():
+        header = headers[files[key]]
+        if key not in header:
+            problems[key] = f"{INDEX_FILE} puts it in {os.path.basename(files[key])}, whose header lacks it"
+        else:
+            infos[model_name] = header[key]
+    label = dict(wanted)
+    expected = _meta_model(config).state_dict()
+    for name in expected:  # a missing tensor is named as the checkpoint would name it
+        m = _LAYER.match(name)
+        label.setdefault(name, name if m is None else
+                         f"model.layers.{int(m.group(1)) + kept.start}.{name[m.end():]}")
+    found, fp8 = _check_entries(infos, expected, label, strict, allow_missing=False)
+    for key, why in found.items():  # a misplaced tensor is named as such, not as missing
+        problems.setdefault(key, why)
+    if problems:
+        raise CheckpointError(problems, d)
+    tensors = {n: (wanted[n], files[wanted[n]]) for n in expected}
+    scales = {n: (wanted[s], files[wanted[s]]) for n, s in fp8.items()}
+    scope = "all layers" if kept == range(n_layers) else f"layers {kept.start}:{kept.stop}"
+    parts = [f"read {len(tensors) + len(scales)} tensors ({scope}, embedding, final norm, head) "
+             f"from {len(needed)} of {len(set(files.values()))} file(s)"]
+    if skipped["layers"]:
+        parts.append(f"skipped {skipped['layers']} tensors of the other layers")
+    if skipped["mtp"]:
+        parts.append(f"skipped {skipped['mtp']} tensors of the MTP layer(s) "
+                     f"{', '.join(str(n_layers + j) for j in range(nextn))} (num_nextn_predict_layers={nextn}; "
+                     "multi-token prediction is not part of the prefill)")
+    if skipped["beyond"]:
+        parts.append(f"skipped {skipped['beyond']} unexpected tensors of layers beyond {n_layers + nextn - 1} "
+                     "(strict=False)")
+    return Checkpoint(d, config, kept, tensors, scales, tuple(needed), f"checkpoint {d}: " + "; ".join(parts))
+
+
+def largest_tensor_numel(config: DSAConfig) -> int:
+    """Elements of the model's largest checkpoint tensor (a routed expert's projection counts
+    alone): what ``init_weights`` draws, and a checkpoint load reads, at a time."""
+    return max(t.numel() for t in _meta_model(config).state_dict().values())
 
 
 def build_model(
-    config: DSAConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    config: DSAConfig, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
 ) -> DSAForCausalLM:
-    """An uninitialised model whose parameters are allocated on ``device`` from the start (one
-    full-size GLM-5.3 layer is 10 G parameters: no host copy), then cast to ``dtype``."""
-    with torch.device(device):
-        model = DSAForCausalLM(config)
-    return model.to(dtype)
-
-
-def _renumber_layers(tensors: dict[str, torch.Tensor], kept: range) -> dict[str, torch.Tensor]:
-    """Checkpoint layer ``kept.start + i`` renamed to layer ``i``; the other layers dropped."""
-    out = {}
-    for name, t in tensors.items():
-        m = re.match(r"model\.layers\.(\d+)\.", name)
-        if m is None:
-            out[name] = t
-        elif int(m.group(1)) in kept:
-            out[f"model.layers.{int(m.group(1)) - kept.start}.{name[m.end():]}"] = t
-    return out
+    """An uninitialised model (``init_weights`` or a checkpoint fills it) whose parameters are
+    allocated once, in ``dtype``, on ``device``: built on the meta device, cast there, then
+    materialised, so a full-size GLM-5.3 layer (10 G parameters) takes 20 GB in bf16 and no
+    float32 copy ever exists."""
+    dtype = resolve_dtype(dtype)
+    return _meta_model(config).to(dtype).to_empty(device=torch.device(device))
 
 
 def load_checkpoint(
     directory: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
     strict: bool = True,
     layers: str | int | range | None = None,
 ) -> DSAForCausalLM:
-    """Build the model from ``directory``'s ``config.json`` and load ``model.safetensors`` into it.
+    """The model of ``directory``'s ``config.json`` filled from its safetensors files
+    (``open_checkpoint`` then ``Checkpoint.load``; the skip note is logged at INFO).
 
     ``layers`` keeps a slice of the stack (``config.keep_layers``): checkpoint layer
-    ``start + i`` fills the model's layer ``i``.
+    ``start + i`` fills the model's layer ``i``. ``dtype`` is a ``torch.dtype`` or its name.
     """
-    config = from_hf_config(directory)
-    tensors = load_file(os.path.join(directory, "model.safetensors"))
-    if layers is not None:
-        kept = parse_layers(layers, config.num_hidden_layers)
-        config = keep_layers(config, kept)
-        tensors = _renumber_layers(tensors, kept)
-    model = build_model(config, dtype, device)
-    load_state_dict(model, tensors, strict=strict)
-    return model
+    dtype = resolve_dtype(dtype)
+    checkpoint = open_checkpoint(directory, layers, strict)
+    _log.info(checkpoint.note)
+    return checkpoint.load(dtype, device)
 
 
 def init_weights(model: DSAForCausalLM, seed: int = 0) -> DSAForCausalLM:
@@ -242,22 +588,21 @@ def init_weights(model: DSAForCausalLM, seed: int = 0) -> DSAForCausalLM:
     the router correction bias ~ N(0, 0.1²) so that it changes selections. Tensors are
     visited in state-dict order, each drawn at its checkpoint shape (a routed expert's
     ``[I, H]`` or ``[H, I]`` projection, filled through its view of the stacked parameters),
-    so equal seeds give equal weights on the same device type.
+    so equal seeds give equal weights on the same device type. Each is drawn in float32 and
+    scaled in place: the only memory beyond the parameters is one float32 copy of the largest
+    tensor (the embedding), so a run's peak is its prefill's.
     """
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.state_dict(keep_vars=True).items():
             noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-            if name.endswith("e_score_correction_bias"):
-                value = 0.1 * noise
-            elif "norm" in name and name.endswith(".bias"):
-                value = 0.1 * noise
+            if name.endswith("e_score_correction_bias") or ("norm" in name and name.endswith(".bias")):
+                noise.mul_(0.1)
             elif "norm" in name:
-                value = 1.0 + 0.1 * noise
-            elif name.endswith("embed_tokens.weight"):
-                value = noise
-            else:
-                value = noise * p.shape[-1] ** -0.5
-            p.copy_(value.to(p.dtype))
+                noise.mul_(0.1).add_(1.0)
+            elif not name.endswith("embed_tokens.weight"):
+                noise.mul_(p.shape[-1] ** -0.5)
+            p.copy_(noise)  # rounds to p's dtype as .to would
+            del noise
     return model
