@@ -229,3 +229,12 @@ def test_golden_over_an_existing_golden_directory_is_swapped_in(tmp_path, capsys
     capsys.readouterr()
     assert g_link.is_symlink() and json.loads((g / MANIFEST).read_text())["seed"] == 0 != old["seed"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["golden", "link"]
+
+
+def test_outputs_refuse_their_own_input_hidden(tmp_path, capsys):
+    hidden = tmp_path / "hidden.safetensors"
+    save_file({"request.0.hidden": torch.zeros(64, 128)}, str(hidden))
+    before = hidden.read_bytes()
+    for flag in ("--save-outputs", "--plot"):
+        _refused(capsys, [*TINY, "--input-hidden", hidden, flag, hidden], f"{flag} {hidden} is the input --input-hidden")
+    assert hidden.read_bytes() == before
