@@ -4,6 +4,7 @@
     glm-dsa prefill --config tiny --tokens 1024 --chunk 256 --requests 2
     glm-dsa golden --out golden [--seed 0]
     glm-dsa compare --golden golden --candidate my_kernel.safetensors
+    glm-dsa fidelity --config small --tokens 2048 --rows 64
     python -m glm_dsa ledger ...            (same, without installing)
     glm-dsa --version
 
@@ -689,6 +690,84 @@ def _add_compare(sub) -> None:
     p.set_defaults(func=_cmd_compare)
 
 
+def _cmd_fidelity(args) -> int:
+    import torch
+
+    from glm_dsa.fidelity import format_fidelity, plot_fidelity, selection_fidelity
+    from glm_dsa.prefill import default_budget_bytes
+
+    if args.rows < 1:
+        raise ValueError(f"--rows {args.rows} must be ≥ 1")
+    lengths = _check_prefill(args)
+    if not 0 <= args.request < len(lengths):
+        raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    backend = get_backend(args.backend, device).name
+    model = _load_model(args, device, getattr(torch, dtype_name))
+    prompts, _ = _prompts(args, model.config)
+    budget = args.budget_bytes or default_budget_bytes(device, args.mem_fraction_static)
+    report = {"weights": args.weights or f"random, seed {args.seed}", "random_weights": not args.weights,
+              **selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
+                                   chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=backend,
+                                   budget_bytes=budget)}
+    if args.plot:
+        from glm_dsa.outputs import write_file
+
+        write_file(args.plot, lambda tmp: plot_fidelity(report, tmp))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"fidelity: config {report['config']}, 1 prompt of {report['tokens']} tokens, "
+          f"{len(report['positions'])} sampled rows (seed {args.seed}), top-{report['index_topk']}, "
+          f"chunk {args.chunk}")
+    print(f"weights {report['weights']}; dtype {report['dtype']}; KV {args.kv_dtype}; "
+          f"backend {report['backend']} on {device}; prefill {report['seconds']['prefill']:.1f} s, "
+          f"measurement {report['seconds']['measurement']:.1f} s")
+    print(format_fidelity(report))
+    return 0
+
+
+def _add_fidelity(sub) -> None:
+    p = sub.add_parser(
+        "fidelity",
+        help="how much attention the FP8 indexer and the shared-layer top-k reuse keep",
+        description="Prefill one prompt and, on sampled query rows of every kept layer, measure the "
+        "indexer's recall against unquantized scoring, the share of the dense attention mass on the "
+        "selected keys beside the best possible share, and the sparse output's calc_diff against "
+        "dense attention (docs/fidelity.md). Model and inputs as for glm-dsa prefill.",
+    )
+    p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
+    p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
+    p.add_argument("--layers", metavar="SPEC", help="keep only these layers: a count N or a range a:b (as prefill)")
+    p.add_argument("--tokens", type=int, help="prompt length in tokens (random ids unless --input-ids)")
+    p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids (as prefill's --save-outputs)")
+    p.add_argument("--input-hidden", metavar="FILE.safetensors",
+                   help="safetensors file with request.{i}.hidden [L, hidden], the first kept layer's input "
+                   "(as prefill's --input-hidden: a real layer's inputs from --save-layer-outputs)")
+    p.add_argument("--text", metavar="FILE",
+                   help="a UTF-8 prompt tokenized with --weights' tokenizer.json (as prefill's --text)")
+    p.add_argument("--request", type=int, default=0,
+                   help="which prompt of --input-ids / --input-hidden to measure (default 0)")
+    p.add_argument("--rows", type=int, default=256,
+                   help="query rows to sample, one per equal stretch of positions (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights, token ids and the sampled rows")
+    p.add_argument("--chunk", type=int, default=32768, help="chunked_prefill_size: tokens per step (default 32768)")
+    p.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES, help="main KV cache format")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
+                   help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="the prefill's indexer top-k and sparse attention (default auto, as prefill)")
+    p.add_argument("--budget-bytes", type=int,
+                   help="the prefill's budget, and the bound on the dense attention's row chunks (bytes)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA budget rule")
+    p.add_argument("--json", action="store_true", help="print one JSON object (per-row figures included)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
+    # _check_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
+    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="glm-dsa",
@@ -700,6 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prefill(subparsers)
     _add_golden(subparsers)
     _add_compare(subparsers)
+    _add_fidelity(subparsers)
     testing_cli.add_parser(subparsers)
     return parser
 

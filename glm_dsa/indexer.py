@@ -711,8 +711,9 @@ class Indexer(nn.Module):
         )
         return n
 
-    def _rope_then_rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """``[n, ..., D]``: RoPE on the first ``rope_dim`` dims, then the Hadamard rotation."""
+    def rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``[n, ..., D]``: RoPE on the first ``rope_dim`` dims, no rotation (``glm_dsa.fidelity``
+        scores these unrotated vectors to show what the rotation is for)."""
         cfg = self.config
         cos, sin = rope_cos_sin(
             positions,
@@ -723,7 +724,11 @@ class Indexer(nn.Module):
         )
         x_pe, x_nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         x_pe = apply_rope(x_pe, cos, sin, interleaved=cfg.indexer_rope_interleave)
-        return hadamard_transform(torch.cat([x_pe, x_nope], dim=-1), self.head_dim**-0.5)
+        return torch.cat([x_pe, x_nope], dim=-1)
+
+    def _rope_then_rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """``[n, ..., D]``: RoPE on the first ``rope_dim`` dims, then the Hadamard rotation."""
+        return hadamard_transform(self.rope(x, positions), self.head_dim**-0.5)
 
     def project_k(self, x: Tensor, positions: Tensor) -> Tensor:
         """``x [n, hidden]``, ``positions`` int64 ``[n]`` → unquantized key ``[n, D]`` (x.dtype)."""

@@ -36,6 +36,14 @@ def rope_complex(x, positions, theta, interleaved):
 
 def mla_dense(sd, prefix, cfg, x, positions, allowed=None):
     """Expanded MLA over one request: x [L, hidden] -> [L, hidden]. ``allowed[m]``: key set of row m."""
+    probs, v = mla_probs(sd, prefix, cfg, x, positions, allowed)
+    o = torch.einsum("hmn,nhv->mhv", probs, v)
+    return o.reshape(x.shape[0], -1) @ sd[prefix + "o_proj.weight"].to(F64).T
+
+
+def mla_probs(sd, prefix, cfg, x, positions, allowed=None):
+    """The softmax of expanded MLA over one request, ``[H, L, L]`` (query x key, causal and
+    within ``allowed[m]``), and the values ``[L, H, v_head_dim]``."""
     g = lambda k: sd[prefix + k].to(F64)  # noqa: E731
     L, H = x.shape[0], cfg.num_attention_heads
     nope, rope, v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -56,8 +64,7 @@ def mla_dense(sd, prefix, cfg, x, positions, allowed=None):
             sel[m, list(keys)] = True
         mask &= sel
     scores = scores.masked_fill(~mask, float("-inf"))
-    o = torch.einsum("hmn,nhv->mhv", torch.softmax(scores, dim=-1), kvb[..., nope:])
-    return o.reshape(L, H * v_dim) @ g("o_proj.weight").T
+    return torch.softmax(scores, dim=-1), kvb[..., nope:]
 
 
 def mlp(sd, prefix, x):
