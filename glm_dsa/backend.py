@@ -1,67 +1,88 @@
-"""Which implementation runs a DSA layer's two hot operations: the reference or Triton kernels.
+"""Which implementation runs a DSA layer's two hot operations: the indexer top-k and attention.
 
-The reference (``glm_dsa.indexer``, ``glm_dsa.mla``) is the oracle: exact FP8 indexer logits in
-float64 and float32-accurate sparse attention over the gathered context. The ``triton`` backend
-(``glm_dsa.kernels``) swaps in, with the same contracts,
+A ``Backend`` is any object with a ``name``, ``require(dtype, kv_dtype)`` (a one-line
+ValueError, before any compute, for a run it cannot do), ``indexer_topk`` (the contract of
+``glm_dsa.indexer.indexer_topk``) and ``attend`` (one layer's attention over its cache,
+choosing the form itself). ``DecoderLayer`` calls only these, so a new implementation is a new
+class here (or anywhere: ``PrefillEngine`` takes a ``Backend`` object as well as a name).
 
-* the indexer's top-k: Triton FP8 logits (float32 tensor-core accumulation, checked with
-  DeepGEMM's ``calc_diff``) in the same budgeted row chunks, and a per-row selection whose order
-  inside a row is free (set semantics);
-* absorbed sparse attention that reads the selected rows straight from the paged KV pool (FP8
-  656-byte rows dequantized in the kernel, or bf16 / fp32 rows), so no layer gathers its whole
-  context; queries and the absorption GEMMs run in the activation dtype (bf16 on the GPU).
+* ``reference`` — the oracle: exact FP8 indexer logits in float64, float32-accurate sparse
+  attention over the gathered context, and the MHA one-shot form for short contexts.
+* ``triton`` — ``glm_dsa.kernels``: Triton FP8 logits (float32 tensor-core accumulation,
+  checked with DeepGEMM's ``calc_diff``) in the same budgeted row chunks and a radix select
+  whose order inside a row is free (set semantics); absorbed sparse attention reading the
+  selected rows straight from the paged pool (FP8 656-byte rows dequantized in the kernel, or
+  bf16 / fp32 rows); queries and absorption GEMMs in the activation dtype.
+* ``peers`` — the production kernels (``glm_dsa.peers``): DeepGEMM ``fp8_mqa_logits`` in the
+  same budgeted row chunks with the triton backend's radix select, and FlashMLA's SM90 sparse
+  prefill. FlashMLA reads bf16 rows only: a bf16 pool is read in place through slot numbers;
+  for an FP8 pool the layer's context is dequantized to bf16 once per step (exact: e4m3 times a
+  power-of-two tile scale fits bf16; 1152 bytes per context token, 151 MB at 131,072 tokens)
+  and FlashMLA runs over it. bf16 activations only (FlashMLA's query is bf16).
 
-The triton backend takes the absorbed sparse form at every length: where a context has no
-more than ``index_topk`` keys, the top-k keeps them all and sparse attention is the dense result,
-so the reference's MHA one-shot form (float32, expanded per head) is not needed. Projections and
-the MoE are shared.
+The triton and peers backends take the absorbed sparse form at every length: where a context
+has no more than ``index_topk`` keys the top-k keeps them all and sparse attention is the dense
+result, so the reference's MHA one-shot form (float32, expanded per head) is not needed.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from glm_dsa.batch import ForwardBatch
+from glm_dsa.cache import KVCache
 from glm_dsa.indexer import indexer_topk
+from glm_dsa.mla import MLA, MLAProjection
 
-__all__ = ["BACKENDS", "Backend", "REFERENCE", "get_backend"]
+__all__ = ["BACKENDS", "Backend", "ReferenceBackend", "TritonBackend", "PeersBackend",
+           "REFERENCE", "get_backend"]
 
-BACKENDS = ("auto", "reference", "triton")
-
-# (query [n, H, d_qk], pool [num_pages, page_size, row], slots int32 [n, topk], sm_scale, d_v)
-# -> (out [n, H, d_v], max_logits [n, H], lse [n, H]), FlashMLA's sparse prefill outputs.
-PagedSparseMLA = Callable[[Tensor, Tensor, Tensor, float, int], tuple[Tensor, Tensor, Tensor]]
+BACKENDS = ("auto", "reference", "triton", "peers")
 
 
-@dataclass(frozen=True)
-class Backend:
-    """The implementations a ``DecoderLayer`` calls.
-
-    Attributes:
-        name: ``"reference"`` or ``"triton"``.
-        indexer_topk: ``glm_dsa.indexer.indexer_topk``'s signature and output contract.
-        paged_sparse_mla: sparse attention reading the pool through global slot numbers, or None
-            to gather the context and run the reference ``sparse_mla_fwd``.
-    """
+class Backend(Protocol):
+    """What ``DecoderLayer`` calls; see the module docstring."""
 
     name: str
-    indexer_topk: Callable[..., Tensor]
-    paged_sparse_mla: PagedSparseMLA | None = None
+
+    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
+        """ValueError (one line, naming the fix) unless this backend runs ``dtype``
+        activations over a ``kv_dtype`` cache (``glm_dsa.cache``'s names)."""
+        ...
+
+    def indexer_topk(self, q_fp8: Tensor, weights: Tensor, k_fp8: Tensor, k_scale: Tensor,
+                     ks: Tensor, ke: Tensor, topk: int, budget_bytes: int) -> Tensor:
+        """``glm_dsa.indexer.indexer_topk``'s arguments and output contract (set semantics)."""
+        ...
+
+    def attend(self, attn: MLA, proj: MLAProjection, cache: KVCache, layer_idx: int,
+               batch: ForwardBatch, topk_indices: Tensor, budget_bytes: int) -> Tensor:
+        """Layer ``layer_idx``'s attention ``[n, hidden]`` of ``proj`` over its cache, with the
+        int32 ``[n, index_topk]`` request-relative top-k, temporaries within ``budget_bytes``."""
+        ...
 
 
-REFERENCE = Backend("reference", indexer_topk)
+class ReferenceBackend:
+    """The oracle: gathers the context, MHA one-shot for short contexts, else absorbed sparse."""
+
+    name = "reference"
+
+    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
+        pass
+
+    def indexer_topk(self, *args) -> Tensor:
+        return indexer_topk(*args)
+
+    def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes) -> Tensor:
+        kv_context = cache.read_mla(layer_idx, batch.kv_slots, proj.q_latent.dtype)
+        return attn.attend(proj, kv_context, batch, topk_indices, budget_bytes)
 
 
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+REFERENCE = ReferenceBackend()
 
 
 def _triton_paged_sparse_mla(query, pool, slots, sm_scale, d_v):
@@ -73,12 +94,81 @@ def _triton_paged_sparse_mla(query, pool, slots, sm_scale, d_v):
     return kernels.flash_mla_sparse_fwd(query, pool.view(-1, 1, pool.shape[-1]), indices, sm_scale, d_v)
 
 
-def get_backend(name: str, device: torch.device | str) -> Backend:
-    """The backend ``name`` (one of ``BACKENDS``) for models on ``device``.
+class TritonBackend:
+    """``glm_dsa.kernels``: Triton indexer top-k, sparse attention read from the paged pool."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from glm_dsa import kernels
+
+        self._kernels = kernels
+
+    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
+        pass
+
+    def indexer_topk(self, *args) -> Tensor:
+        return self._kernels.indexer_topk(*args)
+
+    def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes) -> Tensor:
+        return attn.forward_paged(proj, cache.mla[layer_idx], batch, topk_indices,
+                                  _triton_paged_sparse_mla, budget_bytes)
+
+
+class PeersBackend:
+    """DeepGEMM logits + the radix select, FlashMLA sparse prefill (``glm_dsa.peers``)."""
+
+    name = "peers"
+
+    def __init__(self) -> None:
+        from glm_dsa import peers
+
+        self._peers = peers
+
+    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(f"the peers backend runs bfloat16 activations (FlashMLA's query), not "
+                             f"{dtype}: use --dtype bfloat16 or another backend")
+        if kv_dtype not in ("fp8", "bf16"):
+            raise ValueError(f"the peers backend reads fp8 or bf16 KV (FlashMLA's bf16 rows), not "
+                             f"{kv_dtype}: use --kv-dtype fp8 or bf16")
+
+    def indexer_topk(self, *args) -> Tensor:
+        return self._peers.indexer_topk(*args)
+
+    def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes) -> Tensor:
+        if cache.kv_dtype == "bf16":
+            return attn.forward_paged(proj, cache.mla[layer_idx], batch, topk_indices,
+                                      self._peers.paged_sparse_mla, budget_bytes)
+        kv = cache.read_mla(layer_idx, batch.kv_slots, torch.bfloat16)[:, None, :]  # [S_kv, 1, 576]
+        scale, d_v = attn.config.softmax_scale, attn.config.kv_lora_rank
+
+        def attend_rows(query: Tensor, rows: Tensor) -> Tensor:
+            return self._peers.flash_mla_sparse_fwd(query, kv, rows[:, None, :], scale, d_v)[0]
+
+        return attn.forward_sparse(proj, batch, topk_indices, attend_rows, torch.bfloat16,
+                                   budget_bytes)
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def get_backend(name: str | Backend, device: torch.device | str) -> Backend:
+    """The backend ``name`` (one of ``BACKENDS``) for models on ``device``; a ``Backend`` object
+    is returned as it is.
 
     ``auto`` is ``triton`` on a CUDA device when Triton imports, else ``reference``. ``triton``
     on the CPU needs ``TRITON_INTERPRET=1`` (Triton's interpreter: exact but slow, for tests).
+    ``peers`` needs a CUDA device, Triton, and DeepGEMM and FlashMLA's SM90 sparse prefill
+    importable (``glm_dsa.peers``).
     """
+    if not isinstance(name, str):
+        return name
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}: choose one of {', '.join(BACKENDS)}")
     device = torch.device(device)
@@ -86,12 +176,17 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
         name = "triton" if device.type == "cuda" and _triton_importable() else "reference"
     if name == "reference":
         return REFERENCE
+    if name == "peers":
+        from glm_dsa import peers
+
+        missing = peers.missing(device)
+        if missing:
+            raise ValueError(f"the peers backend cannot run here: {missing}")
+        return PeersBackend()
     if not _triton_importable():
         raise ValueError("the triton backend needs the triton package: pip install triton "
                          "(or choose the reference backend)")
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the triton backend runs on CUDA devices, not {device.type}; on the CPU "
                          "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
-    from glm_dsa import kernels
-
-    return Backend("triton", kernels.indexer_topk, _triton_paged_sparse_mla)
+    return TritonBackend()

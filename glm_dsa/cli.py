@@ -31,7 +31,8 @@ from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import get_config
 from glm_dsa.kv_format import MLA_KV_FORMATS
-from glm_dsa.ledger import GpuSpec, build_ledger, format_ledger
+from glm_dsa.ledger import GpuSpec, build_ledger
+from glm_dsa.ledger_text import format_ledger
 from glm_dsa.report import table
 from glm_dsa.testing import cli as testing_cli
 
@@ -138,8 +139,9 @@ def _add_prefill(sub) -> None:
                    help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="indexer top-k and sparse attention: the reference, or the Triton kernels "
-                        "(default auto: triton on CUDA when Triton imports, else reference)")
+                   help="indexer top-k and sparse attention: the reference, the Triton kernels, or the "
+                        "DeepGEMM/FlashMLA peers (default auto: triton on CUDA when Triton imports, "
+                        "else reference)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--input-hidden", metavar="FILE.safetensors",
@@ -149,8 +151,8 @@ def _add_prefill(sub) -> None:
                    help="prefill this UTF-8 text as one request, tokenized with the tokenizer.json of the checkpoint "
                         "directory (needs the 'text' extra: pip install 'glm-dsa[text]')")
     p.add_argument("--budget-bytes", type=int,
-                   help="indexer logits / sparse gather budget in bytes (default: SGLang's rule on CUDA, "
-                        "docs/conventions.md §12; 256 MiB on CPU)")
+                   help="indexer logits and attention row-chunk budgets in bytes (default: SGLang's rule "
+                        "on CUDA, docs/conventions.md §12; 256 MiB on CPU)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
@@ -205,7 +207,7 @@ def _cmd_prefill(args) -> int:
 
     from glm_dsa.cp import check_launch, launch, launched_by_torchrun
 
-    from glm_dsa.checks import check_device
+    from glm_dsa.preflight import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
@@ -213,7 +215,7 @@ def _cmd_prefill(args) -> int:
     if launched_by_torchrun() or (args.cp or 1) == 1:
         return _run_prefill(args)
     check_launch(args.cp, device, f"--cp {args.cp}")
-    _check_prefill(args, ranks_on_host=args.cp if device.type == "cpu" else 1)
+    _preflight_prefill(args, ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
         launch(_run_prefill, args.cp, args.device, (args,))
     except mp.ProcessRaisedException as e:
@@ -251,7 +253,7 @@ def _load_model(args, device, dtype, quiet: bool = False):
 def _numbered_requests(flag: str, path: str, suffix: str) -> list[tuple[str, dict]]:
     """``(name, header entry)`` of ``request.{i}.{suffix}`` for i = 0..n-1 in an input file,
     from its header; other numberings are refused, other tensors ignored."""
-    from glm_dsa.checks import safetensors_header
+    from glm_dsa.preflight import safetensors_header
 
     header = safetensors_header(flag, path)
     names = [k for k in header if re.fullmatch(rf"request\.[^.]+\.{suffix}", k)]
@@ -296,7 +298,7 @@ def _input_hidden_lengths(path: str, hidden_size: int) -> list[int]:
 
 def _text_ids(args, vocab_size: int) -> list[int]:
     """``--text`` tokenized with the checkpoint directory's ``tokenizer.json``."""
-    from glm_dsa.checks import check_optional_module
+    from glm_dsa.preflight import check_optional_module
 
     dirs = [d for d in (args.weights, args.config) if d and os.path.isdir(d)]
     found = [os.path.join(d, "tokenizer.json") for d in dirs if os.path.isfile(os.path.join(d, "tokenizer.json"))]
@@ -324,13 +326,13 @@ def _text_ids(args, vocab_size: int) -> list[int]:
     return ids
 
 
-def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
+def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths. The memory
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
-    from glm_dsa.checks import check_device, check_fits, check_optional_module
+    from glm_dsa.preflight import check_device, check_fits, check_optional_module
     from glm_dsa.ledger import prefill_peak_bytes
-    from glm_dsa.prefill import default_budget_bytes
+    from glm_dsa.budget import Budgets
 
     device = check_device("--device", args.device)
     if args.requests < 1:
@@ -396,8 +398,9 @@ def _check_prefill(args, ranks_on_host: int = 1) -> list[int]:
         check_optional_module("--plot", "matplotlib", "plot")
     dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
                                                                              else "float32")]
-    budget = args.budget_bytes or (default_budget_bytes(device, args.mem_fraction_static) if device.type == "cpu"
-                                   else 0)
+    # On CUDA the default budgets follow free memory, so they are what is left, not a demand.
+    budget = (Budgets.default(device, args.budget_bytes, args.mem_fraction_static).logits_bytes
+              if args.budget_bytes or device.type == "cpu" else 0)
     # the kept layers' weights are in the estimate; building them adds one float32 copy of the
     # largest tensor (its random draw, or an FP8 weight being dequantized)
     from glm_dsa.weights import largest_tensor_numel
@@ -477,8 +480,9 @@ def _run_prefill(args) -> int:
     from safetensors.torch import save_file
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
+    from glm_dsa.budget import Budgets
     from glm_dsa.outputs import write_file
-    from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
+    from glm_dsa.prefill import PrefillEngine
 
     device = torch.device(args.device)
     cp_group = None
@@ -490,8 +494,9 @@ def _run_prefill(args) -> int:
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
-        _check_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
-    backend = get_backend(args.backend, device).name
+        _preflight_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
+    backend = get_backend(args.backend, device)
+    backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -502,14 +507,12 @@ def _run_prefill(args) -> int:
         torch.cuda.reset_peak_memory_stats(device)
     config = model.config
     prompts, prefix_ids = _prompts(args, config)
-    budget = args.budget_bytes
-    if budget is None:
-        budget = default_budget_bytes(device, args.mem_fraction_static)
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
-    engine = PrefillEngine(model, pages_for([p.numel() for p in prompts] + shared, config.page_size),
-                           kv_dtype=args.kv_dtype, chunked_prefill_size=args.chunk, budget_bytes=budget,
-                           timing=True, cp_group=cp_group, backend=backend,
-                           layer_outputs=args.save_layer_outputs)
+    engine = PrefillEngine.for_prompts(
+        model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
+        chunked_prefill_size=args.chunk,
+        budget_bytes=Budgets.default(device, args.budget_bytes, args.mem_fraction_static),
+        timing=True, cp_group=cp_group, backend=backend, layer_outputs=args.save_layer_outputs)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
             for p in prompts]
@@ -520,7 +523,7 @@ def _run_prefill(args) -> int:
     memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     weights = args.weights or f"random, seed {args.seed}"
     report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
-              "kv_dtype": args.kv_dtype, "backend": backend, "chunk": args.chunk, "memory": memory,
+              "kv_dtype": args.kv_dtype, "backend": backend.name, "chunk": args.chunk, "memory": memory,
               **engine.report(rids)}
     if quiet:
         return 0
@@ -539,7 +542,7 @@ def _run_prefill(args) -> int:
     print(f"prefill: config {config.name}, {len(rids)} request(s) of "
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
-    print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend} on {device}")
+    print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend.name} on {device}")
     print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB" + (
         f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
         f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else ""))
@@ -662,7 +665,7 @@ def _cmd_compare(args) -> int:
 
     from glm_dsa.golden import compare, format_report
 
-    from glm_dsa.checks import safetensors_header
+    from glm_dsa.preflight import safetensors_header
 
     if not os.path.isfile(os.path.join(args.golden, "manifest.json")):
         raise ValueError(f"--golden {args.golden}: manifest.json not found; write it with glm-dsa golden --out DIR")
@@ -693,20 +696,21 @@ def _add_compare(sub) -> None:
 def _cmd_fidelity(args) -> int:
     import torch
 
+    from glm_dsa.budget import default_logits_bytes
     from glm_dsa.fidelity import format_fidelity, plot_fidelity, selection_fidelity
-    from glm_dsa.prefill import default_budget_bytes
 
     if args.rows < 1:
         raise ValueError(f"--rows {args.rows} must be ≥ 1")
-    lengths = _check_prefill(args)
+    lengths = _preflight_prefill(args)
     if not 0 <= args.request < len(lengths):
         raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    backend = get_backend(args.backend, device).name
+    backend = get_backend(args.backend, device)
+    backend.require(getattr(torch, dtype_name), args.kv_dtype)
     model = _load_model(args, device, getattr(torch, dtype_name))
     prompts, _ = _prompts(args, model.config)
-    budget = args.budget_bytes or default_budget_bytes(device, args.mem_fraction_static)
+    budget = args.budget_bytes or default_logits_bytes(device, args.mem_fraction_static)
     report = {"weights": args.weights or f"random, seed {args.seed}", "random_weights": not args.weights,
               **selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
                                    chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=backend,
@@ -764,7 +768,7 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA budget rule")
     p.add_argument("--json", action="store_true", help="print one JSON object (per-row figures included)")
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
-    # _check_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
+    # _preflight_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
     p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None)
 
 

@@ -43,7 +43,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -51,21 +51,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 if TYPE_CHECKING:
-    from glm_dsa.cache import KVCache
-    from glm_dsa.layer import DSAModel, LayerTimes
+    from glm_dsa.layer import DSAModel, StepContext
 
 __all__ = [
     "split_rows",
     "CommCount",
     "CPChunk",
     "CPGroup",
-    "backend_for",
+    "dist_backend_for",
     "launched_by_torchrun",
     "init_from_env",
     "usable_cores",
@@ -232,19 +230,17 @@ class CPGroup:
         self,
         model: DSAModel,
         ids: Tensor,
-        batch: ForwardBatch,
-        cache: KVCache,
-        budget_bytes: int,
-        times: LayerTimes | None = None,
-        backend: Backend = REFERENCE,
+        step: StepContext,
     ) -> Tensor:
         """Run ``model`` on this rank's share of the step; returns the whole chunk's last-layer
         output ``[n, hidden]`` in chunk order (``DSAModel.forward`` of one rank, split).
 
         Args:
             ids: int64 ``[n]``, the step's token ids (the same on every rank).
-            batch: the step's metadata (the same on every rank).
+            step: the step's context for one rank (the same on every rank); this rank runs it
+                on its share of the rows (``StepContext.cp_chunk``).
         """
+        batch = step.batch
         if ids.dtype != torch.int64 or ids.shape != (batch.num_tokens,):
             raise ValueError(
                 f"ids must be int64 [{batch.num_tokens}] (one per query token of the batch), got "
@@ -253,8 +249,7 @@ class CPGroup:
         chunk = self.chunk(batch)
         x = model.embed_tokens(ids[chunk.rows])
         x = torch.cat([x, x.new_zeros(chunk.batch.num_tokens - x.shape[0], x.shape[1])])
-        out = model(x, chunk.batch, cache, budget_bytes, chunk.row_mask, times, cp_chunk=chunk,
-                    backend=backend)
+        out = model(x, replace(step, batch=chunk.batch, row_mask=chunk.row_mask, cp_chunk=chunk))
         # What indexer_topk scores: row m against [ks[m], ke[m]); padding rows score nothing.
         full_layers = len(model.config.full_layers)
         self.indexer_pairs += full_layers * int((chunk.batch.ke - chunk.batch.ks).sum())
@@ -273,8 +268,8 @@ class CPGroup:
 
 
 # ----------------------------------------------------------------------------- launching
-def backend_for(device: torch.device | str) -> str:
-    """``"nccl"`` for CUDA devices, ``"gloo"`` otherwise."""
+def dist_backend_for(device: torch.device | str) -> str:
+    """The ``torch.distributed`` backend for ``device``: ``"nccl"`` for CUDA, ``"gloo"`` otherwise."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
@@ -293,7 +288,7 @@ def init_from_env(device: torch.device | str) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(device))
+        dist.init_process_group(dist_backend_for(device))
     return device
 
 

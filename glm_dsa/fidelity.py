@@ -43,8 +43,10 @@ from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.indexer import indexer_topk, topk_per_row
 from glm_dsa.layer import DecoderLayer, DSAForCausalLM
 from glm_dsa.oracle import calc_diff
-from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
+from glm_dsa.budget import default_logits_bytes
+from glm_dsa.prefill import PrefillEngine, pages_for
 from glm_dsa.report import table
+from glm_dsa.validate import need
 
 __all__ = [
     "RANDOM_WEIGHTS_NOTE",
@@ -67,18 +69,13 @@ RANDOM_WEIGHTS_NOTE = (
 _RECALLS = ("recall_fp32", "recall_fp32_unrotated", "recall_fp8_unrotated", "recall_fp8_recomputed")
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
 # ----------------------------------------------------------------------------- sampling
 def sample_positions(num_tokens: int, rows: int, seed: int = 0) -> Tensor:
     """``min(rows, num_tokens)`` query positions spread over ``[0, num_tokens)``, int64
     ascending: one drawn uniformly (seeded) from each of ``rows`` stretches
     ``[i·n // rows, (i+1)·n // rows)``, so no two coincide."""
-    _need(isinstance(num_tokens, int) and num_tokens >= 1, f"num_tokens={num_tokens!r} must be ≥ 1")
-    _need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
+    need(isinstance(num_tokens, int) and num_tokens >= 1, f"num_tokens={num_tokens!r} must be ≥ 1")
+    need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
     if rows >= num_tokens:
         return torch.arange(num_tokens, dtype=torch.int64)
     edges = torch.arange(rows + 1, dtype=torch.int64) * num_tokens // rows
@@ -113,9 +110,9 @@ def topk_recall(topk: Tensor, reference: Tensor, lengths: Tensor) -> Tensor:
     Both are int ``[r, k]`` request-relative indices (``-1`` padding); a key counts only once
     and only if ``0 ≤ idx < lengths[row]``. A row whose reference names no valid key scores 1.
     """
-    _need(topk.dim() == 2 and reference.dim() == 2 and topk.shape[0] == reference.shape[0],
+    need(topk.dim() == 2 and reference.dim() == 2 and topk.shape[0] == reference.shape[0],
           f"topk and reference must be [r, k], got {tuple(topk.shape)} and {tuple(reference.shape)}")
-    _need(tuple(lengths.shape) == (topk.shape[0],), f"lengths must be [r={topk.shape[0]}]")
+    need(tuple(lengths.shape) == (topk.shape[0],), f"lengths must be [r={topk.shape[0]}]")
     width = int(lengths.max()) if lengths.numel() else 0
     a, b = _key_mask(topk, lengths, width), _key_mask(reference, lengths, width)
     both, want = (a & b).sum(dim=1).double(), b.sum(dim=1).double()
@@ -170,24 +167,24 @@ def attention_mass(
     Returns:
         ``MassResult`` in ``promote_types(query.dtype, kv.dtype, float32)``.
     """
-    _need(query.dim() == 3 and query.is_floating_point(),
+    need(query.dim() == 3 and query.is_floating_point(),
           f"query must be floating [r, H, d_qk], got {query.dtype} {tuple(query.shape)}")
     r, heads, d_qk = query.shape
-    _need(kv.dim() == 2 and kv.shape[1] == d_qk and kv.is_floating_point(),
+    need(kv.dim() == 2 and kv.shape[1] == d_qk and kv.is_floating_point(),
           f"kv must be floating [L, d_qk={d_qk}], got {kv.dtype} {tuple(kv.shape)}")
-    _need(lengths.dtype in (torch.int32, torch.int64) and tuple(lengths.shape) == (r,),
+    need(lengths.dtype in (torch.int32, torch.int64) and tuple(lengths.shape) == (r,),
           f"lengths must be int [r={r}], got {lengths.dtype} {tuple(lengths.shape)}")
-    _need(r == 0 or (int(lengths.min()) >= 1 and int(lengths.max()) <= kv.shape[0]),
+    need(r == 0 or (int(lengths.min()) >= 1 and int(lengths.max()) <= kv.shape[0]),
           f"lengths must lie in [1, L={kv.shape[0]}]")
-    _need(topk.dtype in (torch.int32, torch.int64) and topk.dim() == 2 and topk.shape[0] == r,
+    need(topk.dtype in (torch.int32, torch.int64) and topk.dim() == 2 and topk.shape[0] == r,
           f"topk must be int [r={r}, k], got {topk.dtype} {tuple(topk.shape)}")
-    _need(isinstance(index_topk, int) and index_topk >= 1, f"index_topk={index_topk!r} must be ≥ 1")
-    _need(isinstance(d_v, int) and 0 < d_v <= d_qk, f"d_v={d_v!r} must lie in [1, d_qk={d_qk}]")
-    _need(math.isfinite(sm_scale), f"sm_scale={sm_scale} must be finite")
-    _need(budget_bytes is None or (isinstance(budget_bytes, int) and budget_bytes >= 1),
+    need(isinstance(index_topk, int) and index_topk >= 1, f"index_topk={index_topk!r} must be ≥ 1")
+    need(isinstance(d_v, int) and 0 < d_v <= d_qk, f"d_v={d_v!r} must lie in [1, d_qk={d_qk}]")
+    need(math.isfinite(sm_scale), f"sm_scale={sm_scale} must be finite")
+    need(budget_bytes is None or (isinstance(budget_bytes, int) and budget_bytes >= 1),
           f"budget_bytes={budget_bytes!r} must be a positive int or None")
     for name, t in (("kv", kv), ("lengths", lengths), ("topk", topk)):
-        _need(t.device == query.device, f"{name} is on {t.device}, query on {query.device}")
+        need(t.device == query.device, f"{name} is on {t.device}, query on {query.device}")
     return _attention_mass(query, kv, lengths.long(), topk, sm_scale, index_topk, d_v, budget_bytes)
 
 
@@ -438,7 +435,7 @@ def selection_fidelity(
         rows: query rows to sample (``sample_positions``, seeded by ``seed``).
         chunked_prefill_size, kv_dtype, backend: as ``PrefillEngine``'s.
         budget_bytes: the prefill's budget and the bound on the measurement's row chunks
-            (default ``default_budget_bytes``).
+            (default ``budget.default_logits_bytes``).
 
     Returns:
         A JSON-ready dict: ``tokens``, ``seconds`` (``prefill`` and ``measurement``, wall),
@@ -451,19 +448,19 @@ def selection_fidelity(
     """
     cfg = model.config
     hidden = inputs.is_floating_point()
-    _need((inputs.dim() == 2 if hidden else inputs.dtype == torch.int64 and inputs.dim() == 1)
+    need((inputs.dim() == 2 if hidden else inputs.dtype == torch.int64 and inputs.dim() == 1)
           and inputs.shape[0] >= 1,
           f"inputs must be non-empty int64 token ids [n] or hidden states [n, hidden], got {inputs.dtype} "
           f"{tuple(inputs.shape)}")
-    _need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
+    need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
     device = next(model.parameters()).device
     if budget_bytes is None:
-        budget_bytes = default_budget_bytes(device)
+        budget_bytes = default_logits_bytes(device)
     n = inputs.shape[0]
     positions = sample_positions(n, rows, seed)
-    engine = PrefillEngine(model, pages_for([n], cfg.page_size), kv_dtype=kv_dtype,
-                           chunked_prefill_size=chunked_prefill_size, budget_bytes=budget_bytes,
-                           prefix_caching=False, compute_logits=False, backend=backend)
+    engine = PrefillEngine.for_prompts(model, [n], kv_dtype=kv_dtype,
+                                       chunked_prefill_size=chunked_prefill_size, budget_bytes=budget_bytes,
+                                       prefix_caching=False, compute_logits=False, backend=backend)
     if hidden:
         engine.add_request(None, input_hidden=inputs)
     else:

@@ -37,24 +37,30 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from glm_dsa.batch import INDEX_K_ALLGATHER, ForwardBatch, RowGather
+from glm_dsa.budget import max_logit_rows
 from glm_dsa.config import DSAConfig
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
 from glm_dsa.norm import LayerNorm
 from glm_dsa.rope import apply_rope, rope_cos_sin
+from glm_dsa.validate import (
+    MAX_EXACT_DIM,
+    check_index_vector,
+    check_indexer_topk_inputs,
+    check_paged_inputs,
+    check_ragged_logits_inputs,
+    check_ranges,
+    need,
+)
 
 __all__ = [
     "TILE_BYTES",
-    "NO_CHUNK_LOGITS",
-    "LOGITS_TOTAL_MEM_CAP",
     "mqa_logits",
     "paged_mqa_logits",
     "topk_per_row",
-    "topk_to_ragged",
-    "topk_to_paged",
-    "logits_budget_bytes",
-    "max_logit_rows",
+    "topk_transform_ragged",
+    "topk_transform_paged",
     "indexer_topk",
     "chunked_topk",
     "Indexer",
@@ -64,150 +70,11 @@ __all__ = [
 # (the [rows * H, cols] score tile, the top-k masks). Large enough for efficient GEMMs.
 TILE_BYTES = 256 * 2**20
 
-# SGLang never row-chunks the indexer logits below this many elements (num_q * num_k).
-NO_CHUNK_LOGITS = 8_000_000
-# SGLang caps the static logits budget at this fraction of the device's total memory.
-LOGITS_TOTAL_MEM_CAP = 0.3
 
 # Score tiles span a multiple of this many key columns, at most _MAX_TILE_COLS unless the tile
 # has so few rows that wider tiles are needed to keep the GEMMs large.
 _COL_ALIGN = 16
 _MAX_TILE_COLS = 1024
-# Dot products of E4M3 vectors are exact in float64 up to this length (see _dot_products).
-_MAX_EXACT_DIM = 2**16
-
-
-# ----------------------------------------------------------------------------- validation
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
-def _check_index_vector(name: str, t: Tensor, n: int, device: torch.device) -> None:
-    _need(
-        isinstance(t, Tensor) and t.dim() == 1 and t.shape[0] == n,
-        f"{name} must be a 1-D tensor of {n} entries, got "
-        f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}",
-    )
-    _need(
-        t.dtype in (torch.int32, torch.int64),
-        f"{name} must be int32 (or int64), got {t.dtype}",
-    )
-    _need(t.device == device, f"{name} is on {t.device}, the other inputs on {device}")
-
-
-def _check_ranges(ks: list[int], ke: list[int], num_cols: int, what: str) -> None:
-    for m, (s, e) in enumerate(zip(ks, ke)):
-        if not 0 <= s <= e <= num_cols:
-            raise ValueError(
-                f"row {m}: [ks, ke) = [{s}, {e}) must satisfy 0 ≤ ks ≤ ke ≤ {what}={num_cols}"
-            )
-
-
-def _check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int, int]:
-    _need(
-        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 3,
-        f"q_fp8 must be float8_e4m3fn [S, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
-    )
-    S, H, D = q_fp8.shape
-    _need(D <= _MAX_EXACT_DIM, f"head dim D={D} exceeds {_MAX_EXACT_DIM}, the exact-dot limit")
-    _need(
-        k_fp8.dtype == torch.float8_e4m3fn and k_fp8.dim() == 2 and k_fp8.shape[1] == D,
-        f"k_fp8 must be float8_e4m3fn [S_kv, D={D}], got {k_fp8.dtype} {tuple(k_fp8.shape)}",
-    )
-    S_kv = k_fp8.shape[0]
-    _need(
-        k_scale.dtype == torch.float32 and tuple(k_scale.shape) == (S_kv,),
-        f"k_scale must be float32 [S_kv={S_kv}], got {k_scale.dtype} {tuple(k_scale.shape)}",
-    )
-    _need(
-        weights.dtype in (torch.float32, torch.float64) and tuple(weights.shape) == (S, H),
-        f"weights must be float32 (or float64) [S={S}, H={H}], got {weights.dtype} "
-        f"{tuple(weights.shape)}",
-    )
-    dev = q_fp8.device
-    for name, t in (("k_fp8", k_fp8), ("k_scale", k_scale), ("weights", weights)):
-        _need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
-    return S, H, D, S_kv
-
-
-def _check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke) -> tuple[list[int], list[int]]:
-    """Check ``mqa_logits``' inputs; returns ``ks``, ``ke`` as host lists (one sync)."""
-    S, _, _, S_kv = _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
-    _check_index_vector("ks", ks, S, q_fp8.device)
-    _check_index_vector("ke", ke, S, q_fp8.device)
-    ks_host, ke_host = ks.tolist(), ke.tolist()
-    _check_ranges(ks_host, ke_host, S_kv, "S_kv")
-    return ks_host, ke_host
-
-
-def _check_paged_inputs(
-    q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
-) -> list[list[int]]:
-    """Check ``paged_mqa_logits``' inputs; returns each request's row ends ``[B][next_n]``
-    (row ``(b, j)`` sees positions ``< ends[b][j]``)."""
-    _need(
-        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
-        f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
-    )
-    B, next_n, H, D = q_fp8.shape
-    page_bytes = index_k_page_bytes(page_size, D)
-    _need(
-        index_k_pages.dtype == torch.uint8
-        and index_k_pages.dim() == 2
-        and index_k_pages.shape[1] == page_bytes,
-        f"index_k_pages must be uint8 [num_pages, {page_bytes}] (page_size={page_size}, D={D}), "
-        f"got {index_k_pages.dtype} {tuple(index_k_pages.shape)}",
-    )
-    _need(
-        weights.dtype in (torch.float32, torch.float64)
-        and tuple(weights.shape) == (B * next_n, H),
-        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got {weights.dtype} "
-        f"{tuple(weights.shape)}",
-    )
-    _need(
-        context_lens.dtype in (torch.int32, torch.int64)
-        and tuple(context_lens.shape) in ((B,), (B, next_n)),
-        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}], got "
-        f"{context_lens.dtype} {tuple(context_lens.shape)}",
-    )
-    _need(
-        block_table.dtype in (torch.int32, torch.int64)
-        and block_table.dim() == 2
-        and block_table.shape[0] == B,
-        f"block_table must be int32 [B={B}, max_blocks], got {block_table.dtype} "
-        f"{tuple(block_table.shape)}",
-    )
-    _need(
-        isinstance(max_context_len, int) and max_context_len >= 0,
-        f"max_context_len={max_context_len!r} must be a non-negative int",
-    )
-    dev = q_fp8.device
-    for name, t in (
-        ("index_k_pages", index_k_pages),
-        ("weights", weights),
-        ("context_lens", context_lens),
-        ("block_table", block_table),
-    ):
-        _need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
-    lens = context_lens.tolist()
-    if context_lens.dim() == 1:
-        # The last next_n context tokens are this step's queries, each seeing itself.
-        lens = [[max(0, n - next_n + j + 1) for j in range(next_n)] for n in lens]
-    for b, ends in enumerate(lens):
-        for j, e in enumerate(ends):
-            _need(
-                0 <= e <= max_context_len,
-                f"row (b={b}, j={j}) sees {e} tokens, outside [0, max_context_len="
-                f"{max_context_len}]",
-            )
-        n_blocks = -(-max(ends) // page_size)
-        _need(
-            n_blocks <= block_table.shape[1],
-            f"request {b} needs {n_blocks} pages for {max(ends)} tokens; block_table has "
-            f"{block_table.shape[1]} columns",
-        )
-    return lens
 
 
 # ----------------------------------------------------------------------------- logits
@@ -294,8 +161,8 @@ def mqa_logits(
     Returns:
         ``[S, S_kv]`` float32 (float64 for float64 weights).
     """
-    ks_host, ke_host = _check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke)
-    return _mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, ks_host, ke_host, clean_logits)
+    check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke)
+    return _mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, ks.tolist(), ke.tolist(), clean_logits)
 
 
 def _mqa_logits(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor,
@@ -363,7 +230,7 @@ def paged_mqa_logits(
     Returns:
         ``[B * next_n, max_context_len]`` float32 (float64 for float64 weights).
     """
-    ends = _check_paged_inputs(
+    ends = check_paged_inputs(
         q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
     )
     return _paged_mqa_logits(
@@ -459,16 +326,16 @@ def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int
     Raises:
         ValueError: on NaN inside the range of a row whose scores are read.
     """
-    _need(
+    need(
         logits.dim() == 2 and logits.dtype in (torch.float32, torch.float64),
         f"logits must be float32 [R, N], got {logits.dtype} {tuple(logits.shape)}",
     )
-    _need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
+    need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
     R, N = logits.shape
     dev = logits.device
-    _check_index_vector("row_starts", row_starts, R, dev)
-    _check_index_vector("row_ends", row_ends, R, dev)
-    _check_ranges(row_starts.tolist(), row_ends.tolist(), N, "N")
+    check_index_vector("row_starts", row_starts, R, dev)
+    check_index_vector("row_ends", row_ends, R, dev)
+    check_ranges(row_starts, row_ends, N, "N")
     return _topk(logits, row_starts.long(), row_ends.long(), topk)
 
 
@@ -487,8 +354,11 @@ def _topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
     return out
 
 
-def topk_to_ragged(indices: Tensor, offsets: Tensor) -> Tensor:
+def topk_transform_ragged(indices: Tensor, offsets: Tensor) -> Tensor:
     """Request-relative → ragged row: ``indices[r, i] + offsets[r]``; ``-1`` stays ``-1``.
+
+    The transform of SGLang ``fast_topk_transform_ragged_fused`` (``topk_indices_offset``); the
+    result indexes the ``kv`` fed to ``flash_mla_sparse_fwd``. ``oracle`` exports it as is.
 
     Args:
         indices: int32 ``[R, topk]``, request-relative (``-1`` padding).
@@ -498,18 +368,23 @@ def topk_to_ragged(indices: Tensor, offsets: Tensor) -> Tensor:
     Returns:
         int32 ``[R, topk]``.
     """
-    _need(
+    need(
         indices.dim() == 2 and indices.dtype in (torch.int32, torch.int64),
         f"indices must be int32 [R, topk], got {indices.dtype} {tuple(indices.shape)}",
     )
-    _check_index_vector("offsets", offsets, indices.shape[0], indices.device)
-    _need(bool((indices >= -1).all()), "indices may hold -1 (padding) but no other negative")
+    check_index_vector("offsets", offsets, indices.shape[0], indices.device)
+    need(bool((indices >= -1).all()), "indices may hold -1 (padding) but no other negative")
     out = indices.long() + offsets.long()[:, None]
     return torch.where(indices < 0, -1, out).to(torch.int32)
 
 
-def topk_to_paged(indices: Tensor, page_table: Tensor, page_size: int = 64) -> Tensor:
+def topk_transform_paged(indices: Tensor, page_table: Tensor, page_size: int = 64) -> Tensor:
     """Request-relative → physical slot: ``page_table[r, i // ps] * ps + i % ps``; ``-1`` kept.
+
+    vLLM ``triton_convert_req_index_to_global_index`` (``page_size=64``), FlashMLA
+    ``tests/quant.py`` ``abs_indices2indices_in_kvcache`` (its ``block_size``), and SGLang
+    ``fast_topk_transform_fused`` (``page_table_size_1``: ``page_size=1``); the result is the
+    ``indices`` of ``flash_mla_sparse_decode``. ``oracle`` exports it as is.
 
     Args:
         indices: int32 ``[R, topk]``, request-relative (``-1`` padding).
@@ -519,68 +394,28 @@ def topk_to_paged(indices: Tensor, page_table: Tensor, page_size: int = 64) -> T
     Returns:
         int32 ``[R, topk]`` physical slots (vLLM ``convert_req_index_to_global_index``).
     """
-    _need(
+    need(
         indices.dim() == 2 and indices.dtype in (torch.int32, torch.int64),
         f"indices must be int32 [R, topk], got {indices.dtype} {tuple(indices.shape)}",
     )
-    _need(
+    need(
         page_table.dim() == 2
         and page_table.shape[0] == indices.shape[0]
         and page_table.dtype in (torch.int32, torch.int64),
         f"page_table must be int32 [R={indices.shape[0]}, max_pages], got "
         f"{page_table.dtype} {tuple(page_table.shape)}",
     )
-    _need(page_table.device == indices.device, "page_table and indices are on different devices")
-    _need(isinstance(page_size, int) and page_size > 0, f"page_size={page_size!r} must be > 0")
-    _need(bool((indices >= -1).all()), "indices may hold -1 (padding) but no other negative")
+    need(page_table.device == indices.device, "page_table and indices are on different devices")
+    need(isinstance(page_size, int) and page_size > 0, f"page_size={page_size!r} must be > 0")
+    need(bool((indices >= -1).all()), "indices may hold -1 (padding) but no other negative")
     valid = indices >= 0
     page = torch.where(valid, indices.long() // page_size, 0)
-    _need(
+    need(
         bool((page < page_table.shape[1]).all()),
         f"an index points past the {page_table.shape[1]} pages of its page_table row",
     )
     slot = page_table.long().gather(1, page) * page_size + indices.long() % page_size
     return torch.where(valid, slot, -1).to(torch.int32)
-
-
-# ----------------------------------------------------------------------------- budget
-def logits_budget_bytes(
-    device: torch.device | str, mem_fraction_static: float = 0.8, free_fraction: float = 0.2
-) -> int:
-    """Bytes the indexer logits may take on a CUDA device (SGLang ``mqa_logits_budget``).
-
-    ``min(free_fraction * free_now, min(free_fraction * (1 − mem_fraction_static) * total,
-    0.3 * total))``. About 5.6 GB on a 141 GB H200 at ``mem_fraction_static = 0.8``.
-    """
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError("on CPU pass an explicit budget in bytes")
-    _need(
-        0.0 <= mem_fraction_static < 1.0,
-        f"mem_fraction_static={mem_fraction_static} must lie in [0, 1)",
-    )
-    _need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
-    free, total = torch.cuda.mem_get_info(device)
-    static = min(free_fraction * (1.0 - mem_fraction_static) * total, LOGITS_TOTAL_MEM_CAP * total)
-    return int(min(free_fraction * free, static))
-
-
-def max_logit_rows(num_q: int, num_k: int, budget_bytes: int) -> int:
-    """Query rows whose float32 logits over ``num_k`` keys may exist at once.
-
-    SGLang's rule: all ``num_q`` rows when ``num_q * num_k < 8e6`` or the ``4 * num_q * num_k``
-    bytes fit ``budget_bytes``; else ``max(1, budget_bytes // (4 * num_k))``.
-    """
-    _need(isinstance(num_q, int) and num_q >= 1, f"num_q={num_q!r} must be a positive int")
-    _need(isinstance(num_k, int) and num_k >= 0, f"num_k={num_k!r} must be a non-negative int")
-    _need(
-        isinstance(budget_bytes, int) and budget_bytes >= 0,
-        f"budget_bytes={budget_bytes!r} must be a non-negative int (bytes)",
-    )
-    logits_bytes = 4 * num_q * num_k
-    if num_q * num_k < NO_CHUNK_LOGITS or logits_bytes <= budget_bytes:
-        return num_q
-    return max(1, budget_bytes // (4 * num_k))
 
 
 def indexer_topk(
@@ -609,11 +444,13 @@ def indexer_topk(
     Returns:
         int32 ``[S, topk]`` relative to ``ks`` (request-relative), canonical order, ``-1`` pad.
     """
+    check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
+
     def chunk_topk(chunk: RowChunk) -> Tensor:
         r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
         logits = _mqa_logits(
             q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1], chunk.starts, chunk.ends,
-            chunk.starts_host, chunk.ends_host,
+            chunk.starts.tolist(), chunk.ends.tolist(),
             clean_logits=False,  # _topk reads only [start, end)
         )
         return _topk(logits, chunk.starts, chunk.ends, topk)
@@ -623,7 +460,7 @@ def indexer_topk(
 
 class RowChunk(NamedTuple):
     """Rows ``[r0, r1)`` of a budgeted row chunk over key columns ``[lo, hi)``; each row's window
-    ``[starts, ends)`` relative to ``lo`` (int64 ``[r1 − r0]``, and as host lists)."""
+    ``[starts, ends)`` relative to ``lo`` (int64 ``[r1 − r0]``, on the device)."""
 
     r0: int
     r1: int
@@ -631,8 +468,6 @@ class RowChunk(NamedTuple):
     hi: int
     starts: Tensor
     ends: Tensor
-    starts_host: list[int]
-    ends_host: list[int]
 
 
 def chunked_topk(
@@ -648,32 +483,34 @@ def chunked_topk(
 ) -> Tensor:
     """The budgeted row-chunk loop of ``indexer_topk``, with the per-chunk scoring passed in.
 
-    Validates the ``indexer_topk`` arguments once, then for each chunk of at most
+    On arguments the caller has checked (``validate.check_indexer_topk_inputs``): for each
+    chunk of at most
     ``max_logit_rows`` rows either fills ``0 … len − 1`` (every row keeps all its keys) or
     calls ``chunk_topk(RowChunk)``, which returns int32 ``[r1 − r0, topk]`` relative to
     ``starts``. The reference and the Triton backend share this loop and differ only in
     ``chunk_topk``; whatever it allocates (the chunk's logits) is freed before the next chunk.
     """
-    ks_host, ke_host = _check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke)
-    _need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
     S, S_kv = q_fp8.shape[0], k_fp8.shape[0]
     rows = max_logit_rows(S, S_kv, budget_bytes)
     out = torch.empty((S, topk), dtype=torch.int32, device=q_fp8.device)
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
         chunk_ks, chunk_ke = ks[r0:r1].long(), ke[r0:r1].long()
-        ks_rows, ke_rows = ks_host[r0:r1], ke_host[r0:r1]
-        if max(e - s for s, e in zip(ks_rows, ke_rows)) <= topk:
+        lens = chunk_ke - chunk_ks
+        # Column span of the chunk's non-empty rows: one host sync of three numbers per chunk.
+        nonempty = lens > 0
+        longest, lo, hi = torch.stack([
+            lens.max(), torch.where(nonempty, chunk_ks, S_kv).min(),
+            torch.where(nonempty, chunk_ke, 0).max(),
+        ]).tolist()
+        if longest <= topk:
             # Every row keeps all its keys: no scores needed (SGLang's skip path).
-            out[r0:r1] = _prefix_indices(chunk_ke - chunk_ks, topk)
+            out[r0:r1] = _prefix_indices(lens, topk)
             continue
-        # Column span of the chunk; empty rows get an empty range inside it.
-        lo, hi = _column_span(ks_rows, ke_rows)
+        # Empty rows get an empty range inside the span.
         starts = (chunk_ks - lo).clamp(0, hi - lo)
-        ends = torch.where(chunk_ke > chunk_ks, chunk_ke - lo, starts)
-        starts_host = [min(max(s - lo, 0), hi - lo) for s in ks_rows]
-        ends_host = [e - lo if e > s else s0 for s, e, s0 in zip(ks_rows, ke_rows, starts_host)]
-        out[r0:r1] = chunk_topk(RowChunk(r0, r1, lo, hi, starts, ends, starts_host, ends_host))
+        ends = torch.where(nonempty, chunk_ke - lo, starts)
+        out[r0:r1] = chunk_topk(RowChunk(r0, r1, lo, hi, starts, ends))
     return out
 
 
@@ -699,17 +536,23 @@ class Indexer(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=config.index_k_norm_eps)
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
 
-    def _check_tokens(self, x: Tensor, positions: Tensor) -> int:
+    def _check_tokens(self, x: Tensor, positions: Tensor, q_latent: Tensor | None = None) -> None:
+        """``x [n, hidden]``, ``positions`` int64 ``[n]`` and, when given, ``q_latent``."""
         n = x.shape[0] if x.dim() == 2 else -1
-        _need(
+        need(
             x.dim() == 2 and x.shape[1] == self.config.hidden_size,
             f"x must be [n, hidden_size={self.config.hidden_size}], got {tuple(x.shape)}",
         )
-        _need(
+        need(
             positions.dtype == torch.int64 and tuple(positions.shape) == (n,),
             f"positions must be int64 [{n}], got {positions.dtype} {tuple(positions.shape)}",
         )
-        return n
+        if q_latent is not None:
+            need(
+                tuple(q_latent.shape) == (n, self.config.q_lora_rank),
+                f"q_latent must be [n={n}, q_lora_rank={self.config.q_lora_rank}], got "
+                f"{tuple(q_latent.shape)}",
+            )
 
     def rope(self, x: Tensor, positions: Tensor) -> Tensor:
         """``[n, ..., D]``: RoPE on the first ``rope_dim`` dims, no rotation (``glm_dsa.fidelity``
@@ -733,6 +576,9 @@ class Indexer(nn.Module):
     def project_k(self, x: Tensor, positions: Tensor) -> Tensor:
         """``x [n, hidden]``, ``positions`` int64 ``[n]`` → unquantized key ``[n, D]`` (x.dtype)."""
         self._check_tokens(x, positions)
+        return self._key(x, positions)
+
+    def _key(self, x: Tensor, positions: Tensor) -> Tensor:
         return self._rope_then_rotate(self.k_norm(self.wk(x)), positions)
 
     def project_q(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -746,12 +592,10 @@ class Indexer(nn.Module):
             ``q_fp8 [n, H, D]`` float8_e4m3fn and ``weights [n, H]`` =
             ``weights_proj(x) · H^-0.5 · q_scale · D^-0.5`` in float32 (float64 for float64 x).
         """
-        n = self._check_tokens(x, positions)
-        _need(
-            tuple(q_latent.shape) == (n, self.config.q_lora_rank),
-            f"q_latent must be [n={n}, q_lora_rank={self.config.q_lora_rank}], got "
-            f"{tuple(q_latent.shape)}",
-        )
+        self._check_tokens(x, positions, q_latent)
+        return self._query(x, q_latent, positions)
+
+    def _query(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         q = rearrange(self.wq_b(q_latent), "n (h d) -> n h d", h=self.n_heads)
         q = self._rope_then_rotate(q, positions)
         q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
@@ -793,7 +637,8 @@ class Indexer(nn.Module):
             int32 ``[n, index_topk]``, request-relative (relative to ``batch.ks``), ``-1`` pad.
         """
         cfg = self.config
-        k = self.project_k(x, batch.positions)
+        self._check_tokens(x, batch.positions, q_latent)
+        k = self._key(x, batch.positions)
         out_slots = batch.out_slots
         if cp_chunk is not None:
             k, out_slots = cp_chunk.gather(k, INDEX_K_ALLGATHER), cp_chunk.out_slots
@@ -802,7 +647,7 @@ class Indexer(nn.Module):
         ctx_fp8, ctx_scale = index_k_load(
             index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size
         )
-        q_fp8, weights = self.project_q(x, q_latent, batch.positions)
+        q_fp8, weights = self._query(x, q_latent, batch.positions)
         return topk_fn(
             q_fp8, weights, ctx_fp8, ctx_scale, batch.ks, batch.ke, cfg.index_topk, budget_bytes
         )

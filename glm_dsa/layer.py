@@ -17,13 +17,14 @@ from torch import nn
 
 from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import LATENT_ALLGATHER, ForwardBatch, RowGather
+from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache
 from glm_dsa.config import DSAConfig
 from glm_dsa.mla import MLA
 from glm_dsa.moe import MLP, MoE
 from glm_dsa.norm import RMSNorm
 
-__all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes"]
+__all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes", "StepContext"]
 
 
 @dataclass
@@ -34,6 +35,32 @@ class LayerTimes:
     indexer: float = 0.0
     attention: float = 0.0
     moe: float = 0.0
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one prefill step shares besides its input.
+
+    Attributes:
+        batch: ragged metadata; each layer's KV (and index K) are written at ``out_slots`` and
+            the context is read back through ``kv_slots``.
+        cache: the pools.
+        budgets: the indexer-logits and attention row-chunk byte budgets (``glm_dsa.budget``).
+        backend: the indexer top-k and attention implementations (``glm_dsa.backend``).
+        row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
+        times: per-component wall seconds are added here when given.
+        cp_chunk: context parallel (None: one rank). The step's ``x`` and ``batch`` are then
+            this rank's rows; the chunk's latent rows and index keys are gathered from every
+            rank and written at the whole chunk's slots.
+    """
+
+    batch: ForwardBatch
+    cache: KVCache
+    budgets: Budgets
+    backend: Backend = REFERENCE
+    row_mask: torch.Tensor | None = None
+    times: LayerTimes | None = None
+    cp_chunk: RowGather | None = None
 
 
 class _Timer:
@@ -75,59 +102,40 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self,
-        x: torch.Tensor,
-        batch: ForwardBatch,
-        cache: KVCache,
-        topk: torch.Tensor | None,
-        budget_bytes: int,
-        row_mask: torch.Tensor | None = None,
-        times: LayerTimes | None = None,
-        cp_chunk: RowGather | None = None,
-        backend: Backend = REFERENCE,
+        self, x: torch.Tensor, step: StepContext, topk_indices: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``h = x + attn(input_layernorm(x))``, ``out = h + ffn(post_attention_layernorm(h))``,
         writing this step's KV (and index K) on the way.
 
         Args:
             x: ``[n, hidden]`` residual stream of the query tokens.
-            batch: ragged metadata; this layer's KV (and index K) are written at ``out_slots``.
-            cache: the pools; the context is read back through ``batch.kv_slots``.
-            topk: int32 ``[n, index_topk]`` request-relative top-k of the previous full layer
-                (required on shared layers, ignored on full ones).
-            budget_bytes: memory budget for indexer logits rows and the sparse-attention gather.
-            row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
-            cp_chunk: context parallel (None: one rank). ``x`` and ``batch`` are then this
-                rank's rows; the chunk's latent rows and index keys are gathered from every rank
-                and written at the whole chunk's slots.
-            backend: the indexer top-k and sparse attention implementations (``glm_dsa.backend``).
+            step: the step's batch, cache, budgets, backend, padding mask, timer and CP chunk.
+            topk_indices: int32 ``[n, index_topk]`` request-relative top-k of the previous full
+                layer (required on shared layers, ignored on full ones).
         Returns:
-            ``(out [n, hidden], topk)``: the topk this layer used, for the next shared layer.
+            ``(out [n, hidden], topk_indices)``: the top-k this layer used, for the next shared
+            layer.
         """
-        attn = self.self_attn
-        timer = _Timer(times, x.device)
+        attn, batch, cache, cp_chunk = self.self_attn, step.batch, step.cache, step.cp_chunk
+        timer = _Timer(step.times, x.device)
         timer.start()
         h_in = self.input_layernorm(x)
         proj = attn.project(h_in, batch.positions)
         cache.write_mla(self.layer_idx, *_whole_chunk(proj.kv_latent, batch, cp_chunk))
         timer.stop("projections")
         if attn.indexer is not None:  # writes this step's index K, then scores the context
-            topk = attn.indexer(h_in, proj.q_latent, batch, cache.index_k[self.layer_idx],
-                                budget_bytes, cp_chunk, backend.indexer_topk)
+            topk_indices = attn.indexer(h_in, proj.q_latent, batch, cache.index_k[self.layer_idx],
+                                        step.budgets.logits_bytes, cp_chunk, step.backend.indexer_topk)
             cache.record_index_k_write(_chunk_tokens(batch, cp_chunk))
             timer.stop("indexer")
-        elif topk is None:
+        elif topk_indices is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
-        if backend.paged_sparse_mla is not None:  # every context length: no MHA one-shot form
-            h = x + attn.forward_paged(proj, cache.mla[self.layer_idx], batch, topk,
-                                       backend.paged_sparse_mla, budget_bytes)
-        else:
-            kv_context = cache.read_mla(self.layer_idx, batch.kv_slots, x.dtype)
-            h = x + attn.attend(proj, kv_context, batch, topk, budget_bytes)
+        h = x + step.backend.attend(attn, proj, cache, self.layer_idx, batch, topk_indices,
+                                    step.budgets.attention_bytes)
         timer.stop("attention")
-        out = h + self._ffn(self.post_attention_layernorm(h), row_mask)
+        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask)
         timer.stop("moe")
-        return out, topk
+        return out, topk_indices
 
     def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
         """The MoE or dense MLP; padding rows (``row_mask`` False) give exactly 0."""
@@ -159,19 +167,9 @@ class DSAModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        inputs: torch.Tensor,
-        batch: ForwardBatch,
-        cache: KVCache,
-        budget_bytes: int,
-        row_mask: torch.Tensor | None = None,
-        times: LayerTimes | None = None,
-        cp_chunk: RowGather | None = None,
-        backend: Backend = REFERENCE,
-    ) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, step: StepContext) -> torch.Tensor:
         """``inputs``: int64 token ids ``[n]`` or hidden states ``[n, hidden]``; returns the last
-        layer's output ``[n, hidden]`` before the final norm. ``cp_chunk``: see ``DecoderLayer``
+        layer's output ``[n, hidden]`` before the final norm. ``step``: see ``StepContext``
         (the context-parallel driver passes this rank's share of the step)."""
         if inputs.dtype == torch.int64:
             x = self.embed_tokens(inputs)
@@ -182,9 +180,9 @@ class DSAModel(nn.Module):
                 f"inputs must be int64 token ids [n] or hidden states [n, hidden], got {inputs.dtype} "
                 f"{tuple(inputs.shape)}"
             )
-        topk = None
+        topk_indices = None
         for layer in self.layers:
-            x, topk = layer(x, batch, cache, topk, budget_bytes, row_mask, times, cp_chunk, backend)
+            x, topk_indices = layer(x, step, topk_indices)
         return x
 
 

@@ -18,7 +18,7 @@ The exact integer helpers (``cache_bytes_written``, ``chunk_plan``, ``indexer_pa
 ``cp_rank_positions``, ``cp_indexer_pairs_per_rank``, ``cp_comm_bytes_per_chunk``,
 ``logits_budget_bytes_static``) are what the rest of the project checks real runs against.
 ``build_ledger`` assembles everything into one JSON-ready dict (keys documented in
-``docs/ledger.md``) and ``format_ledger`` renders that dict as text tables.
+``docs/ledger.md``); ``glm_dsa.ledger_text.format_ledger`` renders that dict as text tables.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 from glm_dsa.batch import CP_BOUNDARY_GATHER, CP_SPLITS, INDEX_K_ALLGATHER, LATENT_ALLGATHER
 from glm_dsa.config import DSAConfig
-from glm_dsa.indexer import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
+from glm_dsa.budget import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
 from glm_dsa.kv_format import MLA_KV_FORMATS, MLA_TILE, index_k_page_bytes
-from glm_dsa.report import number, si, table
+from glm_dsa.validate import need
 
 __all__ = [
     "SCHEMA",
@@ -63,15 +63,14 @@ __all__ = [
     "cp_comm_bytes_per_chunk",
     "ttft_floor",
     "build_ledger",
-    "format_ledger",
 ]
 
 # Names, formats and thresholds come from the modules that own them (the split names from
 # glm_dsa.batch, the KV formats and the index-K page from glm_dsa.kv_format, the logits
 # thresholds from glm_dsa.indexer). Some rules are re-derived here on purpose, from the config
 # alone, as a cross-check the tests hold against the implementation: the main-KV and index-K row
-# bytes (kv_format.mla_kv_row_bytes), the row slicing (indexer.max_logit_rows), the static logits
-# budget (indexer.logits_budget_bytes without the live free memory) and the CP split
+# bytes (kv_format.mla_kv_row_bytes), the row slicing (budget.max_logit_rows), the static logits
+# budget (budget.logits_budget_bytes without the live free memory) and the CP split
 # (cp.split_rows).
 SCHEMA = "glm-dsa.ledger/1"
 
@@ -81,20 +80,15 @@ BF16_BYTES = 2
 FP8_BYTES = 1
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
 def _need_int(name: str, value: Any, minimum: int) -> None:
-    _need(
+    need(
         isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
         f"{name}={value!r} must be an integer ≥ {minimum}",
     )
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:
-    _need(kv_dtype in MLA_KV_FORMATS, f"kv_dtype={kv_dtype!r} must be one of {MLA_KV_FORMATS}")
+    need(kv_dtype in MLA_KV_FORMATS, f"kv_dtype={kv_dtype!r} must be one of {MLA_KV_FORMATS}")
 
 
 # ============================================================================ byte formats
@@ -155,9 +149,9 @@ def chunk_runs(
     _need_int("prefix", prefix, 0)
     _need_int("page_size", page_size, 1)
     _need_int("chunk", chunk, 1)
-    _need(prefix < total_tokens, f"prefix={prefix} must be < total_tokens={total_tokens}: the "
+    need(prefix < total_tokens, f"prefix={prefix} must be < total_tokens={total_tokens}: the "
           "prefill computes at least one new token")
-    _need(chunk >= page_size, f"chunk={chunk} tokens is smaller than one page (page_size="
+    need(chunk >= page_size, f"chunk={chunk} tokens is smaller than one page (page_size="
           f"{page_size}); a chunk must hold at least one page")
     step = chunk // page_size * page_size
     # the remaining tokens round up to ≤ chunk tokens of whole pages  ⟺  they are ≤ step
@@ -191,12 +185,12 @@ def chunk_plan(
 
 
 def _check_plan(plan: Sequence[tuple[int, int]]) -> None:
-    _need(len(plan) > 0, "the chunk plan is empty; build it with chunk_plan()")
+    need(len(plan) > 0, "the chunk plan is empty; build it with chunk_plan()")
     for (s0, e0), (s1, _) in zip(plan, plan[1:]):
-        _need(e0 == s1, f"chunk plan is not contiguous: ({s0}, {e0}) is followed by a chunk "
+        need(e0 == s1, f"chunk plan is not contiguous: ({s0}, {e0}) is followed by a chunk "
               f"starting at {s1}")
     for s, e in plan:
-        _need(0 <= s < e, f"chunk ({s}, {e}) must satisfy 0 ≤ start < end")
+        need(0 <= s < e, f"chunk ({s}, {e}) must satisfy 0 ≤ start < end")
 
 
 # Above this many chunks the ledger's JSON gives the chunk plan as runs only (docs/ledger.md).
@@ -373,7 +367,7 @@ def layer_flops_per_token(config: DSAConfig, full: bool, moe: bool, with_router:
 def sparse_mla_keys(config: DSAConfig, start: int, end: int) -> int:
     """Exact ``Σ_{i=start}^{end-1} min(index_topk, i + 1)``: keys attended by positions ``start..end-1``."""
     _need_int("start", start, 0)
-    _need(end >= start, f"end={end} must be ≥ start={start}")
+    need(end >= start, f"end={end} must be ≥ start={start}")
     k = config.index_topk
 
     def upto(x: int) -> int:  # Σ_{i<x} min(k, i + 1)
@@ -455,9 +449,9 @@ def logits_budget_bytes_static(
     ledger cannot know. 141e9 bytes at 0.8 give 5,639,999,999 bytes.
     """
     _need_int("total_bytes", total_bytes, 1)
-    _need(0.0 <= mem_fraction_static <= 1.0,
+    need(0.0 <= mem_fraction_static <= 1.0,
           f"mem_fraction_static={mem_fraction_static} must lie in [0, 1]")
-    _need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
+    need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
     static_free = int(total_bytes * max(0.0, 1.0 - mem_fraction_static))
     return min(int(static_free * free_fraction), int(total_bytes * LOGITS_TOTAL_MEM_CAP))
 
@@ -512,7 +506,7 @@ def _rank_ranges(n: int, cp: int, split: str) -> list[list[range]]:
     """Chunk-relative token indices of each rank as arithmetic ranges, in rank order."""
     _need_int("n", n, 0)
     _need_int("cp", cp, 1)
-    _need(split in CP_SPLITS, f"split={split!r} must be one of {CP_SPLITS}")
+    need(split in CP_SPLITS, f"split={split!r} must be one of {CP_SPLITS}")
     if split == "interleave":
         return [[range(r, n, cp)] for r in range(cp)]
     blocks = cp if split == "contiguous" else 2 * cp
@@ -560,7 +554,7 @@ def cp_mean_prefix_article(n: int, cp: int, split: str, rank: int, prefix: int =
     Contiguous ``r L / p + L / (2p)``; interleave ``L / 2 - (p - 1) / 2`` (the same for every
     rank). ``prefix`` is added to both (the article has no cached prefix).
     """
-    _need(split in CP_SPLITS, f"split={split!r} must be one of {CP_SPLITS}")
+    need(split in CP_SPLITS, f"split={split!r} must be one of {CP_SPLITS}")
     if split == "contiguous":
         return prefix + rank * n / cp + n / (2 * cp)
     if split == "interleave":
@@ -663,7 +657,7 @@ class GpuSpec:
         _need_int("mem_bytes", self.mem_bytes, 1)
         for f in ("hbm_bytes_per_s", "indexer_flops_per_s", "backbone_flops_per_s", "nvlink_bytes_per_s"):
             v = getattr(self, f)
-            _need(isinstance(v, (int, float)) and v > 0, f"GpuSpec.{f}={v!r} must be > 0")
+            need(isinstance(v, (int, float)) and v > 0, f"GpuSpec.{f}={v!r} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -985,257 +979,6 @@ def build_ledger(
         "comm": _build_comm(run),
         "ttft": _build_ttft(run),
     }
-
-
-# ============================================================================ text rendering
-# Figures printed in the design article (the project's seed), for GLM-5.3 only; the text report
-# shows them in their own column beside ours. Per-op FLOPs: its table "一层 prefill 的算术"
-# (M FLOP per token; P FLOP for the whole model at 10**6 tokens). Quoted, never computed with.
-ARTICLE_CONFIG = "glm-5.3"
-ARTICLE_OP_FLOPS = {  # op: (MFLOP per token, PFLOP over 78/21/75/3 layers at 10**6 tokens)
-    "a_proj": (32.2, 2.5), "q_up": (67.1, 5.2), "q_absorb": (12.6, 1.0), "index_k": (1.6, 0.03),
-    "index_q": (16.8, 0.35), "index_gate": (0.4, 0.008), "sparse_mla": (285, 22.2),
-    "out_absorb": (16.8, 1.3), "o_proj": (201.3, 15.7), "moe_experts": (604, 45.3),
-    "shared_experts": (75.5, 5.7), "dense_mlp": (453, 1.4),
-}
-ARTICLE_KV = {  # KV bytes: "每 token 每层 656 字节", index K "132 字节", "≈56.6 GB" at 1,048,576
-    "main_row_bytes": "656 B", "index_row_bytes": "132 B", "bytes_per_token": "53,940 B",
-    "main_bytes": "53.7 GB at 1M", "index_bytes": "2.9 GB at 1M", "total_bytes": "56.6 GB at 1M",
-    "main_page_bytes": "41,984 B", "index_page_bytes": "8,448 B", "pages_per_chunk": "512",
-}
-ARTICLE_TTFT = "55-65 s (with its index-K reread slip)"
-
-
-def _article(ledger: dict[str, Any]) -> bool:
-    return ledger["inputs"]["config"] == ARTICLE_CONFIG
-
-
-def _q(label: str, value: Any, unit: str | None = None, note: str = "", article: str = "") -> list[Any]:
-    """A ``quantity | value | ≈ (SI) | design article`` row; ``unit`` asks for the SI rendering."""
-    return [label, value, si(value, unit) if unit is not None else note, article]
-
-
-_Q_HEADERS = ["quantity", "value", "≈ (SI units)", "design article"]
-
-
-def _render_header(ledger: dict[str, Any]) -> list[str]:
-    inp, mod = ledger["inputs"], ledger["model"]
-    header = [
-        f"glm-dsa ledger: config {inp['config']}, L = {number(inp['tokens'])} tokens "
-        f"(prefix P = {number(inp['prefix'])}, new N = {number(inp['new_tokens'])})",
-        f"chunk B = {number(inp['chunk'])}, CP {inp['cp']}, KV {inp['kv_dtype']}; TTFT floor "
-        f"(last table, critical_path_s): {si(ledger['ttft']['critical_path_s'], 's')}",
-        f"model: {mod['layers']} layers = {mod['full_layers']} full + {mod['shared_layers']} shared "
-        f"indexer layers; {mod['dense_layers']} dense + {mod['moe_layers']} MoE",
-        f"page {mod['page_size']} tokens; index_topk {mod['index_topk']}",
-        "units: FLOP counts 2 per multiply-add; B = bytes; SI decimal prefixes (GB = 1e9 B,",
-        "TFLOP = 1e12 FLOP); s = seconds. 'design article': figures printed in the design",
-        "article (GLM-5.3 only; per-op totals there are at 10^6 tokens), quoted, not computed.",
-    ]
-    if inp["tokens"] > mod["max_position_embeddings"]:
-        header.append(f"note: L exceeds max_position_embeddings = {number(mod['max_position_embeddings'])}")
-    return ["\n".join(header)]
-
-
-def _render_flops(ledger: dict[str, Any]) -> list[str]:
-    fl, new = ledger["flops"], ledger["inputs"]["new_tokens"]
-    art = ARTICLE_OP_FLOPS if _article(ledger) else {}
-
-    def cited(op: str, i: int, unit: str) -> str:
-        if op == "router_gate" and _article(ledger):
-            return "not in its table"
-        return f"{art[op][i]:g} {unit}" if op in art else "-"
-
-    return [
-        table(
-            "FLOPs per op per token (sparse MLA at index_topk keys)",
-            ["op", "shape", "layers", "FLOP/token", "≈ (SI units)", "design article"],
-            [[o["op"], o["shape"], o["layers"], o["flops_per_token"], si(o["flops_per_token"], "FLOP"),
-              cited(o["op"], 0, "MFLOP")] for o in fl["ops"]],
-        ),
-        table(
-            f"FLOPs per op over N = {number(new)} new tokens, all layers",
-            ["op", "total FLOP", "≈ (SI units)", "design article (10^6 tokens)"],
-            [[o["op"], o["total"], si(o["total"], "FLOP"), cited(o["op"], 1, "PFLOP")]
-             for o in fl["ops"]],
-        ),
-        table(
-            "FLOPs per layer per token (the article's ops, router excluded)",
-            ["layer kind", "FLOP/token", "≈ (SI units)", "design article"],
-            [_q(k, v, "FLOP", article="1.31 GFLOP" if k == "full_moe" and _article(ledger) else "")
-             for k, v in fl["layer_per_token"].items()],
-        ),
-        table("model FLOPs", _Q_HEADERS, [
-            _q("model_total_article (article's ops)", fl["model_total_article"], "FLOP",
-               article="~100 PFLOP" if _article(ledger) else ""),
-            _q("sparse_mla_keys (sum of min(topk, i+1))", fl["sparse_mla_keys"], note="keys"),
-            _q("model_total (all ops, router, exact keys)", fl["model_total"], "FLOP"),
-        ]),
-    ]
-
-
-def _render_params(ledger: dict[str, Any]) -> list[str]:
-    art = {"indexer_per_full_layer": "9.4 M", "indexer_total": "197 M", "experts_per_moe_layer": "9.66 G",
-           "total": "744 G"} if _article(ledger) else {}
-    return [table("parameters (elements)", ["component", "params", "≈ (SI units)", "design article"],
-                  [_q(k, v, "", article=art.get(k, "")) for k, v in ledger["params"].items()])]
-
-
-def _render_indexer(ledger: dict[str, Any]) -> list[str]:
-    ix = ledger["indexer"]
-    full = ix["full_layers"]
-    pl, pa = ix["pairs_per_layer"], ix["pairs_per_layer_approx"]
-    return [
-        table(
-            f"indexer (query, key) pairs: per full layer, x {full} full layers, article's approximation",
-            ["term", "pairs/layer", f"x {full} layers", "approx/layer"],
-            [[t, pl[t], full * pl[t], pa[t]] for t in ("intra_chunk", "cross_chunk", "prefix_cache", "total")],
-        ),
-        table("indexer cost", _Q_HEADERS, [
-            _q("flops_per_pair", ix["flops_per_pair"]),
-            _q("flops (exact)", ix["flops"], "FLOP"),
-            _q("flops_approx (L^2/2 pairs)", ix["flops_approx"], "FLOP"),
-            _q("intensity_flop_per_byte", ix["intensity_flop_per_byte"], note="FLOP/B (FP8 K)"),
-            _q("bandwidth_bound_flops_per_s", ix["bandwidth_bound_flops_per_s"], "FLOP/s"),
-            _q("index_k_reread_bytes (exact)", ix["index_k_reread_bytes"], "B"),
-            _q("index_k_reread_bytes_approx (N^2/(2B))", ix["index_k_reread_bytes_approx"], "B"),
-        ]),
-    ]
-
-
-def _render_kv(ledger: dict[str, Any]) -> list[str]:
-    kv = ledger["kv"]
-    wc, wr = kv["written_per_chunk"], kv["written_request"]
-    art = ARTICLE_KV if _article(ledger) and kv["kv_dtype"] == "fp8" else {}
-    return [table(f"KV cache ({kv['kv_dtype']} main KV)", ["quantity", "bytes", "≈ (SI units)", "design article"], [
-        _q("main_row_bytes (per token per layer)", kv["main_row_bytes"], "B", article=art.get("main_row_bytes", "")),
-        _q("index_row_bytes (per token per full layer)", kv["index_row_bytes"], "B",
-           article=art.get("index_row_bytes", "")),
-        _q("main_bytes_per_token (all layers)", kv["main_bytes_per_token"], "B"),
-        _q("index_bytes_per_token (full layers)", kv["index_bytes_per_token"], "B"),
-        _q("bytes_per_token", kv["bytes_per_token"], "B", article=art.get("bytes_per_token", "")),
-        _q("main_bytes at L", kv["main_bytes"], "B", article=art.get("main_bytes", "")),
-        _q("index_bytes at L", kv["index_bytes"], "B", article=art.get("index_bytes", "")),
-        _q("total_bytes at L", kv["total_bytes"], "B", article=art.get("total_bytes", "")),
-        _q("main_page_bytes", kv["main_page_bytes"], "B", article=art.get("main_page_bytes", "")),
-        _q("index_page_bytes", kv["index_page_bytes"], "B", article=art.get("index_page_bytes", "")),
-        _q("pages_per_chunk", kv["pages_per_chunk"], note="pages", article=art.get("pages_per_chunk", "")),
-        *[_q(f"written_per_chunk {k}", v, "B") for k, v in wc.items()],
-        *[_q(f"written_request {k} (N tokens)", v, "B") for k, v in wr.items()],
-    ])]
-
-
-def _plan_chunk(runs: Sequence[Sequence[int]], j: int) -> tuple[int, int]:
-    """Chunk ``j`` (from 0) of a plan given as runs ``(start, size, count)``."""
-    for start, size, count in runs:
-        if j < count:
-            return start + j * size, start + (j + 1) * size
-        j -= count
-    raise IndexError(j)
-
-
-def _render_chunks(ledger: dict[str, Any]) -> list[str]:
-    count = ledger["chunks"]["count"]
-    shown = list(range(count)) if count <= 4 else [0, 1, None, count - 1]
-    plan = {j: _plan_chunk(ledger["chunks"]["runs"], j) for j in shown if j is not None}
-    return [table(
-        f"chunk plan ({ledger['chunks']['count']} chunks)",
-        ["chunk", "start", "end", "tokens"],
-        [["...", "...", "...", "..."] if j is None
-         else [str(j + 1), plan[j][0], plan[j][1], plan[j][1] - plan[j][0]] for j in shown],
-    )]
-
-
-def _render_memory(ledger: dict[str, Any]) -> list[str]:
-    """The logits, activations and MHA one-shot sections share one table."""
-    lg, act, mha = ledger["logits"], ledger["activations"], ledger["mha_one_shot"]
-    return [table("indexer logits, activations, MHA one-shot", _Q_HEADERS, [
-        _q("total_mem_bytes (per GPU)", lg["total_mem_bytes"], "B"),
-        _q("mem_fraction_static", lg["mem_fraction_static"]),
-        _q("budget_bytes (static, conventions §12)", lg["budget_bytes"], "B"),
-        _q("row_bytes_at_tokens (4 L)", lg["row_bytes_at_tokens"], "B"),
-        _q("rows_at_tokens (budget // 4L)", lg["rows_at_tokens"], note="rows"),
-        _q("peak_bytes_one_chunk (unsliced)", lg["peak_bytes_one_chunk"], "B"),
-        _q("rows_last_chunk", lg["rows_last_chunk"], note="rows/slice"),
-        _q("slices_last_chunk", lg["slices_last_chunk"], note="slices"),
-        _q("slices_total", lg["slices_total"], note="slices"),
-        _q("hidden_bytes_per_chunk (bf16)", act["hidden_bytes_per_chunk"], "B"),
-        _q("moe_intermediate_bytes_per_chunk (bf16)", act["moe_intermediate_bytes_per_chunk"], "B"),
-        _q("mha kv_elements_per_token", mha["kv_elements_per_token"]),
-        _q("mha latent_elements_per_token", mha["latent_elements_per_token"]),
-        _q("mha temp_kv_bytes_at_tokens (bf16)", mha["temp_kv_bytes_at_tokens"], "B"),
-        _q("mha temp_kv_bytes_per_chunk (bf16)", mha["temp_kv_bytes_per_chunk"], "B"),
-    ])]
-
-
-def _render_chunk_sizes(ledger: dict[str, Any]) -> list[str]:
-    return [table(
-        "chunk size comparison (reread relative to chunk B)",
-        ["chunk", "chunks", "index-K reread B", "relative", "logits peak B", "≈ (SI)", "hidden act B"],
-        [[x["chunk"], x["chunks"], x["index_k_reread_bytes"], x["index_k_reread_relative"],
-          x["logits_peak_bytes"], si(x["logits_peak_bytes"], "B"), x["hidden_bytes_per_chunk"]]
-         for x in ledger["chunk_sizes"]],
-    )]
-
-
-def _render_context_parallel(ledger: dict[str, Any]) -> list[str]:
-    cps = ledger["context_parallel"]
-    seq = cps["sequence"]
-    contig, inter, zig = seq["contiguous"], seq["interleave"], seq["zigzag"]
-    return [
-        table(
-            f"context parallel CP{cps['cp']}: N new tokens split once; mean prefix per rank (exact / article)",
-            ["rank", "contig exact", "contig article", "interleave exact", "interleave article",
-             "zigzag exact"],
-            [[str(r), contig["mean_prefix_per_rank"][r], contig["article_mean_prefix_per_rank"][r],
-              inter["mean_prefix_per_rank"][r], inter["article_mean_prefix_per_rank"][r],
-              zig["mean_prefix_per_rank"][r]] for r in range(cps["cp"])],
-        ),
-        table(
-            "context parallel: indexer pairs per rank (one full layer) and imbalance",
-            ["split", "scope", "min pairs", "max pairs", "max/min"],
-            [[split, scope, min(d["pairs_per_rank"]), max(d["pairs_per_rank"]), d["max_over_min"]]
-             for scope in ("sequence", "request") for split, d in cps[scope].items()],
-        ),
-    ]
-
-
-def _render_comm(ledger: dict[str, Any]) -> list[str]:
-    cm = ledger["comm"]
-    return [table(
-        f"communication per chunk of {number(cm['chunk_tokens'])} tokens, CP{cm['cp']}",
-        ["op", "count", "bytes each", "local each", "total B", "total"],
-        [[r["op"] + (" (optional)" if r["optional"] else ""), r["count"], r["bytes_each"],
-          r["local_bytes_each"], r["total"], si(r["total"], "B")] for r in cm["rows"]]
-        + [["total (without optional)", "", "", "", cm["total_bytes"], si(cm["total_bytes"], "B")]],
-    )]
-
-
-def _render_ttft(ledger: dict[str, Any]) -> list[str]:
-    tt, gpu = ledger["ttft"], ledger["inputs"]["gpu"]
-    note = f"; design article: {ARTICLE_TTFT}" if _article(ledger) else ""
-    return [table(
-        f"TTFT floor on {gpu['gpus']} x {gpu['name']}: each term's amount at its rate",
-        ["term", "amount", "rate (basis)", "seconds", "share"],
-        [[x["name"], f"{x['amount']:,} {x['unit']}", f"{si(x['rate'], x['unit'] + '/s')} ({x['rate_basis'].removesuffix(' rate')})",
-          x["seconds"], f"{100 * x['share']:.1f}%"] for x in tt["components"]]
-        + [["serial_s", "", "", tt["serial_s"], ""],
-           ["critical_path_s", "", "", tt["critical_path_s"], ""]],
-    ) + ("\nserial_s: the terms one after another; critical_path_s: max(indexer_compute, "
-         "index_k_reread)\n+ backbone_compute + sparse_kv_read + moe_comm (kv_write overlaps).\n"
-         f"TTFT floor = critical_path_s = {si(tt['critical_path_s'], 's')}{note}")]
-
-
-# The text report, section by section, in the order the tables are printed.
-_RENDERERS = (
-    _render_header, _render_flops, _render_params, _render_indexer, _render_kv, _render_chunks,
-    _render_memory, _render_chunk_sizes, _render_context_parallel, _render_comm, _render_ttft,
-)
-
-
-def format_ledger(ledger: dict[str, Any]) -> str:
-    """Render a :func:`build_ledger` dict as aligned text tables (every JSON number appears)."""
-    return "\n\n".join(block for render in _RENDERERS for block in render(ledger)) + "\n"
 
 
 # ============================================================================ memory of a run

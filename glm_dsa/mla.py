@@ -33,10 +33,12 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from glm_dsa.batch import ForwardBatch
+from glm_dsa.budget import attention_rows
 from glm_dsa.config import DSAConfig
 from glm_dsa.indexer import Indexer
 from glm_dsa.norm import RMSNorm
 from glm_dsa.rope import apply_rope, rope_cos_sin
+from glm_dsa.validate import check_sparse_conventions, check_sparse_inputs, need
 
 __all__ = ["sparse_mla_fwd", "dense_causal_mha", "MLAProjection", "MLA"]
 
@@ -95,76 +97,6 @@ def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
     return torch.bmm(a.to(cdt), b.to(cdt))
 
 
-def _rows_per_chunk(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
-                    kv_dtype: torch.dtype, dtype: torch.dtype, budget_bytes: int | None) -> int:
-    """Query rows whose temporaries fit ``budget_bytes``.
-
-    Per row: the gathered ``[topk, d_qk]`` keys in the cache's dtype and, at most, again in the
-    compute dtype (``_bmm_f32`` off the tensor-core path), the ``[heads, topk]`` scores with the
-    two temporaries ``logsumexp`` makes of them, the probabilities' bf16 split (3 × 2 bytes
-    plus a float32 remainder), three ``[topk]`` index tensors (int64), and the row's query (and
-    its split), full-width output and output in the compute dtype.
-    """
-    if budget_bytes is None:
-        return max(1, num_rows)
-    item = dtype.itemsize
-    per_row = (
-        topk * d_qk * (kv_dtype.itemsize + item)
-        + 3 * heads * topk * item
-        + heads * topk * (3 * 2 + 4)
-        + 3 * topk * 8
-        + heads * (2 * d_qk + d_v) * item
-        + heads * d_qk * (3 * 2 + 4)
-    )
-    return max(1, budget_bytes // per_row)
-
-
-def _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
-                         budget_bytes) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [s_q, h, d_qk], got shape {tuple(q.shape)}")
-    s_q, h, d_qk = q.shape
-    if kv.dim() != 3 or kv.shape[1] != 1 or kv.shape[2] != d_qk:
-        raise ValueError(
-            f"kv must be [s_kv, 1, d_qk={d_qk}] (one latent KV head shared by all query heads), "
-            f"got shape {tuple(kv.shape)}"
-        )
-    if not q.dtype.is_floating_point or not kv.dtype.is_floating_point:
-        raise ValueError(
-            f"q and kv must be floating (dequantize an FP8 cache first), got q {q.dtype} and "
-            f"kv {kv.dtype}"
-        )
-    if indices.dtype != torch.int32 or indices.dim() != 3 or indices.shape[:2] != (s_q, 1):
-        raise ValueError(
-            f"indices must be int32 [s_q={s_q}, 1, topk], got {indices.dtype} "
-            f"{tuple(indices.shape)}"
-        )
-    if indices.shape[2] < 1:
-        raise ValueError("indices needs topk ≥ 1 columns; pad unused ones with -1")
-    if not 0 < d_v <= d_qk:
-        raise ValueError(f"d_v={d_v} must lie in [1, d_qk={d_qk}]: values are kv[..., :d_v]")
-    if attn_sink is not None and (
-        not attn_sink.dtype.is_floating_point or attn_sink.shape != (h,)
-    ):
-        raise ValueError(
-            f"attn_sink must be a floating [h={h}] tensor, got {attn_sink.dtype} "
-            f"{tuple(attn_sink.shape)}"
-        )
-    if topk_length is not None and (topk_length.dtype != torch.int32 or topk_length.shape != (s_q,)):
-        raise ValueError(
-            f"topk_length must be int32 [s_q={s_q}], got {topk_length.dtype} "
-            f"{tuple(topk_length.shape)}"
-        )
-    if lse_base not in ("e", "2"):
-        raise ValueError(f"lse_base={lse_base!r} must be 'e' (newest FlashMLA) or '2' (Sep 2025)")
-    if lonely_lse not in ("+inf", "-inf"):
-        raise ValueError(
-            f"lonely_lse={lonely_lse!r} must be '+inf' (newest FlashMLA) or '-inf' (Sep 2025)"
-        )
-    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes < 1):
-        raise ValueError(f"budget_bytes={budget_bytes!r} must be a positive int or None")
-
-
 def sparse_mla_fwd(
     q: Tensor,
     kv: Tensor,
@@ -196,7 +128,7 @@ def sparse_mla_fwd(
         lonely_lse: ``lse`` of a row with no valid index: ``"+inf"`` (newest) or ``"-inf"``.
         budget_bytes: bound, in bytes, on the temporaries of one row chunk: the gathered keys
             (in kv's dtype and in the compute dtype), the scores and their exponentials, the
-            index masks, the chunk's query and output (``_rows_per_chunk``). ``None``: one chunk.
+            index masks, the chunk's query and output (``budget.attention_rows``). ``None``: one chunk.
             Chunks change only the batch count of the GEMMs (bitwise the same on CPU). Peak
             memory: inputs, outputs and ``budget_bytes`` (or one row's temporaries if larger).
 
@@ -208,13 +140,13 @@ def sparse_mla_fwd(
         the values, divided by its row sum). A row with no valid index gives ``out = 0``,
         ``max_logits = -inf`` and ``lse`` per ``lonely_lse``.
     """
-    _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, lse_base, lonely_lse,
-                         budget_bytes)
+    check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length)
+    check_sparse_conventions(lse_base, lonely_lse, budget_bytes)
     if not math.isfinite(sm_scale):
         raise ValueError(f"sm_scale={sm_scale} must be finite")
     s_q, h, d_qk = q.shape
-    rows_per_chunk = _rows_per_chunk(s_q, indices.shape[2], d_qk, d_v, h, kv.dtype,
-                                     _compute_dtype(q.dtype, kv.dtype), budget_bytes)
+    rows_per_chunk = attention_rows(s_q, indices.shape[2], d_qk, d_v, h, kv.dtype,
+                                    _compute_dtype(q.dtype, kv.dtype), budget_bytes)
     out, max_logits, lse = _sparse_mla(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                        lonely_lse == "+inf", rows_per_chunk)
     if lse_base == "2":
@@ -473,44 +405,20 @@ class MLA(nn.Module):
             batch: ragged metadata; row ``m`` may see ``[ks[m], ke[m])``.
             topk_indices: int32 ``[n, topk]`` request-relative; entries outside
                 ``[0, ke - ks)`` are ignored, so an index past the causal limit is never read.
-            budget_bytes: bound on the temporaries of a row chunk (see ``sparse_mla_fwd``); the
-                whole pipeline runs in row chunks of that size, which changes only the GEMMs'
-                row blocking (last-bit differences).
+            budget_bytes: bound on the temporaries of a row chunk (``budget.attention_rows``,
+                the gathered keys included); the whole pipeline runs in row chunks of that
+                size, which changes only the GEMMs' row blocking (last-bit differences).
         """
         cfg = self.config
-        cdt = self._check_context(proj, kv_context, batch)
-        n = batch.num_tokens
-        if topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != n:
-            raise ValueError(
-                f"topk_indices must be int32 [n={n}, topk], got {topk_indices.dtype} "
-                f"{tuple(topk_indices.shape)}"
-            )
-        # In the weight's own dtype: _bmm_f32 multiplies bf16 weights on tensor cores exactly.
-        w = self._kv_b_weight(self.kv_b_proj.weight.dtype)
-        w_uk = w[:, : cfg.qk_nope_head_dim]                                      # [H, nope, kv_lora]
-        w_uv_t = w[:, cfg.qk_nope_head_dim :].transpose(1, 2)                    # [H, kv_lora, v]
-        s_kv, kv = kv_context.shape[0], kv_context[:, None, :]                # [S_kv, 1, 576]
-        act = proj.q_latent.dtype
-        out = torch.empty((n, cfg.hidden_size), dtype=act, device=kv_context.device)
-        # Whole pipeline per row chunk, so q_abs, the query and o (a few GB each for a 32K-token
-        # chunk of 64 heads) are bounded by the budget as well as the gather.
-        rows = _rows_per_chunk(n, topk_indices.shape[1], cfg.kv_latent_dim, cfg.kv_lora_rank,
-                               cfg.num_attention_heads, kv_context.dtype, cdt, budget_bytes)
-        for r0 in range(0, n, rows):
-            r1 = min(n, r0 + rows)
-            q_abs = _bmm_f32(proj.q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [r, H, kv_lora]
-            query = torch.cat([q_abs, proj.q_pe[r0:r1].to(cdt)], dim=-1)            # [r, H, 576]
-            rel = topk_indices[r0:r1]
-            ks, ke = batch.ks[r0:r1, None], batch.ke[r0:r1, None]
-            inside = (rel >= 0) & (rel < ke - ks)                                   # causal limit
-            ragged = rel.clamp(0, s_kv).add_(ks).masked_fill_(~inside, -1)         # rows of kv
-            o_lat, _, _ = sparse_mla_fwd(
-                query, kv, ragged[:, None, :], cfg.softmax_scale, d_v=cfg.kv_lora_rank
-            )                                                                       # [r, H, kv_lora]
-            o = _bmm_f32(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)           # [r, H, v]
-            out[r0:r1] = self.o_proj(rearrange(o, "r h v -> r (h v)").to(act))
-            del q_abs, query, rel, inside, ragged, o_lat, o
-        return out
+        self._check_context(proj, kv_context, batch)
+        kv = kv_context[:, None, :]                                             # [S_kv, 1, 576]
+
+        def attend_rows(query: Tensor, rows: Tensor) -> Tensor:
+            return sparse_mla_fwd(query, kv, rows[:, None, :], cfg.softmax_scale,
+                                  d_v=cfg.kv_lora_rank)[0]
+
+        return self.forward_sparse(proj, batch, topk_indices, attend_rows, None, budget_bytes,
+                                   gathered_dtype=kv_context.dtype)
 
     def forward_paged(
         self,
@@ -533,39 +441,84 @@ class MLA(nn.Module):
             pool: ``[num_pages, page_size, row]`` uint8 (FP8 rows), bfloat16 or float32.
             topk_indices: int32 ``[n, topk]`` request-relative, as in ``forward_absorbed``.
             paged_sparse_mla: ``(query, pool, slots, sm_scale, d_v) -> (out, max_logits, lse)``.
-            budget_bytes: bound on the float32-sized per-chunk temporaries (queries and outputs).
+            budget_bytes: bound on a row chunk's queries and outputs (``budget.attention_rows``).
         """
         cfg = self.config
-        n, heads = batch.num_tokens, cfg.num_attention_heads
-        if topk_indices.dtype != torch.int32 or topk_indices.dim() != 2 or topk_indices.shape[0] != n:
-            raise ValueError(
-                f"topk_indices must be int32 [n={n}, topk], got {topk_indices.dtype} "
-                f"{tuple(topk_indices.shape)}"
-            )
-        if pool.dtype not in (torch.uint8, torch.bfloat16, torch.float32):
-            raise ValueError(f"the paged sparse attention reads fp8, bf16 or fp32 KV pools, not {pool.dtype}")
+        need(pool.dtype in (torch.uint8, torch.bfloat16, torch.float32),
+             f"the paged sparse attention reads fp8, bf16 or fp32 KV pools, not {pool.dtype}")
         act = proj.q_latent.dtype
         qdt = pool.dtype if pool.dtype.is_floating_point else (
             torch.bfloat16 if act == torch.bfloat16 else torch.float32)
-        w = self._kv_b_weight(qdt)
+        last_slot = max(batch.kv_slots.numel() - 1, 0)
+
+        def attend_rows(query: Tensor, rows: Tensor) -> Tensor:
+            slots = batch.kv_slots[rows.long().clamp(0, last_slot)]
+            slots = slots.masked_fill(rows < 0, -1).to(torch.int32)              # [r, topk]
+            return paged_sparse_mla(query, pool, slots, cfg.softmax_scale, cfg.kv_lora_rank)[0]
+
+        return self.forward_sparse(proj, batch, topk_indices, attend_rows, qdt, budget_bytes)
+
+    def forward_sparse(
+        self,
+        proj: MLAProjection,
+        batch: ForwardBatch,
+        topk_indices: Tensor,
+        attend_rows: Callable[[Tensor, Tensor], Tensor],
+        query_dtype: torch.dtype | None,
+        budget_bytes: int | None,
+        gathered_dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """The absorbed pipeline, row chunk by row chunk, with the sparse attention passed in.
+
+        Per chunk of ``budget.attention_rows`` query rows: ``q_abs = q_nope @ W_UK``, the query
+        ``[q_abs | q_pe]``, the top-k as rows of the context (``ks + index`` inside the causal
+        limit, ``-1`` elsewhere), ``o_lat = attend_rows(query [r, H, 576], rows int32 [r, topk])``
+        ``[r, H, kv_lora]``, then ``W_UV`` and ``o_proj``. Every attention form runs this loop.
+
+        Args:
+            query_dtype: None for float32-accurate products (``_bmm_f32``, the reference: the
+                query in ``promote_types(activations, context, float32)``); else plain GEMMs with
+                the query and weights in that dtype (the kernels' bf16 or float32 query).
+            gathered_dtype: the dtype of a context ``attend_rows`` gathers (its keys count in
+                the budget), or None where a kernel reads the rows in place.
+        """
+        cfg = self.config
+        n = batch.num_tokens
+        need(topk_indices.dtype == torch.int32 and topk_indices.dim() == 2
+             and topk_indices.shape[0] == n,
+             f"topk_indices must be int32 [n={n}, topk], got {topk_indices.dtype} "
+             f"{tuple(topk_indices.shape)}")
+        act = proj.q_latent.dtype
+        if query_dtype is None:
+            qdt = _compute_dtype(proj.q_nope.dtype, gathered_dtype or act)
+            # In the weight's own dtype: _bmm_f32 multiplies bf16 weights on tensor cores exactly.
+            w = self._kv_b_weight(self.kv_b_proj.weight.dtype)
+            bmm = _bmm_f32
+        else:
+            qdt = query_dtype
+            w = self._kv_b_weight(qdt)
+
+            def bmm(a: Tensor, b: Tensor) -> Tensor:
+                return torch.bmm(a.to(qdt), b)
         w_uk = w[:, : cfg.qk_nope_head_dim]                                      # [H, nope, kv_lora]
         w_uv_t = w[:, cfg.qk_nope_head_dim :].transpose(1, 2)                    # [H, kv_lora, v]
-        row_bytes = heads * (cfg.kv_latent_dim + cfg.kv_lora_rank + cfg.v_head_dim) * 4
-        rows = n if budget_bytes is None else max(1, min(n, budget_bytes // row_bytes))
-        out = torch.empty((n, cfg.hidden_size), dtype=act, device=pool.device)
-        s_kv = batch.kv_slots.numel()
+        out = torch.empty((n, cfg.hidden_size), dtype=act, device=proj.q_latent.device)
+        # Whole pipeline per row chunk, so q_abs, the query and o (a few GB each for a 32K-token
+        # chunk of 64 heads) are bounded by the budget as well as any gather.
+        rows = attention_rows(n, topk_indices.shape[1], cfg.kv_latent_dim, cfg.kv_lora_rank,
+                              cfg.num_attention_heads, gathered_dtype, qdt, budget_bytes)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            q_abs = torch.bmm(proj.q_nope[r0:r1].to(qdt).transpose(0, 1), w_uk).transpose(0, 1)
+            q_abs = bmm(proj.q_nope[r0:r1].transpose(0, 1), w_uk).transpose(0, 1)  # [r, H, kv_lora]
             query = torch.cat([q_abs, proj.q_pe[r0:r1].to(qdt)], dim=-1)           # [r, H, 576]
-            rel = topk_indices[r0:r1].long()
-            ks, ke = batch.ks[r0:r1, None].long(), batch.ke[r0:r1, None].long()
+            rel = topk_indices[r0:r1]
+            ks, ke = batch.ks[r0:r1, None], batch.ke[r0:r1, None]
             inside = (rel >= 0) & (rel < ke - ks)                                   # causal limit
-            slots = batch.kv_slots[(rel + ks).clamp(0, max(s_kv - 1, 0))]
-            slots = slots.masked_fill(~inside, -1).to(torch.int32)                 # [r, topk]
-            o_lat, _, _ = paged_sparse_mla(query, pool, slots, cfg.softmax_scale, cfg.kv_lora_rank)
-            o = torch.bmm(o_lat.to(qdt).transpose(0, 1), w_uv_t).transpose(0, 1)  # [r, H, v]
+            context_rows = (rel + ks).masked_fill_(~inside, -1).to(torch.int32)    # [r, topk]
+            o_lat = attend_rows(query, context_rows)                                # [r, H, kv_lora]
+            o = bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)                 # [r, H, v]
             out[r0:r1] = self.o_proj(rearrange(o, "r h v -> r (h v)").to(act))
+            del q_abs, query, rel, inside, context_rows, o_lat, o
         return out
 
     def forward_mha(self, proj: MLAProjection, kv_context: Tensor, batch: ForwardBatch) -> Tensor:

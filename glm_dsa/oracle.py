@@ -26,6 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm_dsa import fp8, hadamard, indexer, mla
+from glm_dsa.indexer import topk_transform_paged, topk_transform_ragged
+from glm_dsa.validate import (
+    check_compressed_width,
+    check_mqa_logits_mode,
+    check_pair,
+    check_paged_kv_cache,
+    check_slots_read,
+    need,
+    shape_of,
+)
 from glm_dsa.kv_format import (
     index_k_page_bytes,
     index_k_store,
@@ -69,15 +79,6 @@ _REL_ERR_FLOOR = 1e-6
 _COS_REF_FLOOR = 1e-12
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
-def _shape(t) -> str:
-    return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
-
-
 # ------------------------------------------------------------------------- numerics
 def hadamard_transform(x: Tensor, scale: float = 1.0) -> Tensor:
     """``fast_hadamard_transform.hadamard_transform(x, scale)`` (fast-hadamard-transform e7706fa).
@@ -90,9 +91,9 @@ def hadamard_transform(x: Tensor, scale: float = 1.0) -> Tensor:
 
     x: ``[..., dim]`` floating. Returns ``[..., dim]`` in ``x.dtype``.
     """
-    _need(isinstance(x, Tensor) and x.dim() >= 1, f"x must be a tensor [..., dim], got {_shape(x)}")
+    need(isinstance(x, Tensor) and x.dim() >= 1, f"x must be a tensor [..., dim], got {shape_of(x)}")
     d = x.shape[-1]
-    _need(d >= 1, "x has an empty last dim; there is nothing to transform")
+    need(d >= 1, "x has an empty last dim; there is nothing to transform")
     padded = 1 << (d - 1).bit_length()
     if padded == d:
         return hadamard.hadamard_transform(x, scale)
@@ -136,12 +137,12 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
     k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 in DeepGEMM's test).
     Returns uint8 ``[num_blocks, block_size, 1, head_dim + 4]`` (the fp8_paged_mqa_logits cache).
     """
-    _need(
+    need(
         isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] == 1,
-        f"k must be [num_blocks, block_size, 1, head_dim] (one KV head), got {_shape(k)}",
+        f"k must be [num_blocks, block_size, 1, head_dim] (one KV head), got {shape_of(k)}",
     )
     num_blocks, block_size, _, head_dim = k.shape
-    _need(num_blocks >= 1 and block_size >= 1, f"k has no tokens: shape {_shape(k)}")
+    need(num_blocks >= 1 and block_size >= 1, f"k has no tokens: shape {shape_of(k)}")
     k_fp8, k_scale = fp8.act_quant(
         k.reshape(num_blocks * block_size, head_dim), head_dim, None, reciprocal=True
     )
@@ -154,35 +155,6 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------- indexer logits
-def _check_mqa_logits_mode(kv, clean_logits: bool, max_seqlen_k: int) -> None:
-    """The ``fp8_mqa_logits`` arguments beyond ``indexer.mqa_logits``'s (shared with kernels)."""
-    _need(
-        isinstance(kv, (tuple, list)) and len(kv) == 2,
-        "kv must be the pair (k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)",
-    )
-    _need(
-        isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) and max_seqlen_k >= 0,
-        f"max_seqlen_k={max_seqlen_k!r} must be a non-negative int",
-    )
-    _need(
-        max_seqlen_k == 0 or not clean_logits,
-        "fp8_mqa_logits with max_seqlen_k > 0 (compressed logits) requires clean_logits=False, "
-        "as in DeepGEMM",
-    )
-
-
-def _check_compressed_width(ks: Tensor, ke: Tensor, max_seqlen_k: int) -> None:
-    """Every window fits the compressed output: ``ke − ks ≤ max_seqlen_k``."""
-    lens = ke.long() - ks.long()
-    if lens.numel():
-        longest = int(lens.max())
-        _need(
-            longest <= max_seqlen_k,
-            f"a row has ke - ks = {longest} keys, more than max_seqlen_k={max_seqlen_k}; pass "
-            "max_seqlen_k = max(ke - ks)",
-        )
-
-
 def fp8_mqa_logits(
     q: Tensor,
     kv: tuple[Tensor, Tensor],
@@ -213,38 +185,18 @@ def fp8_mqa_logits(
     Returns:
         float32 ``[S, S_kv]``, or ``[S, max_seqlen_k]`` in compressed mode.
     """
-    _check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
+    check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
     k_fp8, k_scale = kv
     if max_seqlen_k == 0:
         return indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
     full = indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, True)
-    _check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
     lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
     col = torch.arange(max_seqlen_k, device=full.device)
     rows, cols = (col[None, :] < lens[:, None]).nonzero(as_tuple=True)
     out = torch.full((full.shape[0], max_seqlen_k), -math.inf, dtype=full.dtype, device=full.device)
     out[rows, cols] = full[rows, cu_seqlen_ks.long()[rows] + cols]
     return out
-
-
-def _check_paged_kv_cache(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
-    """``(num_blocks, block_size, D)`` of ``fp8_paged_mqa_logits``' q ``[B, next_n, H, D]``
-    float8_e4m3fn and kv_cache uint8 ``[num_blocks, block_size, 1, D + 4]``; ValueError else."""
-    _need(
-        isinstance(q, Tensor) and q.dim() == 4 and q.dtype == torch.float8_e4m3fn,
-        f"q must be [B, next_n, H, D] float8_e4m3fn, got {getattr(q, 'dtype', None)} {_shape(q)}",
-    )
-    head_dim = q.shape[3]
-    _need(
-        isinstance(kv_cache, Tensor)
-        and kv_cache.dtype == torch.uint8
-        and kv_cache.dim() == 4
-        and kv_cache.shape[2] == 1
-        and kv_cache.shape[3] == head_dim + 4,
-        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {head_dim + 4}], got "
-        f"{getattr(kv_cache, 'dtype', None)} {_shape(kv_cache)}",
-    )
-    return kv_cache.shape[0], kv_cache.shape[1], head_dim
 
 
 def fp8_paged_mqa_logits(
@@ -280,7 +232,7 @@ def fp8_paged_mqa_logits(
     Returns:
         float32 ``[B * next_n, max_context_len]``.
     """
-    num_blocks, block_size, head_dim = _check_paged_kv_cache(q, kv_cache)
+    num_blocks, block_size, head_dim = check_paged_kv_cache(q, kv_cache)
     # A block's bytes in row-major [block_size, D + 4] order are the page layout itself.
     pages = kv_cache.reshape(num_blocks, block_size * (head_dim + 4))
     return indexer.paged_mqa_logits(
@@ -318,8 +270,8 @@ def topk_per_row(
     Returns:
         int32 ``[R, topk]``.
     """
-    _need(base in ("relative", "absolute"), f"base={base!r} must be 'relative' or 'absolute'")
-    _need(isinstance(pad, int) and not isinstance(pad, bool), f"pad={pad!r} must be an int")
+    need(base in ("relative", "absolute"), f"base={base!r} must be 'relative' or 'absolute'")
+    need(isinstance(pad, int) and not isinstance(pad, bool), f"pad={pad!r} must be an int")
     rel = indexer.topk_per_row(logits, row_starts, row_ends, topk)
     out = rel.long()
     if base == "absolute":
@@ -327,36 +279,10 @@ def topk_per_row(
     return torch.where(rel >= 0, out, pad).to(torch.int32)
 
 
-def topk_transform_ragged(indices: Tensor, offsets: Tensor) -> Tensor:
-    """Request-relative top-k → rows of the concatenated prefill KV; ``-1`` stays ``-1``.
-
-    The transform of SGLang ``fast_topk_transform_ragged_fused`` (``topk_indices_offset``):
-    ``indices[r, i] + offsets[r]``; the result indexes the ``kv`` fed to
-    ``flash_mla_sparse_fwd``.
-
-    indices: int32 ``[R, topk]`` (−1 padding); offsets: int32 ``[R]``. Returns int32 ``[R, topk]``.
-    """
-    return indexer.topk_to_ragged(indices, offsets)
-
-
-def topk_transform_paged(indices: Tensor, page_table: Tensor, page_size: int = 64) -> Tensor:
-    """Request-relative top-k → physical KV-cache slots; ``-1`` stays ``-1``.
-
-    ``page_table[r, i // page_size] * page_size + i % page_size``: vLLM
-    ``triton_convert_req_index_to_global_index`` (``page_size=64``), FlashMLA
-    ``tests/quant.py`` ``abs_indices2indices_in_kvcache`` (its ``block_size``), and the
-    transform of SGLang ``fast_topk_transform_fused`` (``page_table_size_1``: ``page_size=1``).
-
-    indices: int32 ``[R, topk]`` (−1 padding); page_table: int32 ``[R, max_pages]`` (the row's
-    request's pages). Returns int32 ``[R, topk]``, the ``indices`` of ``flash_mla_sparse_decode``.
-    """
-    return indexer.topk_to_paged(indices, page_table, page_size)
-
-
 # ------------------------------------------------------------------------- FP8 MLA cache
 def _as_bytes(t: Tensor, name: str) -> Tensor:
     """uint8 view of a 1-byte tensor: FlashMLA accepts the 656-byte cache as fp8, int8 or uint8."""
-    _need(
+    need(
         isinstance(t, Tensor) and t.dtype in (torch.uint8, torch.int8, torch.float8_e4m3fn),
         f"{name} must be uint8, int8 or float8_e4m3fn bytes, got {getattr(t, 'dtype', type(t).__name__)}",
     )
@@ -379,11 +305,11 @@ def quantize_k_cache(kv: Tensor, scale_fmt: str | None = "ue8m0") -> Tensor:
     Returns uint8 ``[num_blocks, block_size, 1, 656]`` (FlashMLA returns the same bytes typed
     float8_e4m3fn; its kernels accept either).
     """
-    _need(
+    need(
         isinstance(kv, Tensor) and kv.dim() == 4 and kv.shape[2] == 1 and kv.shape[3] == MLA_DIM,
-        f"kv must be [num_blocks, block_size, 1, {MLA_DIM}], got {_shape(kv)}",
+        f"kv must be [num_blocks, block_size, 1, {MLA_DIM}], got {shape_of(kv)}",
     )
-    _need(
+    need(
         kv.dtype == torch.bfloat16,
         f"kv must be bfloat16 for the 656-byte layout (its RoPE part is stored as bf16), got "
         f"{kv.dtype}",
@@ -404,9 +330,9 @@ def dequantize_k_cache(k_cache: Tensor) -> Tensor:
     Returns bfloat16 ``[num_blocks, block_size, 1, 576]``.
     """
     raw = _as_bytes(k_cache, "k_cache")
-    _need(
+    need(
         raw.dim() == 4 and raw.shape[2] == 1 and raw.shape[3] == MLA_ROW_BYTES,
-        f"k_cache must be [num_blocks, block_size, 1, {MLA_ROW_BYTES}], got {_shape(raw)}",
+        f"k_cache must be [num_blocks, block_size, 1, {MLA_ROW_BYTES}], got {shape_of(raw)}",
     )
     num_blocks, block_size = raw.shape[:2]
     rows = raw.reshape(num_blocks * block_size, MLA_ROW_BYTES)
@@ -499,36 +425,36 @@ def flash_mla_sparse_decode(
         ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float32 (float64 for float64 q);
         natural-log ``lse``; upstream returns ``out`` in bf16.
     """
-    _need(
+    need(
         isinstance(q, Tensor) and q.dim() == 4 and q.shape[3] == MLA_DIM,
-        f"q must be [b, s_q, h_q, {MLA_DIM}], got {_shape(q)}",
+        f"q must be [b, s_q, h_q, {MLA_DIM}], got {shape_of(q)}",
     )
     b, s_q, h_q, _ = q.shape
     kv = dequantize_k_cache(k_cache)
     num_slots = kv.shape[0] * kv.shape[1]
-    _need(
+    need(
         isinstance(indices, Tensor)
         and indices.dtype == torch.int32
         and indices.dim() == 3
         and indices.shape[:2] == (b, s_q),
         f"indices must be int32 [b={b}, s_q={s_q}, topk], got {getattr(indices, 'dtype', None)} "
-        f"{_shape(indices)}",
+        f"{shape_of(indices)}",
     )
     topk = indices.shape[2]
     read = torch.ones_like(indices, dtype=torch.bool)
     row_lengths = None
     if topk_length is not None:
-        _need(
+        need(
             isinstance(topk_length, Tensor)
             and topk_length.dtype == torch.int32
             and topk_length.shape == (b,),
             f"topk_length must be int32 [b={b}] (one length per batch entry), got "
-            f"{getattr(topk_length, 'dtype', None)} {_shape(topk_length)}",
+            f"{getattr(topk_length, 'dtype', None)} {shape_of(topk_length)}",
         )
         column = torch.arange(topk, device=indices.device)
         read = (column[None, None, :] < topk_length[:, None, None]).expand(b, s_q, topk)
         row_lengths = topk_length.repeat_interleave(s_q)
-    _check_slots_read(indices, read, num_slots)
+    check_slots_read(indices, read, num_slots)
     out, _, lse = mla.sparse_mla_fwd(
         q.reshape(b * s_q, h_q, MLA_DIM),
         kv.reshape(num_slots, 1, MLA_DIM),
@@ -542,26 +468,7 @@ def flash_mla_sparse_decode(
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()
 
 
-def _check_slots_read(indices: Tensor, read: Tensor, num_slots: int) -> None:
-    """Every index the kernel reads (``read``) is -1 or a slot of the cache."""
-    bad = read & (indices != -1) & ((indices < 0) | (indices >= num_slots))
-    if bool(bad.any()):
-        pos = tuple(int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"indices{list(pos)} = {int(indices[pos])} is neither -1 nor a slot of the "
-            f"{num_slots}-slot cache; mark unused entries with -1"
-        )
-
-
 # ------------------------------------------------------------------------- metrics
-def _check_pair(x: Tensor, y: Tensor, what: str) -> None:
-    _need(
-        isinstance(x, Tensor) and isinstance(y, Tensor),
-        f"{what} compares two tensors, got {type(x).__name__} and {type(y).__name__}",
-    )
-    _need(x.shape == y.shape, f"{what}: shapes differ, {tuple(x.shape)} vs {tuple(y.shape)}")
-
-
 def calc_diff(x: Tensor, y: Tensor) -> float:
     """DeepGEMM ``deep_gemm.testing.calc_diff``: ``1 − 2 Σxy / Σ(x² + y²)`` in float64.
 
@@ -570,9 +477,9 @@ def calc_diff(x: Tensor, y: Tensor) -> float:
     equal); so must the caller: non-finite input is a ValueError. Two all-zero tensors give 0
     (upstream: NaN).
     """
-    _check_pair(x, y, "calc_diff")
+    check_pair(x, y, "calc_diff")
     x64, y64 = x.double(), y.double()
-    _need(
+    need(
         bool(torch.isfinite(x64).all() and torch.isfinite(y64).all()),
         "calc_diff needs finite tensors: check the -inf masks are equal, then zero the masked "
         "entries in both (as DeepGEMM's tests do)",
@@ -632,9 +539,9 @@ def check_allclose(
     ``lse`` 1e-6 / 2.01/65536 / 1e-7; sparse decode ``out`` 1e-3 / 2.01/128 / 5e-6, ``lse``
     1e-6 / 8.01/65536 / 1e-7.
     """
-    _check_pair(ans, ref, "check_allclose")
+    check_pair(ans, ref, "check_allclose")
     for name, tol in (("abs_tol", abs_tol), ("rel_tol", rel_tol), ("cos_diff_tol", cos_diff_tol)):
-        _need(
+        need(
             isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0,
             f"{name}={tol!r} must be a finite non-negative number",
         )

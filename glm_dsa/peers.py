@@ -13,6 +13,11 @@ adapter says how:
   positions ``< ctx_b − next_n + j + 1`` (the oracle's 1-D meaning).
 * ``flash_mla_sparse_fwd``: the kernel's ``out`` is bf16; the others are float32. ``q`` and
   ``kv`` must be bf16, ``d_qk = 576``, ``h_q`` 64 or 128 (the SM90 build).
+
+For the ``peers`` backend (``glm_dsa.backend``) it also has the layer's two operations in the
+backend's signatures: ``indexer_topk`` (DeepGEMM logits in ``indexer.chunked_topk``'s budgeted
+row chunks, each chunk's top-k by the triton backend's radix select) and ``paged_sparse_mla``
+(FlashMLA over a bf16 pool read in place through slot numbers).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import importlib
 import torch
 from torch import Tensor
 
-__all__ = ["available", "fp8_mqa_logits", "fp8_paged_mqa_logits", "flash_mla_sparse_fwd"]
+__all__ = ["available", "missing", "fp8_mqa_logits", "fp8_paged_mqa_logits", "flash_mla_sparse_fwd",
+           "indexer_topk", "paged_sparse_mla"]
 
 DEEP_GEMM = "deep_gemm"
 FLASH_MLA = "flash_mla_sparse_sm90"
@@ -35,6 +41,17 @@ def available(module: str) -> bool:
     except (ImportError, OSError, RuntimeError):  # absent, or its .so does not load here
         return False
     return True
+
+
+def missing(device: torch.device | str) -> str:
+    """Why the peer kernels cannot run on ``device`` (one line naming the fix), or ``""``."""
+    if torch.device(device).type != "cuda":
+        return f"DeepGEMM and FlashMLA run on CUDA devices, not {torch.device(device).type}; use --device cuda"
+    absent = [m for m in ("triton", DEEP_GEMM, FLASH_MLA) if not available(m)]
+    if absent:
+        return (f"{', '.join(absent)} do(es) not import; build the peer kernels (peer/build_peers.py) "
+                "and put them on PYTHONPATH, or choose the triton backend")
+    return ""
 
 
 def _module(name: str):
@@ -116,3 +133,49 @@ def flash_mla_sparse_fwd(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length
     )
     return out, max_logits, lse
+
+
+def indexer_topk(
+    q_fp8: Tensor,
+    weights: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    topk: int,
+    budget_bytes: int,
+) -> Tensor:
+    """``glm_dsa.indexer.indexer_topk``'s contract (any order within a row) with DeepGEMM's
+    ``fp8_mqa_logits`` scoring each budgeted row chunk and the radix select of
+    ``glm_dsa.kernels.topk`` choosing in it.
+
+    Args:
+        q_fp8: ``[S, H, D]`` float8_e4m3fn; ``weights``: ``[S, H]`` float32.
+        k_fp8: ``[S_kv, D]`` float8_e4m3fn; ``k_scale``: ``[S_kv]`` float32.
+        ks, ke: int32 ``[S]``; topk: indices per row; budget_bytes: float32 logits at once.
+
+    Returns:
+        int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded.
+    """
+    from glm_dsa.kernels.indexer import select_in_chunks
+    from glm_dsa.validate import check_indexer_topk_inputs
+
+    check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
+    dg = _module(DEEP_GEMM)
+
+    def chunk_logits(chunk) -> Tensor:
+        r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
+        # clean_logits=False: the select reads only [start, end) of each row.
+        return dg.fp8_mqa_logits(q_fp8[r0:r1], (k_fp8[lo:hi], k_scale[lo:hi]), weights[r0:r1],
+                                 chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), False)
+
+    return select_in_chunks(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_logits)
+
+
+def paged_sparse_mla(query: Tensor, pool: Tensor, slots: Tensor, sm_scale: float,
+                     d_v: int) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashMLA's sparse prefill over a bf16 pool ``[num_pages, page_size, 576]`` read in place:
+    ``query`` bf16 ``[n, h_q, 576]``, ``slots`` int32 ``[n, topk]`` global slot numbers (``-1``
+    skipped). Returns ``(out [n, h_q, d_v]`` bf16, ``max_logits``, ``lse``)."""
+    return flash_mla_sparse_fwd(query, pool.view(-1, 1, pool.shape[-1]), slots[:, None, :],
+                                sm_scale, d_v)

@@ -22,43 +22,24 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from glm_dsa.backend import get_backend
+from glm_dsa.backend import Backend, get_backend
 from glm_dsa.batch import ForwardBatch
+from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache, PageAllocator
-from glm_dsa.indexer import logits_budget_bytes
 from glm_dsa.kv_format import index_k_page_bytes
-from glm_dsa.layer import DSAForCausalLM, LayerTimes
+from glm_dsa.layer import DSAForCausalLM, LayerTimes, StepContext
 
 if TYPE_CHECKING:
     from glm_dsa.cp import CPGroup
 
 __all__ = [
-    "CPU_BUDGET_BYTES",
     "Request",
     "StepRecord",
     "PrefixCache",
     "PrefillEngine",
     "plan_step",
-    "default_budget_bytes",
     "pages_for",
 ]
-
-# The host has no allocator whose free memory the CUDA rule could follow; 256 MiB of logits
-# rows keeps a CPU run's peak modest while leaving the row chunks large.
-CPU_BUDGET_BYTES = 256 << 20
-
-
-def default_budget_bytes(device: torch.device | str, mem_fraction_static: float = 0.8) -> int:
-    """The indexer-logits / sparse-gather budget in bytes a run uses unless told otherwise.
-
-    On CUDA, SGLang's rule (``glm_dsa.indexer.logits_budget_bytes``, docs/conventions.md §12)
-    at ``mem_fraction_static``; elsewhere ``CPU_BUDGET_BYTES``.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return logits_budget_bytes(device, mem_fraction_static)
-    return CPU_BUDGET_BYTES
-
 
 def pages_for(lengths: Sequence[int], page_size: int) -> int:
     """Pages that hold prompts of ``lengths`` tokens all at once, none shared (an upper bound
@@ -182,16 +163,18 @@ class PrefillEngine:
         num_pages: pages in the pool (each ``page_size`` tokens, every layer).
         kv_dtype: main KV format, see ``glm_dsa.cache``.
         chunked_prefill_size: tokens per step, shared by the requests in the step.
-        budget_bytes: memory budget for indexer logits rows and the sparse-attention gather.
+        budget_bytes: the indexer-logits and attention row-chunk budgets (``glm_dsa.budget``):
+            a ``Budgets``, one int for both, or None for ``Budgets.default`` on the model's
+            device.
         prefix_caching: reuse whole-page prefixes of finished requests.
         compute_logits: compute each request's last-position logits with ``lm_head``.
         timing: synchronize and record per-component seconds in each ``StepRecord``.
         cp_group: context parallel (None: one rank). Every rank of the group builds the same engine
             and adds the same requests; each step then runs split over the ranks
             (``glm_dsa.cp``), and every rank ends with the same outputs and caches.
-        backend: ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``: Triton indexer
-            and paged sparse attention) or ``"auto"`` (triton on CUDA when Triton imports);
-            see ``glm_dsa.backend``.
+        backend: ``"auto"`` (triton on CUDA when Triton imports, else reference),
+            ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``), ``"peers"``
+            (DeepGEMM and FlashMLA), or a ``Backend`` object; see ``glm_dsa.backend``.
         layer_outputs: keep every layer's output and every full layer's top-k of each request
             (``outputs`` writes them; one rank only).
     """
@@ -202,12 +185,12 @@ class PrefillEngine:
         num_pages: int,
         kv_dtype: str = "fp8",
         chunked_prefill_size: int = 32768,
-        budget_bytes: int = 1 << 30,
+        budget_bytes: Budgets | int | None = None,
         prefix_caching: bool = True,
         compute_logits: bool = True,
         timing: bool = False,
         cp_group: CPGroup | None = None,
-        backend: str = "reference",
+        backend: str | Backend = "auto",
         layer_outputs: bool = False,
     ) -> None:
         cfg = model.config
@@ -222,11 +205,14 @@ class PrefillEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = get_backend(backend, self.device)
+        self.backend.require(self.dtype, kv_dtype)
         self.cache = KVCache(cfg, num_pages, kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_caching else None
         self.chunked_prefill_size = chunked_prefill_size
-        self.budget_bytes = budget_bytes
+        if not isinstance(budget_bytes, Budgets):
+            budget_bytes = Budgets.default(self.device, budget_bytes)
+        self.budgets = budget_bytes
         self.compute_logits = compute_logits
         self.timing = timing
         self.cp_group = cp_group
@@ -238,6 +224,13 @@ class PrefillEngine:
         self.warm_rid: int | None = None
         self._next_rid = 0
         self.reset_stats()
+
+    @classmethod
+    def for_prompts(cls, model: DSAForCausalLM, lengths: Sequence[int], **kwargs) -> PrefillEngine:
+        """An engine whose pool holds prompts of ``lengths`` tokens all at once (``pages_for``);
+        ``kwargs`` are the other ``PrefillEngine`` arguments. The CLI and the scripts build
+        their engines here."""
+        return cls(model, pages_for(lengths, model.config.page_size), **kwargs)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, input_ids: torch.Tensor | None, max_new_tokens: int = 0,
@@ -326,14 +319,13 @@ class PrefillEngine:
         inputs = self._step_inputs(plan)
         times = LayerTimes() if self.timing else None
         t0 = time.perf_counter()
+        step = StepContext(batch, cache, self.budgets, self.backend, times=times)
         with torch.no_grad():
             if self.cp_group is None:
                 with self._layer_capture(plan, batch):
-                    hidden = self.model.model(inputs, batch, cache, self.budget_bytes, times=times,
-                                              backend=self.backend)
+                    hidden = self.model.model(inputs, step)
             else:
-                hidden = self.cp_group.forward(self.model.model, inputs, batch, cache, self.budget_bytes,
-                                               times, self.backend)
+                hidden = self.cp_group.forward(self.model.model, inputs, step)
             last_rows = []
             for i, (req, e) in enumerate(plan):
                 q0 = int(batch.cu_seqlens_q[i])
@@ -453,16 +445,18 @@ class PrefillEngine:
 
     def report(self, rids: Sequence[int]) -> dict:
         """The run since the last ``reset_stats`` as a JSON-ready dict: ``requests`` (tokens,
-        cached), ``budget_bytes``, ``total_seconds``, ``steps`` (each request named by its index
-        in ``rids``), ``cache`` usage in pages and bytes, and under CP ``context_parallel`` with
-        every rank's counters (a collective: every rank must call it)."""
+        cached), ``budget_bytes`` (the logits budget), ``attention_budget_bytes``,
+        ``total_seconds``, ``steps`` (each request named by its index in ``rids``), ``cache``
+        usage in pages and bytes, and under CP ``context_parallel`` with every rank's counters
+        (a collective: every rank must call it)."""
         cache, page = self.cache, self.config.page_size
         written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
         pool = cache.pool_bytes()
         report = {
             "requests": [{"tokens": self._finished(r).length, "cached": self._finished(r).cached_len}
                          for r in rids],
-            "budget_bytes": self.budget_bytes,
+            "budget_bytes": self.budgets.logits_bytes,
+            "attention_budget_bytes": self.budgets.attention_bytes,
             "total_seconds": sum(s.seconds for s in self.timeline),
             "steps": [_step_json(s, rids) for s in self.timeline],
             "cache": {

@@ -33,10 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from glm_dsa import oracle, peers
 from glm_dsa.config import PRESETS, DSAConfig
-from glm_dsa.indexer import indexer_topk, max_logit_rows, mqa_logits, topk_per_row
+from glm_dsa.budget import default_logits_bytes, max_logit_rows
+from glm_dsa.indexer import indexer_topk, mqa_logits, topk_per_row
 from glm_dsa.ledger import op_flops, sparse_mla_keys
 from glm_dsa.mla import sparse_mla_fwd
-from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
+from glm_dsa.prefill import PrefillEngine
 
 GLM = PRESETS["glm-5.3"]
 GB = 1e9
@@ -127,7 +128,7 @@ def bench_indexer(ceil: dict, queries: int, keys: int) -> dict:
     prefix = keys - queries
     ks = torch.zeros(queries, dtype=torch.int32, device=dev)
     ke = (prefix + torch.arange(queries, device=dev) + 1).to(torch.int32)
-    budget = default_budget_bytes(dev)
+    budget = default_logits_bytes(dev)
     inputs = sum(t.numel() * t.element_size() for t in (q_fp8, k_fp8, k_scale, w, ks, ke))
     seconds, before, peak = _peak(lambda: indexer_topk(q_fp8, w, k_fp8, k_scale, ks, ke, cfg.index_topk, budget))
     pairs = queries * prefix + queries * (queries + 1) // 2
@@ -198,18 +199,18 @@ def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768
     ``save()`` after each step, so a run stopped by a time limit keeps its finished steps."""
     model = _one_layer_model()
     cfg = model.config
-    budget = default_budget_bytes("cuda")
     # First-call set-up out of the timings: the allocator, and on the triton backend Triton's
     # autotuning, which runs once per shape class (the logits kernel's classes change with the
     # prefix), so that backend warms up with a prefill of the same length.
     warm_tokens = tokens if backend == "triton" else 2 * chunk
-    warm = PrefillEngine(model, pages_for([warm_tokens], cfg.page_size), "fp8", chunk, budget,
-                         compute_logits=False, prefix_caching=False, backend=backend)
+    warm = PrefillEngine.for_prompts(model, [warm_tokens], kv_dtype="fp8", chunked_prefill_size=chunk,
+                                     compute_logits=False, prefix_caching=False, backend=backend)
     warm.add_request(torch.arange(warm_tokens) % cfg.vocab_size)
     warm.run()
     del warm
-    engine = PrefillEngine(model, pages_for([tokens], cfg.page_size), "fp8", chunk, budget, prefix_caching=False,
-                           compute_logits=False, timing=True, backend=backend)
+    engine = PrefillEngine.for_prompts(model, [tokens], kv_dtype="fp8", chunked_prefill_size=chunk,
+                                       prefix_caching=False, compute_logits=False, timing=True,
+                                       backend=backend)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     engine.add_request(ids)
     flops = component_flops(cfg, tokens)
@@ -300,10 +301,9 @@ def _index_topk(model: torch.nn.Module, hf: torch.nn.Module | None, topk: int):
 def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: int = 32768,
               backend: str = "reference"):
     """One chunked prefill of ``ids``: (seconds, peak bytes, hidden [L, hidden] on the GPU, engine)."""
-    budget = default_budget_bytes("cuda")
-    pages = pages_for([ids.numel()], model.config.page_size)
-    engine = PrefillEngine(model, pages, kv_dtype, chunk, budget, prefix_caching=False,
-                           compute_logits=False, timing=timing, backend=backend)
+    engine = PrefillEngine.for_prompts(model, [ids.numel()], kv_dtype=kv_dtype, chunked_prefill_size=chunk,
+                                       prefix_caching=False, compute_logits=False, timing=timing,
+                                       backend=backend)
     rid = engine.add_request(ids)
     _sync()
     torch.cuda.reset_peak_memory_stats()

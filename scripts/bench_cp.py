@@ -30,7 +30,7 @@ from glm_dsa.config import get_config
 from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
 from glm_dsa.layer import DSAForCausalLM
 from glm_dsa.ledger import cp_comm_bytes_per_chunk, cp_indexer_pairs_per_rank
-from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for
+from glm_dsa.prefill import PrefillEngine
 from glm_dsa.weights import init_weights
 
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weights/activations (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8")
     ap.add_argument("--budget-bytes", type=int,
-                    help="indexer logits budget (default: glm_dsa.prefill.default_budget_bytes)")
+                    help="indexer logits and attention budgets (default: glm_dsa.budget.Budgets.default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-check", action="store_true", help="skip the single-rank comparison")
     args = ap.parse_args(argv)
@@ -69,10 +69,10 @@ def _peak_bytes(device: torch.device) -> int:
 
 
 def _engine(model, args, device, cp_group):
-    budget = default_budget_bytes(device) if args.budget_bytes is None else args.budget_bytes
-    pages = pages_for([args.tokens], model.config.page_size)
-    return PrefillEngine(model, pages, args.kv_dtype, args.chunk, budget,
-                         compute_logits=False, timing=True, cp_group=cp_group)
+    return PrefillEngine.for_prompts(model, [args.tokens], kv_dtype=args.kv_dtype,
+                                     chunked_prefill_size=args.chunk, budget_bytes=args.budget_bytes,
+                                     compute_logits=False, timing=True, cp_group=cp_group,
+                                     backend="reference")
 
 
 def _comm_snapshot(group: CPGroup) -> dict:

@@ -101,7 +101,7 @@ def part_logits(S: int, deep_gemm) -> dict:
     flops = 2 * H * D * pairs
     run = lambda: fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
     res = {"S": S, "N": CONTEXT, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
-    res["config"] = _best_config(mqa_logits._mqa_logits)
+    res["config"] = _best_config(mqa_logits._mqa_logits_tuned)
     ms = _time_ms(run)
     res.update(triton_ms=ms, triton_tflops=flops / ms / 1e9)
     out = run()
@@ -145,7 +145,7 @@ def part_paged(S: int) -> dict:
     run = lambda: fp8_paged_mqa_logits(qp, kv_cache, w, ctx, table, CONTEXT)  # noqa: E731
     pairs = int((ke - ks).long().sum())
     res = {"S": S, "N": CONTEXT, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
-    res["config"] = _best_config(mqa_logits._paged_mqa_logits)
+    res["config"] = _best_config(mqa_logits._paged_mqa_logits_tuned)
     ms = _time_ms(run)
     res.update(triton_ms=ms, triton_tflops=2 * H * D * pairs / ms / 1e9)
     out = run()
@@ -154,15 +154,15 @@ def part_paged(S: int) -> dict:
 
 
 def part_indexer() -> dict:
-    from glm_dsa import indexer, oracle
+    from glm_dsa import budget as budgets, oracle
     from glm_dsa.kernels import indexer_topk
     from glm_dsa.kernels.topk import select_rows as select_topk
-    from glm_dsa.kernels.mqa_logits import _mqa_logits_core
+    from glm_dsa.kernels.mqa_logits import launch_mqa_logits
 
     S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK
     q, k, k_scale, w, ks, ke = _inputs(S, N)
-    budget = indexer.logits_budget_bytes("cuda")
-    rows = indexer.max_logit_rows(S, N, budget)
+    budget = budgets.logits_budget_bytes("cuda")
+    rows = budgets.max_logit_rows(S, N, budget)
     res = {"S": S, "N": N, "budget_bytes": budget, "rows_per_chunk": rows}
     run = lambda: indexer_topk(q, w, k, k_scale, ks, ke, TOPK, budget)  # noqa: E731
     res["first_call_s"] = _first_call_s(run)
@@ -181,8 +181,8 @@ def part_indexer() -> dict:
     r0 = S - rows
     cks, cke = ks[r0:].long(), ke[r0:].long()
     args = (q[r0:], k, k_scale, w[r0:], cks.to(torch.int32), cke.to(torch.int32), True, 0)
-    logits = _mqa_logits_core(*args)
-    res["chunk_logits_ms"] = _time_ms(lambda: _mqa_logits_core(*args))
+    logits = launch_mqa_logits(*args)
+    res["chunk_logits_ms"] = _time_ms(lambda: launch_mqa_logits(*args))
     res["chunk_topk_ms"] = _time_ms(lambda: select_topk(logits, cks, cke, TOPK))
     res["topk_share_of_logits"] = res["chunk_topk_ms"] / res["chunk_logits_ms"]
     # torch.topk on the same chunk, the selection the Triton select replaced.

@@ -20,16 +20,15 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import _one_layer_model  # noqa: E402  (same model as the benchmark)
 
-from glm_dsa.prefill import PrefillEngine, default_budget_bytes, pages_for  # noqa: E402
+from glm_dsa.prefill import PrefillEngine  # noqa: E402
 
 
 def profile_last_step(model, tokens: int, backend: str, chunk: int, out_dir: str, rows: int) -> None:
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(tokens))
     for warm in (True, False):
-        engine = PrefillEngine(model, pages_for([tokens], cfg.page_size), "fp8", chunk,
-                               default_budget_bytes("cuda"), prefix_caching=False, compute_logits=False,
-                               backend=backend)
+        engine = PrefillEngine.for_prompts(model, [tokens], kv_dtype="fp8", chunked_prefill_size=chunk,
+                                           prefix_caching=False, compute_logits=False, backend=backend)
         engine.add_request(ids)
         steps = math.ceil(tokens / chunk)
         for _ in range(steps - 1):

@@ -32,3 +32,83 @@ def test_the_ledger_defines_no_name_another_module_owns():
              "LOGITS_NO_CHUNK_ELEMENTS", "index_k_page_bytes", "_table", "table"}
     assert not defined & owned
     assert "build_ledger" in defined  # the check sees definitions at all
+
+
+def _modules() -> list[pathlib.Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _imported_names(path: pathlib.Path) -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``from glm_dsa... import name`` in ``path``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("glm_dsa"):
+            out.extend((node.module, a.name) for a in node.names)
+    return out
+
+
+def _defined_functions(path: pathlib.Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+
+def test_kernels_and_peers_import_nothing_private():
+    files = sorted((PACKAGE / "kernels").glob("*.py")) + [PACKAGE / "peers.py", PACKAGE / "backend.py"]
+    private = [(f.name, m, n) for f in files for m, n in _imported_names(f) if n.startswith("_")]
+    assert private == []
+    assert any(m == "glm_dsa.validate" for m, _ in _imported_names(PACKAGE / "kernels" / "mqa_logits.py"))
+
+
+def test_no_module_imports_a_private_name_of_another():
+    private = [(f.relative_to(PACKAGE).as_posix(), m, n) for f in _modules()
+               for m, n in _imported_names(f)
+               if n.startswith("_") and not n.startswith("__") and m != "glm_dsa.kernels._interpreter"]
+    assert private == []
+
+
+def test_the_validation_module_is_the_only_definer_of_the_contract_checks():
+    """One ``need`` (the idiom), and each contract check defined once, in glm_dsa/validate.py."""
+    shared = {n for n in _defined_functions(PACKAGE / "validate.py") if n.startswith("check_")}
+    assert {"check_sparse_inputs", "check_logits_inputs", "check_ranges", "check_paged_inputs"} <= shared
+    for f in _modules():
+        if f.name == "validate.py":
+            continue
+        defined = _defined_functions(f)
+        assert not defined & {"need", "_need"}, f
+        assert not {n.lstrip("_") for n in defined} & shared, f
+
+
+def test_the_oracle_the_model_and_the_kernels_call_the_validation_module():
+    users = {f.relative_to(PACKAGE).as_posix() for f in _modules()
+             if any(m == "glm_dsa.validate" for m, _ in _imported_names(f))}
+    assert {"oracle.py", "indexer.py", "mla.py", "kernels/mqa_logits.py", "kernels/topk.py",
+            "kernels/sparse_mla.py", "kernels/indexer.py"} <= users
+
+
+def test_range_checks_never_copy_index_vectors_to_the_host():
+    """``check_ranges`` takes tensors: no call site hands it ``.tolist()`` lists."""
+    for f in _modules():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "check_ranges":
+                assert not any("tolist" in ast.unparse(a) for a in node.args), f
+
+
+def test_the_layer_never_picks_the_attention_form_itself():
+    """The backend decides: layer.py calls ``backend.attend`` and never inspects the backend."""
+    source = (PACKAGE / "layer.py").read_text()
+    assert "backend.attend(" in source
+    for probe in ("paged_sparse_mla", "backend.name", "forward_paged", "read_mla", "isinstance(step.backend"):
+        assert probe not in source, probe
+
+
+def test_the_budgets_have_one_home():
+    """``max_logit_rows`` and ``attention_rows`` are defined in budget.py only, and no other
+    module computes rows from a budget by its own rule (the ledger re-derives the logits rule
+    from the config on purpose, as a cross-check its tests hold against budget.py; fidelity.py
+    bounds its own dense measurement, not one of the model's paths)."""
+    for f in _modules():
+        defined = _defined_functions(f)
+        if f.name != "budget.py":
+            assert not defined & {"max_logit_rows", "attention_rows", "logits_budget_bytes",
+                                  "_rows_per_chunk", "default_budget_bytes"}, f
+            if f.name not in ("ledger.py", "fidelity.py"):
+                assert "budget_bytes //" not in f.read_text(), f

@@ -1,7 +1,5 @@
 """The triton backend runs the same prefill as the reference (Triton's interpreter on the CPU)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -52,8 +50,97 @@ def test_backend_choice():
     assert get_backend("reference", "cpu") is REFERENCE
     assert get_backend("auto", "cpu") is REFERENCE
     assert get_backend("triton", "cpu").name == "triton"  # conftest sets TRITON_INTERPRET=1
-    with pytest.raises(ValueError, match="choose one of auto, reference, triton"):
+    with pytest.raises(ValueError, match="choose one of auto, reference, triton, peers"):
         get_backend("cuda", "cpu")
+
+
+def test_peers_backend_is_refused_with_one_line_when_it_cannot_run():
+    with pytest.raises(ValueError, match="^the peers backend cannot run here: .*run on CUDA devices.*--device cuda$"):
+        get_backend("peers", "cpu")
+
+
+def test_peers_backend_is_refused_when_the_kernels_do_not_import(monkeypatch):
+    from glm_dsa import peers
+
+    monkeypatch.setattr(peers, "available", lambda module: module == "triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="deep_gemm, flash_mla_sparse_sm90 do\\(es\\) not import; build"):
+        get_backend("peers", "cuda")
+
+
+def test_peers_backend_is_chosen_when_the_kernels_import(monkeypatch):
+    from glm_dsa import backend as backend_mod, peers
+
+    monkeypatch.setattr(peers, "available", lambda module: True)
+    chosen = get_backend("peers", "cuda")
+    assert isinstance(chosen, backend_mod.PeersBackend) and chosen.name == "peers"
+    assert chosen.indexer_topk.__func__ is backend_mod.PeersBackend.indexer_topk
+
+
+def test_peers_backend_refuses_what_flashmla_cannot_read_before_any_compute():
+    from glm_dsa.backend import PeersBackend
+
+    peers_backend = PeersBackend()
+    peers_backend.require(torch.bfloat16, "fp8")
+    peers_backend.require(torch.bfloat16, "bf16")
+    with pytest.raises(ValueError, match="bfloat16 activations .*--dtype bfloat16"):
+        peers_backend.require(torch.float32, "fp8")
+    with pytest.raises(ValueError, match="fp8 or bf16 KV .*--kv-dtype"):
+        peers_backend.require(torch.bfloat16, "fp32")
+    model = init_weights(DSAForCausalLM(CFG), seed=5).eval()  # float32: refused at construction
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        PrefillEngine(model, num_pages=8, backend=peers_backend)
+
+
+class _CountingBackend:
+    """A backend from outside glm_dsa: the reference's operations, counted. The seam is right
+    when such an object runs the layer with no change anywhere else."""
+
+    name = "counting"
+
+    def __init__(self):
+        self.calls = {"require": 0, "indexer_topk": 0, "attend": 0}
+
+    def require(self, dtype, kv_dtype):
+        self.calls["require"] += 1
+
+    def indexer_topk(self, *args):
+        self.calls["indexer_topk"] += 1
+        return REFERENCE.indexer_topk(*args)
+
+    def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes):
+        self.calls["attend"] += 1
+        return REFERENCE.attend(attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes)
+
+
+def test_a_backend_object_injected_runs_the_layer_and_decides_its_attention():
+    """``PrefillEngine(backend=obj)`` takes any object with the ``Backend`` methods; the layer
+    calls its ``indexer_topk`` on full layers and its ``attend`` on every layer, and the
+    result is the reference's (it delegates to it)."""
+    model = init_weights(DSAForCausalLM(CFG), seed=5).eval()
+    ref = _prefill(model, "reference", "fp32")
+    counting = _CountingBackend()
+    eng = PrefillEngine(model, num_pages=8, kv_dtype="fp32", chunked_prefill_size=CHUNK,
+                        budget_bytes=1 << 20, backend=counting)
+    assert eng.backend is counting
+    rid = eng.add_request(torch.randint(0, CFG.vocab_size, (LENGTH,),
+                                        generator=torch.Generator().manual_seed(3)))
+    eng.run()
+    steps = len(eng.timeline)
+    assert counting.calls == {"require": 1, "indexer_topk": steps, "attend": 2 * steps}
+    assert torch.equal(eng.output_hidden(rid), ref)
+
+
+def test_engine_resolves_auto_once_and_takes_the_budgets_default():
+    from glm_dsa.budget import CPU_BUDGET_BYTES, Budgets
+
+    model = init_weights(DSAForCausalLM(CFG), seed=5).eval()
+    eng = PrefillEngine(model, num_pages=8)
+    assert eng.backend is REFERENCE  # auto on the CPU
+    assert eng.budgets == Budgets(CPU_BUDGET_BYTES, CPU_BUDGET_BYTES)
+    assert PrefillEngine(model, num_pages=8, budget_bytes=4096).budgets == Budgets(4096, 4096)
+    with pytest.raises(ValueError, match="logits_bytes=0 must be a positive int"):
+        Budgets(0, 1)
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
@@ -77,7 +164,7 @@ def test_triton_indexer_picks_a_top_k_of_the_reference_logits():
 
     eng = PrefillEngine(model, num_pages=8, kv_dtype="fp32", chunked_prefill_size=CHUNK,
                         budget_bytes=1 << 20, backend="triton")
-    eng.backend = replace(eng.backend, indexer_topk=checked)
+    eng.backend.indexer_topk = checked
     eng.add_request(torch.randint(0, CFG.vocab_size, (LENGTH,), generator=torch.Generator().manual_seed(3)))
     eng.run()
     assert calls == [CHUNK, LENGTH - CHUNK]
@@ -92,7 +179,7 @@ def test_triton_attention_equals_reference_for_the_same_selection(kv_dtype):
     ref = _prefill(model, "reference", kv_dtype)
     eng = PrefillEngine(model, num_pages=8, kv_dtype=kv_dtype, chunked_prefill_size=CHUNK,
                         budget_bytes=1 << 20, backend="triton")
-    eng.backend = replace(eng.backend, indexer_topk=REFERENCE.indexer_topk)
+    eng.backend.indexer_topk = REFERENCE.indexer_topk
     rid = eng.add_request(torch.randint(0, CFG.vocab_size, (LENGTH,),
                                         generator=torch.Generator().manual_seed(3)))
     eng.run()
@@ -114,3 +201,34 @@ def test_triton_backend_replaces_the_mha_form_of_short_contexts():
         hidden[backend] = eng.output_hidden(rid).double()
     assert model.model.layers[0].self_attn.use_mha(ForwardBatch.contiguous([60]))  # the reference's form
     assert calc_diff(hidden["triton"], hidden["reference"]) <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_peers_backend_runs_the_layer_with_stand_in_kernels(monkeypatch, kv_dtype):
+    """The peers backend's plumbing on the CPU: DeepGEMM and FlashMLA stood in by the oracle
+    functions with their signatures (``fp8_mqa_logits``, ``sparse_prefill_fwd``); its hidden
+    states equal the reference backend's up to the bf16 absorbed query and GEMMs of the kernel
+    backends (the FP8 pool is dequantized for FlashMLA, the bf16 pool read in place). On this
+    bf16 tiny model the triton backend over the reference's own top-k measures 3.75e-3 against
+    the reference; an index off by one gives 5.7e-2."""
+    from types import SimpleNamespace
+
+    from glm_dsa import oracle, peers
+    from glm_dsa.backend import PeersBackend
+
+    stand_ins = {
+        peers.DEEP_GEMM: SimpleNamespace(fp8_mqa_logits=oracle.fp8_mqa_logits),
+        peers.FLASH_MLA: SimpleNamespace(sparse_prefill_fwd=lambda *a: [
+            t.to(torch.bfloat16) if i == 0 else t for i, t in enumerate(oracle.flash_mla_sparse_fwd(*a))]),
+    }
+    monkeypatch.setattr(peers, "_module", stand_ins.__getitem__)
+    model = init_weights(DSAForCausalLM(CFG), seed=5).to(torch.bfloat16).eval()
+    hidden = {}
+    for name, backend in (("reference", "reference"), ("peers", PeersBackend())):
+        eng = PrefillEngine(model, num_pages=8, kv_dtype=kv_dtype, chunked_prefill_size=CHUNK,
+                            budget_bytes=1 << 20, backend=backend)
+        rid = eng.add_request(torch.randint(0, CFG.vocab_size, (LENGTH,),
+                                            generator=torch.Generator().manual_seed(3)))
+        eng.run()
+        hidden[name] = eng.output_hidden(rid).double()
+    assert calc_diff(hidden["peers"], hidden["reference"]) <= 5e-3

@@ -198,7 +198,7 @@ def test_memory_check_counts_only_the_kept_layers(capsys, monkeypatch):
     """--layers 6:7 of GLM-5.3 at 131,072 tokens: the estimate is one layer's (its weights alone
     are 9.8e9 parameters = 19.6 GB in bf16 on CUDA, 39 GB in float32 here), not the whole
     model's 1.5 TB; with 1 GB available it is refused before any model is built."""
-    monkeypatch.setattr("glm_dsa.checks.available_bytes", lambda device: 10**9)
+    monkeypatch.setattr("glm_dsa.preflight.available_bytes", lambda device: 10**9)
     assert main(["prefill", "--config", "glm-5.3", "--layers", "6:7", "--tokens", "131072"]) == 2
     err = capsys.readouterr().err
     need = float(err.split("needs ")[1].split(" GB")[0])

@@ -92,7 +92,7 @@ def test_the_memory_check_counts_a_model_per_rank(capsys, monkeypatch):
     from glm_dsa.prefill import CPU_BUDGET_BYTES
 
     one_rank = prefill_peak_bytes(get_config("tiny"), [300], 128, "fp8", 4, CPU_BUDGET_BYTES)
-    monkeypatch.setattr("glm_dsa.checks.available_bytes", lambda device: int(1.5 * one_rank))
+    monkeypatch.setattr("glm_dsa.preflight.available_bytes", lambda device: int(1.5 * one_rank))
     argv = ["prefill", "--config", "tiny", "--tokens", "300", "--chunk", "128", "--no-progress"]
     assert main(argv) == 0
     capsys.readouterr()

@@ -10,6 +10,7 @@ the projections (dense Sylvester Hadamard matrix, explicit RoPE pairs, LayerNorm
 from __future__ import annotations
 
 import math
+import contextlib
 from contextlib import contextmanager
 from unittest import mock
 
@@ -18,6 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import glm_dsa.budget as budget_mod
 import glm_dsa.indexer as ix
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.config import get_config
@@ -26,14 +28,13 @@ from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.indexer import (
     Indexer,
     indexer_topk,
-    logits_budget_bytes,
-    max_logit_rows,
     mqa_logits,
     paged_mqa_logits,
     topk_per_row,
-    topk_to_paged,
-    topk_to_ragged,
+    topk_transform_paged,
+    topk_transform_ragged,
 )
+from glm_dsa.budget import logits_budget_bytes, max_logit_rows
 from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
 
 D = 128
@@ -95,9 +96,13 @@ def ragged_batch(requests: list[tuple[int, int]]) -> ForwardBatch:
 
 @contextmanager
 def patched(**values):
-    """Set module constants of glm_dsa.indexer for the duration of a block."""
-    with mock.patch.multiple(ix, **values):
-        yield
+    """Set module constants of glm_dsa.indexer (or, for the budget rule's, of glm_dsa.budget)
+    for the duration of a block."""
+    in_budget = {k: v for k, v in values.items() if hasattr(budget_mod, k)}
+    in_indexer = {k: v for k, v in values.items() if k not in in_budget}
+    with mock.patch.multiple(budget_mod, **in_budget) if in_budget else contextlib.nullcontext():
+        with mock.patch.multiple(ix, **in_indexer) if in_indexer else contextlib.nullcontext():
+            yield
 
 
 requests_st = st.lists(
@@ -380,8 +385,8 @@ def test_topk_transforms_map_request_positions_and_keep_minus_one(rows, topk, ma
     idx = torch.randint(-1, max_pages * PAGE, (rows, topk), generator=g, dtype=torch.int32)
     offsets = torch.randint(0, 10_000, (rows,), generator=g)
     page_table = torch.randint(0, 1000, (rows, max_pages), generator=g, dtype=torch.int32)
-    ragged = topk_to_ragged(idx, offsets)
-    paged = topk_to_paged(idx, page_table, PAGE)
+    ragged = topk_transform_ragged(idx, offsets)
+    paged = topk_transform_paged(idx, page_table, PAGE)
     for r in range(rows):
         for t in range(topk):
             i = int(idx[r, t])
@@ -392,9 +397,9 @@ def test_topk_transforms_map_request_positions_and_keep_minus_one(rows, topk, ma
     assert ragged.dtype == paged.dtype == torch.int32
 
 
-def test_topk_to_paged_rejects_an_index_past_the_page_table():
+def test_topk_transform_paged_rejects_an_index_past_the_page_table():
     with pytest.raises(ValueError, match="pages"):
-        topk_to_paged(torch.tensor([[2 * PAGE]], dtype=torch.int32),
+        topk_transform_paged(torch.tensor([[2 * PAGE]], dtype=torch.int32),
                       torch.zeros(1, 2, dtype=torch.int32), PAGE)
 
 

@@ -9,7 +9,8 @@ import glm_dsa.indexer as indexer_mod
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache
 from glm_dsa.config import PRESETS
-from glm_dsa.layer import DSAForCausalLM
+from glm_dsa.budget import Budgets
+from glm_dsa.layer import DSAForCausalLM, StepContext
 from glm_dsa.mla import MLA
 from glm_dsa.weights import init_weights
 
@@ -24,7 +25,7 @@ def _run(model, ids, kv_dtype="fp64", budget=1 << 24):
     batch = ForwardBatch.contiguous([ids.numel()])
     cache = KVCache(model.config, num_pages=-(-ids.numel() // 64), kv_dtype=kv_dtype)
     with torch.no_grad():
-        return model.model(ids, batch, cache, budget)
+        return model.model(ids, StepContext(batch, cache, Budgets(budget, budget)))
 
 
 def test_shared_layers_run_no_indexer_and_reuse_the_previous_full_layers_topk(monkeypatch):
@@ -108,7 +109,7 @@ def test_shared_layer_without_topk_is_an_error():
     batch = ForwardBatch.contiguous([8])
     cache = KVCache(cfg, 1, "fp32")
     with pytest.raises(ValueError, match="shared layer"):
-        layer(torch.zeros(8, cfg.hidden_size), batch, cache, None, 1 << 20)
+        layer(torch.zeros(8, cfg.hidden_size), StepContext(batch, cache, Budgets(1 << 20, 1 << 20)), None)
 
 
 def test_model_rejects_inputs_that_are_neither_ids_nor_hidden_states():
@@ -116,3 +117,17 @@ def test_model_rejects_inputs_that_are_neither_ids_nor_hidden_states():
     model = _model(cfg, torch.float32)
     with pytest.raises(ValueError, match="token ids"):
         _run(model, torch.zeros(4, dtype=torch.int32))
+
+
+def test_each_full_layer_checks_its_indexer_inputs_once_per_step(monkeypatch):
+    """Cores call cores: ``Indexer.forward`` checks ``x``, ``positions`` and ``q_latent`` once
+    and calls the bare key and query projections, not the checked ``project_k`` / ``project_q``."""
+    cfg = PRESETS["tiny"]
+    model = _model(cfg, torch.float32)
+    calls = []
+    real = indexer_mod.Indexer._check_tokens
+    monkeypatch.setattr(indexer_mod.Indexer, "_check_tokens",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    _run(model, torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(0)),
+         kv_dtype="fp32")
+    assert len(calls) == len(cfg.full_layers)

@@ -601,7 +601,7 @@ def test_row_and_page_bytes_agree_with_kv_format(name):
 
 @given(num_q=st.integers(1, 50_000), num_k=st.integers(1, 2_000_000), budget=st.integers(0, 10**10))
 def test_logit_rows_agree_with_the_indexers_row_limit(num_q, num_k, budget):
-    from glm_dsa.indexer import max_logit_rows
+    from glm_dsa.budget import max_logit_rows
 
     assert logits_row_slices(num_q, num_k, budget)[0] == max_logit_rows(num_q, num_k, budget)
 

@@ -11,14 +11,17 @@ the radix select of ``glm_dsa.kernels.topk``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from glm_dsa.indexer import RowChunk, _check_logits_inputs, chunked_topk
-from glm_dsa.kernels.mqa_logits import _check_device, _check_kernel_shapes, _mqa_logits_core
+from glm_dsa.indexer import RowChunk, chunked_topk
+from glm_dsa.kernels.mqa_logits import check_device, check_kernel_shapes, launch_mqa_logits
 from glm_dsa.kernels.topk import launch_select, raise_on_nan
+from glm_dsa.validate import check_indexer_topk_inputs
 
-__all__ = ["indexer_topk"]
+__all__ = ["indexer_topk", "select_in_chunks"]
 
 
 def indexer_topk(
@@ -43,20 +46,40 @@ def indexer_topk(
     Returns:
         int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, any order within a row.
     """
-    _check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
-    _check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
-    _check_device(q_fp8)
+    check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
+    check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
+    check_device(q_fp8)
 
-    nans = torch.zeros(q_fp8.shape[0], dtype=torch.int32, device=q_fp8.device)
-
-    def chunk_topk(chunk: RowChunk) -> Tensor:
+    def chunk_logits(chunk: RowChunk) -> Tensor:
         r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
-        logits = _mqa_logits_core(
+        return launch_mqa_logits(
             q_fp8[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], weights[r0:r1],
             chunk.starts.to(torch.int32), chunk.ends.to(torch.int32), clean_logits=False,
             max_seqlen_k=0,
         )  # fmt: skip
-        picked, nans[r0:r1] = launch_select(logits, chunk.starts, chunk.ends, topk)
+
+    return select_in_chunks(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_logits)
+
+
+def select_in_chunks(
+    q_fp8: Tensor,
+    weights: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    topk: int,
+    budget_bytes: int,
+    chunk_logits: Callable[[RowChunk], Tensor],
+) -> Tensor:
+    """``indexer.chunked_topk`` with the radix select on each chunk's float32 logits
+    ``chunk_logits(chunk)`` ``[r1 − r0, ≥ hi − lo]`` (entries outside each row's window unread),
+    on checked arguments; ValueError afterwards on NaN inside a row that was read. The Triton
+    and peers backends differ only in ``chunk_logits``."""
+    nans = torch.zeros(q_fp8.shape[0], dtype=torch.int32, device=q_fp8.device)
+
+    def chunk_topk(chunk: RowChunk) -> Tensor:
+        picked, nans[chunk.r0:chunk.r1] = launch_select(chunk_logits(chunk), chunk.starts, chunk.ends, topk)
         return picked
 
     out = chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)

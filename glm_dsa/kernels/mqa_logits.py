@@ -32,8 +32,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.indexer import _check_index_vector, _check_logits_inputs, _check_paged_inputs, _check_ranges
-from glm_dsa.oracle import _check_compressed_width, _check_mqa_logits_mode, _check_paged_kv_cache
+from glm_dsa.validate import (
+    check_compressed_width,
+    check_index_vector,
+    check_logits_inputs,
+    check_mqa_logits_mode,
+    check_paged_inputs,
+    check_paged_kv_cache,
+    check_ranges,
+    need,
+)
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "CONFIGS", "INTERPRET_CONFIGS"]
 
@@ -233,16 +241,11 @@ def _paged_mqa_logits_kernel(
 
 
 _KEY = ["HP", "DP", "size_class"]
-_mqa_logits = triton.autotune(configs=_configs(), key=_KEY)(_mqa_logits_kernel)
-_paged_mqa_logits = triton.autotune(configs=_configs(), key=_KEY)(_paged_mqa_logits_kernel)
+_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY)(_mqa_logits_kernel)
+_paged_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY)(_paged_mqa_logits_kernel)
 
 
 # ----------------------------------------------------------------------------- host side
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -252,18 +255,18 @@ def _size_class(rows: int, cols: int) -> int:
     return (rows * cols).bit_length() // 4
 
 
-def _check_device(t: Tensor) -> None:
-    _need(
+def check_device(t: Tensor) -> None:
+    need(
         _INTERPRET or t.is_cuda,
         f"the Triton kernels need CUDA tensors, got {t.device}; on the CPU set "
         "TRITON_INTERPRET=1 before triton is imported (or use glm_dsa.oracle)",
     )
 
 
-def _check_kernel_shapes(H: int, D: int, weights: Tensor) -> None:
-    _need(D % 16 == 0 and D >= 16, f"head dim D={D} must be a positive multiple of 16")
-    _need(1 <= H <= MAX_HEADS, f"H={H} heads: the kernel supports 1 … {MAX_HEADS}")
-    _need(weights.dtype == torch.float32, f"weights must be float32, got {weights.dtype}")
+def check_kernel_shapes(H: int, D: int, weights: Tensor) -> None:
+    need(D % 16 == 0 and D >= 16, f"head dim D={D} must be a positive multiple of 16")
+    need(1 <= H <= MAX_HEADS, f"H={H} heads: the kernel supports 1 … {MAX_HEADS}")
+    need(weights.dtype == torch.float32, f"weights must be float32, got {weights.dtype}")
 
 
 def _grid(row_blocks, n_tiles, device: torch.device):
@@ -281,7 +284,7 @@ def _grid(row_blocks, n_tiles, device: torch.device):
     return grid
 
 
-def _mqa_logits_core(
+def launch_mqa_logits(
     q_fp8: Tensor,
     k_fp8: Tensor,
     k_scale: Tensor,
@@ -308,7 +311,7 @@ def _mqa_logits_core(
     if S == 0 or n_out == 0:
         return out
     grid = _grid(lambda bm: triton.cdiv(S, bm), lambda bn: triton.cdiv(n_keys, bn), q_fp8.device)
-    _mqa_logits[grid](
+    _mqa_logits_tuned[grid](
         q_fp8.contiguous(), k_fp8.contiguous(), k_scale.contiguous(), weights.contiguous(),
         ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous(), out,
         S, n_keys, n_out, out.stride(0), _size_class(S, n_keys),
@@ -343,17 +346,17 @@ def fp8_mqa_logits(
     Returns:
         float32 ``[S, S_kv]`` (or ``[S, max_seqlen_k]``).
     """
-    _check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
+    check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
     k_fp8, k_scale = kv
-    S, H, D, S_kv = _check_logits_inputs(q, k_fp8, k_scale, weights)
-    _check_kernel_shapes(H, D, weights)
-    _check_device(q)
-    _check_index_vector("cu_seqlen_ks", cu_seqlen_ks, S, q.device)
-    _check_index_vector("cu_seqlen_ke", cu_seqlen_ke, S, q.device)
-    _check_ranges(cu_seqlen_ks.tolist(), cu_seqlen_ke.tolist(), S_kv, "S_kv")
+    S, H, D, S_kv = check_logits_inputs(q, k_fp8, k_scale, weights)
+    check_kernel_shapes(H, D, weights)
+    check_device(q)
+    check_index_vector("cu_seqlen_ks", cu_seqlen_ks, S, q.device)
+    check_index_vector("cu_seqlen_ke", cu_seqlen_ke, S, q.device)
+    check_ranges(cu_seqlen_ks, cu_seqlen_ke, S_kv, "S_kv")
     if max_seqlen_k > 0:
-        _check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    return _mqa_logits_core(
+        check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+    return launch_mqa_logits(
         q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k
     )
 
@@ -384,25 +387,25 @@ def fp8_paged_mqa_logits(
     Returns:
         float32 ``[B * next_n, max_context_len]``.
     """
-    num_blocks, page, D = _check_paged_kv_cache(q, kv_cache)
-    _need(
+    num_blocks, page, D = check_paged_kv_cache(q, kv_cache)
+    need(
         kv_cache[0].is_contiguous() and kv_cache.stride(0) % 4 == 0,
         "kv_cache blocks must be contiguous inside, with a block stride that is a multiple of "
         f"4 bytes; got strides {kv_cache.stride()}",
     )
     # The reference's checks, on the blocks viewed as its [num_blocks, page bytes] pages.
-    lens = _check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
+    lens = check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
                                max_context_len, page)
     B, next_n, H = q.shape[:3]
-    _check_kernel_shapes(H, D, weights)
-    _check_device(q)
+    check_kernel_shapes(H, D, weights)
+    check_device(q)
     ends = torch.tensor(lens, dtype=torch.int32, device=q.device).reshape(B, next_n)
     if ends.numel():
         # The kernel reads pages through the table unchecked: an entry out of range would
         # read another allocation's bytes, so every entry a row can reach is checked here.
         need_blocks = int(ends.max(dim=1).values.add(page - 1).floor_divide(page).max())
         used = block_table.long()[:, :need_blocks]
-        _need(
+        need(
             bool(((used >= 0) & (used < num_blocks)).all()),
             f"block_table holds a page outside [0, {num_blocks}) within a request's context",
         )
@@ -417,7 +420,7 @@ def fp8_paged_mqa_logits(
         lambda bn: triton.cdiv(max_context_len, bn),
         q.device,
     )
-    _paged_mqa_logits[grid](
+    _paged_mqa_logits_tuned[grid](
         q.contiguous(), kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32),
         weights.contiguous(), ends.reshape(R).to(torch.int32), table, out,
         next_n, max_context_len, out.stride(0), kv_cache.stride(0), table.stride(0),

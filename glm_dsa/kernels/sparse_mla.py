@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
-from glm_dsa.mla import _check_sparse_inputs
+from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8"]
 
@@ -127,7 +127,7 @@ def _sparse_mla_fwd_kernel(
     offs_c = tl.arange(0, D_CHUNK)
     offs_t = tl.arange(0, BLOCK_DT)
     t_mask = offs_t < D_TAIL
-    kv_dtype = q_ptr.dtype.element_ty
+    act_dtype = q_ptr.dtype.element_ty
 
     # q and the accumulator live as D_CHUNK-wide column chunks (a tuple): the key tile is
     # gathered, dequantized and handed to the GEMMs one chunk at a time.
@@ -177,7 +177,7 @@ def _sparse_mla_fwd_kernel(
                 sc = tl.load((rows + D_V).to(tl.pointer_type(tl.float32)) + c * D_CHUNK // 128,
                              mask=valid, other=0.0)
                 k_f32 = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
-                k_c = _round_to(k_f32, kv_dtype, ROUND_BY_HAND)
+                k_c = _round_to(k_f32, act_dtype, ROUND_BY_HAND)
             else:
                 k_c = tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :],
                               mask=valid[:, None] & cm[None, :], other=0.0)
@@ -191,7 +191,7 @@ def _sparse_mla_fwd_kernel(
                 pe_ptr = rows + D_V
             k_pe = tl.load(pe_ptr[:, None] + offs_t[None, :],
                            mask=valid[:, None] & t_mask[None, :], other=0.0)
-            st = tl.dot(k_pe.to(kv_dtype).to(DOT_DTYPE), tl.trans(q_pe), st,
+            st = tl.dot(k_pe.to(act_dtype).to(DOT_DTYPE), tl.trans(q_pe), st,
                         input_precision=PRECISION)
         st = tl.where(valid[:, None], st * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
@@ -202,7 +202,7 @@ def _sparse_mla_fwd_kernel(
         l_i = l_i * alpha + tl.sum(pt, axis=0)
         # P is rounded to the cache dtype for the value GEMM, as FlashMLA does; P·V takes
         # P from shared memory, each warpgroup a half of every value chunk over all keys.
-        p = tl.trans(_round_to(pt, kv_dtype, ROUND_BY_HAND).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
+        p = tl.trans(_round_to(pt, act_dtype, ROUND_BY_HAND).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
         new_acc = ()
         for c in tl.static_range(N_CHUNK):
             new_acc = new_acc + (tl.dot(p, k_chunks[c], acc[c] * alpha[:, None],
@@ -306,7 +306,7 @@ def flash_mla_sparse_fwd(
         ``lse [s_q, h_q]`` float32, natural log``)``. A row with no valid index: ``out = 0``,
         ``max_logits = -inf``, ``lse = +inf``.
     """
-    _check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length, "e", "+inf", None)
+    check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length)
     _check_kernel_inputs(q, kv, indices, sm_scale)
     if kv.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(
@@ -369,9 +369,8 @@ def sparse_mla_fwd_fp8(
             f"row stride that is a multiple of 4, got {tuple(kv_rows.shape)} stride "
             f"{kv_rows.stride()}"
         )
-    # The shared contract checks shapes on a kv-shaped stand-in; the bytes are checked above.
-    stand_in = q.new_empty(1, 1, 1).expand(kv_rows.shape[0], 1, d_qk)
-    _check_sparse_inputs(q, stand_in, indices, d_v, attn_sink, topk_length, "e", "+inf", None)
+    # The rows' layout is checked above; the shared contract checks the rest.
+    check_sparse_inputs(q, None, indices, d_v, attn_sink, topk_length)
     _check_kernel_inputs(q, kv_rows, indices, sm_scale)
     return _launch(q, kv_rows, kv_rows.stride(0), kv_rows.shape[0], indices, sm_scale, d_v,
                    attn_sink, topk_length, fp8=True)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.indexer import _check_index_vector, _check_ranges, _need
+from glm_dsa.validate import check_index_vector, check_ranges, need
 
 __all__ = ["topk_per_row", "select_rows", "SAMPLE", "TARGET_FACTOR", "CAND_FACTOR", "BLOCK"]
 
@@ -235,13 +235,13 @@ def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int
     Raises:
         ValueError: on bad arguments, or NaN inside the range of a row whose scores are read.
     """
-    _need(
+    need(
         logits.dim() == 2 and logits.dtype == torch.float32,
         f"logits must be float32 [R, N], got {logits.dtype} {tuple(logits.shape)}",
     )
-    _need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
+    need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
     R, N = logits.shape
-    _check_index_vector("row_starts", row_starts, R, logits.device)
-    _check_index_vector("row_ends", row_ends, R, logits.device)
-    _check_ranges(row_starts.tolist(), row_ends.tolist(), N, "N")
+    check_index_vector("row_starts", row_starts, R, logits.device)
+    check_index_vector("row_ends", row_ends, R, logits.device)
+    check_ranges(row_starts, row_ends, N, "N")
     return select_rows(logits, row_starts, row_ends, topk)

@@ -1,0 +1,148 @@
+"""The two memory budgets of a DSA layer step, their defaults and the row counts they give.
+
+* **Logits bytes** bound the indexer's float32 ``[rows, S_kv]`` logits at once (SGLang's
+  ``mqa_logits_budget`` rule, docs/conventions.md §12): ``max_logit_rows``.
+* **Attention bytes** bound the per-row-chunk temporaries of absorbed sparse attention — the
+  queries, their absorbed and output forms and, where the context is gathered, the gathered
+  keys, scores and index masks: ``attention_rows``. One rule for every attention path.
+
+The indexer's logits are freed before attention runs, so the two never coexist and both
+default to the same reservation: SGLang's rule on CUDA, ``CPU_BUDGET_BYTES`` elsewhere.
+``Budgets.default`` is the one place a run resolves them (the CLI and ``PrefillEngine``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from glm_dsa.validate import need
+
+__all__ = [
+    "CPU_BUDGET_BYTES",
+    "NO_CHUNK_LOGITS",
+    "LOGITS_TOTAL_MEM_CAP",
+    "Budgets",
+    "logits_budget_bytes",
+    "default_logits_bytes",
+    "default_attention_bytes",
+    "max_logit_rows",
+    "attention_rows",
+]
+
+# The host has no allocator whose free memory the CUDA rule could follow; 256 MiB keeps a CPU
+# run's peak modest while leaving the row chunks large.
+CPU_BUDGET_BYTES = 256 << 20
+# SGLang never row-chunks the indexer logits below this many elements (num_q * num_k).
+NO_CHUNK_LOGITS = 8_000_000
+# SGLang caps the static logits budget at this fraction of the device's total memory.
+LOGITS_TOTAL_MEM_CAP = 0.3
+
+
+def logits_budget_bytes(
+    device: torch.device | str, mem_fraction_static: float = 0.8, free_fraction: float = 0.2
+) -> int:
+    """Bytes the indexer logits may take on a CUDA device (SGLang ``mqa_logits_budget``).
+
+    ``min(free_fraction * free_now, min(free_fraction * (1 − mem_fraction_static) * total,
+    0.3 * total))``. About 5.6 GB on a 141 GB H200 at ``mem_fraction_static = 0.8``.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("on CPU pass an explicit budget in bytes")
+    need(
+        0.0 <= mem_fraction_static < 1.0,
+        f"mem_fraction_static={mem_fraction_static} must lie in [0, 1)",
+    )
+    need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
+    free, total = torch.cuda.mem_get_info(device)
+    static = min(free_fraction * (1.0 - mem_fraction_static) * total, LOGITS_TOTAL_MEM_CAP * total)
+    return int(min(free_fraction * free, static))
+
+
+def default_logits_bytes(device: torch.device | str, mem_fraction_static: float = 0.8) -> int:
+    """The indexer-logits budget a run uses unless told otherwise: ``logits_budget_bytes`` at
+    ``mem_fraction_static`` on CUDA, ``CPU_BUDGET_BYTES`` elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return logits_budget_bytes(device, mem_fraction_static)
+    return CPU_BUDGET_BYTES
+
+
+def default_attention_bytes(device: torch.device | str, mem_fraction_static: float = 0.8) -> int:
+    """The attention row-chunk budget a run uses unless told otherwise: the logits' reservation
+    (``default_logits_bytes``), which attention reuses once the indexer has freed it."""
+    return default_logits_bytes(device, mem_fraction_static)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The byte budgets of one step.
+
+    Attributes:
+        logits_bytes: float32 indexer logits at once (``max_logit_rows``).
+        attention_bytes: temporaries of one attention row chunk (``attention_rows``).
+    """
+
+    logits_bytes: int
+    attention_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("logits_bytes", "attention_bytes"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name}={value!r} must be a positive int (bytes)")
+
+    @classmethod
+    def default(cls, device: torch.device | str, budget_bytes: int | None = None,
+                mem_fraction_static: float = 0.8) -> Budgets:
+        """``budget_bytes`` for both, or each budget's default on ``device``."""
+        if budget_bytes is not None:
+            return cls(budget_bytes, budget_bytes)
+        return cls(default_logits_bytes(device, mem_fraction_static),
+                   default_attention_bytes(device, mem_fraction_static))
+
+
+def max_logit_rows(num_q: int, num_k: int, budget_bytes: int) -> int:
+    """Query rows whose float32 logits over ``num_k`` keys may exist at once.
+
+    SGLang's rule: all ``num_q`` rows when ``num_q * num_k < 8e6`` or the ``4 * num_q * num_k``
+    bytes fit ``budget_bytes``; else ``max(1, budget_bytes // (4 * num_k))``.
+    """
+    need(isinstance(num_q, int) and num_q >= 1, f"num_q={num_q!r} must be a positive int")
+    need(isinstance(num_k, int) and num_k >= 0, f"num_k={num_k!r} must be a non-negative int")
+    need(
+        isinstance(budget_bytes, int) and budget_bytes >= 0,
+        f"budget_bytes={budget_bytes!r} must be a non-negative int (bytes)",
+    )
+    logits_bytes = 4 * num_q * num_k
+    if num_q * num_k < NO_CHUNK_LOGITS or logits_bytes <= budget_bytes:
+        return num_q
+    return max(1, budget_bytes // (4 * num_k))
+
+
+def attention_rows(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
+                   gathered_dtype: torch.dtype | None, dtype: torch.dtype,
+                   budget_bytes: int | None) -> int:
+    """Query rows of sparse attention whose temporaries fit ``budget_bytes`` (all for None).
+
+    Per row: the row's query (and its bf16 split, 3 × 2 bytes plus a float32 remainder),
+    full-width output and output in the compute ``dtype``; and where the keys are gathered
+    (``gathered_dtype``, the cache's dtype; None when a kernel reads the pool in place) the
+    ``[topk, d_qk]`` keys in that dtype and, at most, again in ``dtype`` (``_bmm_f32`` off the
+    tensor-core path), the ``[heads, topk]`` scores with the two temporaries ``logsumexp`` makes
+    of them, the probabilities' bf16 split and three ``[topk]`` index tensors (int64).
+    """
+    if budget_bytes is None:
+        return max(1, num_rows)
+    item = dtype.itemsize
+    per_row = heads * (2 * d_qk + d_v) * item + heads * d_qk * (3 * 2 + 4)
+    if gathered_dtype is not None:
+        per_row += (
+            topk * d_qk * (gathered_dtype.itemsize + item)
+            + 3 * heads * topk * item
+            + heads * topk * (3 * 2 + 4)
+            + 3 * topk * 8
+        )
+    return max(1, budget_bytes // per_row)

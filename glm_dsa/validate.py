@@ -1,0 +1,285 @@
+"""Argument validation of the kernel contracts, shared by the oracle, the reference model,
+``glm_dsa.kernels`` and ``glm_dsa.peers``.
+
+One idiom: ``need(ok, message)`` raises ``ValueError(message)``, a one-line message naming the
+argument, what it must be and what it got. Each ``check_*`` validates the arguments one
+contract shares between its implementations, before any compute; cores called on checked
+arguments do not check again. Range checks run on the device tensors (one synchronization for
+the verdict), never by copying index vectors to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm_dsa.kv_format import index_k_page_bytes
+
+__all__ = [
+    "MAX_EXACT_DIM",
+    "need",
+    "shape_of",
+    "check_index_vector",
+    "check_ranges",
+    "check_logits_inputs",
+    "check_ragged_logits_inputs",
+    "check_indexer_topk_inputs",
+    "check_paged_inputs",
+    "check_mqa_logits_mode",
+    "check_compressed_width",
+    "check_paged_kv_cache",
+    "check_slots_read",
+    "check_pair",
+    "check_sparse_inputs",
+    "check_sparse_conventions",
+]
+
+# Dot products of E4M3 vectors are exact in float64 up to this length (indexer._dot_products).
+MAX_EXACT_DIM = 2**16
+
+
+def need(ok: bool, msg: str) -> None:
+    """``ValueError(msg)`` unless ``ok``."""
+    if not ok:
+        raise ValueError(msg)
+
+
+def shape_of(t) -> str:
+    """A tensor's shape as a tuple string, or the type name of what was passed instead."""
+    return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
+
+
+def check_ranges(ks: Tensor, ke: Tensor, num_cols: int, what: str) -> None:
+    """Every row's window satisfies ``0 ≤ ks ≤ ke ≤ num_cols`` (``what`` names ``num_cols``);
+    the first bad row is named."""
+    bad = (ks < 0) | (ks > ke) | (ke > num_cols)
+    if bool(bad.any()):
+        m = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"row {m}: [ks, ke) = [{int(ks[m])}, {int(ke[m])}) must satisfy 0 ≤ ks ≤ ke ≤ "
+            f"{what}={num_cols}"
+        )
+
+
+def check_index_vector(name: str, t: Tensor, n: int, device: torch.device) -> None:
+    need(
+        isinstance(t, Tensor) and t.dim() == 1 and t.shape[0] == n,
+        f"{name} must be a 1-D tensor of {n} entries, got "
+        f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}",
+    )
+    need(
+        t.dtype in (torch.int32, torch.int64),
+        f"{name} must be int32 (or int64), got {t.dtype}",
+    )
+    need(t.device == device, f"{name} is on {t.device}, the other inputs on {device}")
+
+
+def check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int, int]:
+    need(
+        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 3,
+        f"q_fp8 must be float8_e4m3fn [S, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
+    )
+    S, H, D = q_fp8.shape
+    need(D <= MAX_EXACT_DIM, f"head dim D={D} exceeds {MAX_EXACT_DIM}, the exact-dot limit")
+    need(
+        k_fp8.dtype == torch.float8_e4m3fn and k_fp8.dim() == 2 and k_fp8.shape[1] == D,
+        f"k_fp8 must be float8_e4m3fn [S_kv, D={D}], got {k_fp8.dtype} {tuple(k_fp8.shape)}",
+    )
+    S_kv = k_fp8.shape[0]
+    need(
+        k_scale.dtype == torch.float32 and tuple(k_scale.shape) == (S_kv,),
+        f"k_scale must be float32 [S_kv={S_kv}], got {k_scale.dtype} {tuple(k_scale.shape)}",
+    )
+    need(
+        weights.dtype in (torch.float32, torch.float64) and tuple(weights.shape) == (S, H),
+        f"weights must be float32 (or float64) [S={S}, H={H}], got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
+    dev = q_fp8.device
+    for name, t in (("k_fp8", k_fp8), ("k_scale", k_scale), ("weights", weights)):
+        need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+    return S, H, D, S_kv
+
+
+def check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
+    """``mqa_logits``' inputs: the logits operands, then ``0 ≤ ks ≤ ke ≤ S_kv`` per row."""
+    S, _, _, S_kv = check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
+    check_index_vector("ks", ks, S, q_fp8.device)
+    check_index_vector("ke", ke, S, q_fp8.device)
+    check_ranges(ks, ke, S_kv, "S_kv")
+
+
+def check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk) -> None:
+    """``indexer_topk``'s inputs (every backend's): ``mqa_logits``' and a positive ``topk``."""
+    check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke)
+    need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
+
+
+def check_paged_inputs(
+    q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
+) -> list[list[int]]:
+    """Check ``paged_mqa_logits``' inputs; returns each request's row ends ``[B][next_n]``
+    (row ``(b, j)`` sees positions ``< ends[b][j]``)."""
+    need(
+        q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
+        f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
+    )
+    B, next_n, H, D = q_fp8.shape
+    page_bytes = index_k_page_bytes(page_size, D)
+    need(
+        index_k_pages.dtype == torch.uint8
+        and index_k_pages.dim() == 2
+        and index_k_pages.shape[1] == page_bytes,
+        f"index_k_pages must be uint8 [num_pages, {page_bytes}] (page_size={page_size}, D={D}), "
+        f"got {index_k_pages.dtype} {tuple(index_k_pages.shape)}",
+    )
+    need(
+        weights.dtype in (torch.float32, torch.float64)
+        and tuple(weights.shape) == (B * next_n, H),
+        f"weights must be float32 [B * next_n={B * next_n}, H={H}], got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
+    need(
+        context_lens.dtype in (torch.int32, torch.int64)
+        and tuple(context_lens.shape) in ((B,), (B, next_n)),
+        f"context_lens must be int32 [B={B}] or [B, next_n={next_n}], got "
+        f"{context_lens.dtype} {tuple(context_lens.shape)}",
+    )
+    need(
+        block_table.dtype in (torch.int32, torch.int64)
+        and block_table.dim() == 2
+        and block_table.shape[0] == B,
+        f"block_table must be int32 [B={B}, max_blocks], got {block_table.dtype} "
+        f"{tuple(block_table.shape)}",
+    )
+    need(
+        isinstance(max_context_len, int) and max_context_len >= 0,
+        f"max_context_len={max_context_len!r} must be a non-negative int",
+    )
+    dev = q_fp8.device
+    for name, t in (
+        ("index_k_pages", index_k_pages),
+        ("weights", weights),
+        ("context_lens", context_lens),
+        ("block_table", block_table),
+    ):
+        need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+    lens = context_lens.tolist()
+    if context_lens.dim() == 1:
+        # The last next_n context tokens are this step's queries, each seeing itself.
+        lens = [[max(0, n - next_n + j + 1) for j in range(next_n)] for n in lens]
+    for b, ends in enumerate(lens):
+        for j, e in enumerate(ends):
+            need(
+                0 <= e <= max_context_len,
+                f"row (b={b}, j={j}) sees {e} tokens, outside [0, max_context_len="
+                f"{max_context_len}]",
+            )
+        n_blocks = -(-max(ends) // page_size)
+        need(
+            n_blocks <= block_table.shape[1],
+            f"request {b} needs {n_blocks} pages for {max(ends)} tokens; block_table has "
+            f"{block_table.shape[1]} columns",
+        )
+    return lens
+
+
+def check_mqa_logits_mode(kv, clean_logits: bool, max_seqlen_k: int) -> None:
+    """The ``fp8_mqa_logits`` arguments beyond ``indexer.mqa_logits``'s (shared with kernels)."""
+    need(
+        isinstance(kv, (tuple, list)) and len(kv) == 2,
+        "kv must be the pair (k_fp8 [S_kv, D] float8_e4m3fn, k_scale [S_kv] float32)",
+    )
+    need(
+        isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool) and max_seqlen_k >= 0,
+        f"max_seqlen_k={max_seqlen_k!r} must be a non-negative int",
+    )
+    need(
+        max_seqlen_k == 0 or not clean_logits,
+        "fp8_mqa_logits with max_seqlen_k > 0 (compressed logits) requires clean_logits=False, "
+        "as in DeepGEMM",
+    )
+
+
+def check_compressed_width(ks: Tensor, ke: Tensor, max_seqlen_k: int) -> None:
+    """Every window fits the compressed output: ``ke − ks ≤ max_seqlen_k``."""
+    lens = ke.long() - ks.long()
+    if lens.numel():
+        longest = int(lens.max())
+        need(
+            longest <= max_seqlen_k,
+            f"a row has ke - ks = {longest} keys, more than max_seqlen_k={max_seqlen_k}; pass "
+            "max_seqlen_k = max(ke - ks)",
+        )
+
+
+def check_paged_kv_cache(q: Tensor, kv_cache: Tensor) -> tuple[int, int, int]:
+    """``(num_blocks, block_size, D)`` of ``fp8_paged_mqa_logits``' q ``[B, next_n, H, D]``
+    float8_e4m3fn and kv_cache uint8 ``[num_blocks, block_size, 1, D + 4]``; ValueError else."""
+    need(
+        isinstance(q, Tensor) and q.dim() == 4 and q.dtype == torch.float8_e4m3fn,
+        f"q must be [B, next_n, H, D] float8_e4m3fn, got {getattr(q, 'dtype', None)} {shape_of(q)}",
+    )
+    head_dim = q.shape[3]
+    need(
+        isinstance(kv_cache, Tensor)
+        and kv_cache.dtype == torch.uint8
+        and kv_cache.dim() == 4
+        and kv_cache.shape[2] == 1
+        and kv_cache.shape[3] == head_dim + 4,
+        f"kv_cache must be uint8 [num_blocks, block_size, 1, D + 4 = {head_dim + 4}], got "
+        f"{getattr(kv_cache, 'dtype', None)} {shape_of(kv_cache)}",
+    )
+    return kv_cache.shape[0], kv_cache.shape[1], head_dim
+
+
+def check_slots_read(indices: Tensor, read: Tensor, num_slots: int) -> None:
+    """Every index the kernel reads (``read``) is -1 or a slot of the cache."""
+    bad = read & (indices != -1) & ((indices < 0) | (indices >= num_slots))
+    if bool(bad.any()):
+        pos = tuple(int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"indices{list(pos)} = {int(indices[pos])} is neither -1 nor a slot of the "
+            f"{num_slots}-slot cache; mark unused entries with -1"
+        )
+
+
+def check_pair(x: Tensor, y: Tensor, what: str) -> None:
+    need(
+        isinstance(x, Tensor) and isinstance(y, Tensor),
+        f"{what} compares two tensors, got {type(x).__name__} and {type(y).__name__}",
+    )
+    need(x.shape == y.shape, f"{what}: shapes differ, {tuple(x.shape)} vs {tuple(y.shape)}")
+
+
+def check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length) -> None:
+    """``flash_mla_sparse_fwd``'s tensors. ``kv``: the floating ``[s_kv, 1, d_qk]`` rows, or None
+    where a kernel reads packed rows whose layout its caller checks."""
+    need(q.dim() == 3, f"q must be [s_q, h, d_qk], got shape {tuple(q.shape)}")
+    s_q, h, d_qk = q.shape
+    need(kv is None or (kv.dim() == 3 and kv.shape[1] == 1 and kv.shape[2] == d_qk),
+         f"kv must be [s_kv, 1, d_qk={d_qk}] (one latent KV head shared by all query heads), "
+         f"got shape {shape_of(kv)}")
+    need(q.dtype.is_floating_point and (kv is None or kv.dtype.is_floating_point),
+         f"q and kv must be floating (dequantize an FP8 cache first), got q {q.dtype} and "
+         f"kv {None if kv is None else kv.dtype}")
+    need(indices.dtype == torch.int32 and indices.dim() == 3 and indices.shape[:2] == (s_q, 1),
+         f"indices must be int32 [s_q={s_q}, 1, topk], got {indices.dtype} {tuple(indices.shape)}")
+    need(indices.shape[2] >= 1, "indices needs topk ≥ 1 columns; pad unused ones with -1")
+    need(0 < d_v <= d_qk, f"d_v={d_v} must lie in [1, d_qk={d_qk}]: values are kv[..., :d_v]")
+    need(attn_sink is None or (attn_sink.dtype.is_floating_point and attn_sink.shape == (h,)),
+         f"attn_sink must be a floating [h={h}] tensor, got {getattr(attn_sink, 'dtype', None)} "
+         f"{shape_of(attn_sink)}")
+    need(topk_length is None or (topk_length.dtype == torch.int32 and topk_length.shape == (s_q,)),
+         f"topk_length must be int32 [s_q={s_q}], got {getattr(topk_length, 'dtype', None)} "
+         f"{shape_of(topk_length)}")
+
+
+def check_sparse_conventions(lse_base, lonely_lse, budget_bytes) -> None:
+    """The reference ``sparse_mla_fwd``'s convention switches and row-chunk budget."""
+    need(lse_base in ("e", "2"),
+         f"lse_base={lse_base!r} must be 'e' (newest FlashMLA) or '2' (Sep 2025)")
+    need(lonely_lse in ("+inf", "-inf"),
+         f"lonely_lse={lonely_lse!r} must be '+inf' (newest FlashMLA) or '-inf' (Sep 2025)")
+    need(budget_bytes is None or (isinstance(budget_bytes, int) and budget_bytes >= 1),
+         f"budget_bytes={budget_bytes!r} must be a positive int or None")
