@@ -41,6 +41,14 @@ __all__ = ["build_parser", "main"]
 _GPU = GpuSpec()
 
 
+def _check_chunk(chunk: int, page_size: int) -> None:
+    """ledger and prefill take the same chunks: whole pages (the engine's rule)."""
+    if chunk < page_size or chunk % page_size:
+        near = max(page_size, chunk // page_size * page_size)
+        raise ValueError(f"--chunk {chunk} must be a positive multiple of page_size={page_size}, "
+                         f"e.g. --chunk {near}")
+
+
 def _run_ledger(args: argparse.Namespace) -> int:
     config = get_config(args.config)
     for flag, value, low in (("--tokens", args.tokens, 1), ("--chunk", args.chunk, 1), ("--prefix", args.prefix, 0),
@@ -49,6 +57,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} {value} must be ≥ {low}")
     if args.prefix >= args.tokens:
         raise ValueError(f"--prefix {args.prefix} must be < --tokens {args.tokens}: at least one new token")
+    _check_chunk(args.chunk, config.page_size)
     for flag in ("gpu_mem_gb", "hbm_tbps", "indexer_tflops", "backbone_tflops", "nvlink_gbps"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
@@ -190,7 +199,7 @@ def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
     done = [0]
     last = [time.monotonic()]
 
-    def update(record) -> None:
+    def update_line(record) -> None:
         done[0] += sum(end - start for _, start, end in record.chunks)
         now = time.monotonic()
         if now - last[0] >= every_s or done[0] >= total_tokens:
@@ -198,7 +207,7 @@ def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
             print(f"prefill: step {record.step}, {done[0]}/{total_tokens} tokens, {record.seconds:.3f} s",
                   file=sys.stderr, flush=True)
 
-    return update, lambda: None
+    return update_line, lambda: None
 
 
 def _cmd_prefill(args) -> int:
@@ -330,8 +339,8 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths. The memory
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
-    from glm_dsa.preflight import check_device, check_fits, check_optional_module
-    from glm_dsa.ledger import prefill_peak_bytes
+    from glm_dsa.preflight import available_bytes, check_device, check_fits, check_optional_module
+    from glm_dsa.ledger import param_counts, prefill_peak_bytes
     from glm_dsa.budget import Budgets
 
     device = check_device("--device", args.device)
@@ -358,8 +367,7 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
         from glm_dsa.config import keep_layers
 
         config = keep_layers(config, args.layers)
-    if args.chunk < config.page_size:
-        raise ValueError(f"--chunk {args.chunk} is smaller than one page ({config.page_size} tokens)")
+    _check_chunk(args.chunk, config.page_size)
     given = [flag for flag, v in (("--input-ids", args.input_ids), ("--input-hidden", args.input_hidden),
                                   ("--text", args.text)) if v]
     if len(given) > 1:
@@ -408,6 +416,12 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     need = (prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
             + 4 * largest_tensor_numel(config))
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
+    weights = param_counts(config)["total"] * dtype_bytes
+    have = available_bytes(device)
+    if have is not None and weights > have:  # no token count fits: say what does need the memory
+        fewer = "" if args.layers else "keep fewer layers (--layers 6:7), "
+        lower = (f"the weights alone take {weights / 1e9:.1f} GB at {dtype_bytes} bytes per "
+                 f"parameter: {fewer}use a smaller --config or --dtype bfloat16")
     if ranks_on_host > 1:
         need *= ranks_on_host
         lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
@@ -475,6 +489,9 @@ def _prompts(args, config):
     return prompts, prefix_ids
 
 
+PREFILL_SCHEMA = "glm-dsa.prefill/1"
+
+
 def _run_prefill(args) -> int:
     import torch
     from safetensors.torch import save_file
@@ -522,8 +539,9 @@ def _run_prefill(args) -> int:
     close()
     memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     weights = args.weights or f"random, seed {args.seed}"
-    report = {"config": config.name, "weights": weights, "device": str(device), "dtype": dtype_name,
-              "kv_dtype": args.kv_dtype, "backend": backend.name, "chunk": args.chunk, "memory": memory,
+    report = {"schema": PREFILL_SCHEMA, "config": config.name, "weights": weights, "device": str(device),
+              "dtype": dtype_name, "kv_dtype": args.kv_dtype, "backend": backend.name, "chunk": args.chunk,
+              "memory": memory,
               **engine.report(rids)}
     if quiet:
         return 0
@@ -630,8 +648,8 @@ def _plot_steps(timeline, path: str, title: str) -> None:
 
 
 def _cmd_golden(args) -> int:
-    from glm_dsa.golden import write_golden
     from glm_dsa.outputs import check_output_dir
+    from glm_dsa.testing.golden import write_golden
 
     check_output_dir("--out", args.out)
     manifest = write_golden(args.out, seed=args.seed)
@@ -651,46 +669,14 @@ def _add_golden(sub) -> None:
     p = sub.add_parser(
         "golden",
         help="write golden vectors (inputs + expected outputs) of every kernel contract",
-        description="Write one safetensors file per glm_dsa.oracle contract (GLM-5.3 and "
-        "DeepSeek-V3.2 shapes, edge cases) and manifest.json naming each output's metric and "
+        description="Write one safetensors file per glm_dsa.oracle contract (the case table of "
+        "glm_dsa.testing: every edge case and a random case, at GLM-5.3 and DeepSeek-V3.2 head "
+        "counts) and manifest.json giving each call as data and each output's metric and "
         "tolerance. Same seed, same bytes.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write (created if absent)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.set_defaults(func=_cmd_golden)
-
-
-def _cmd_compare(args) -> int:
-    from safetensors.torch import load_file
-
-    from glm_dsa.golden import compare, format_report
-
-    from glm_dsa.preflight import safetensors_header
-
-    if not os.path.isfile(os.path.join(args.golden, "manifest.json")):
-        raise ValueError(f"--golden {args.golden}: manifest.json not found; write it with glm-dsa golden --out DIR")
-    safetensors_header("--candidate", args.candidate)
-    try:
-        candidate = load_file(args.candidate)
-    except Exception as e:  # safetensors raises its own error type for a malformed file
-        raise ValueError(f"--candidate {args.candidate} is not a readable safetensors file: {e}") from None
-    report = compare(args.golden, candidate)
-    print(format_report(report))
-    return 0 if report.passed else 1
-
-
-def _add_compare(sub) -> None:
-    p = sub.add_parser(
-        "compare",
-        help="check a kernel's outputs against golden vectors (exit status 1 on any failure)",
-        description="Compare each tensor of a safetensors file, named like a golden output "
-        "(e.g. fp8_mqa_logits.glm.logits), with the metric the manifest names for it; print "
-        "PASS/FAIL per tensor with the metric's value. Exit status 0 if all pass, 1 otherwise.",
-    )
-    p.add_argument("--golden", required=True, metavar="DIR", help="directory written by glm-dsa golden")
-    p.add_argument("--candidate", required=True, metavar="FILE.safetensors",
-                   help="the kernel's outputs, named <contract>.<case>.<output>")
-    p.set_defaults(func=_cmd_compare)
 
 
 def _cmd_fidelity(args) -> int:
@@ -782,9 +768,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ledger(subparsers)
     _add_prefill(subparsers)
     _add_golden(subparsers)
-    _add_compare(subparsers)
+    testing_cli.add_compare_parser(subparsers)
     _add_fidelity(subparsers)
     testing_cli.add_parser(subparsers)
+    for sub in subparsers.choices.values():
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return parser
 
 
@@ -823,10 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run, 130 for Ctrl-C and 143 for SIGTERM (``glm-dsa <command>: interrupted`` /
     ``terminated``, partial outputs removed); ``--debug`` raises instead, with the traceback.
     """
-    parser = build_parser()
-    for sub in parser._subparsers._group_actions[0].choices.values():
-        sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         with _signals_unwind(args.command):
             return args.func(args)

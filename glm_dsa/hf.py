@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from glm_dsa.config import DSAConfig, to_hf_config
+from glm_dsa.layer import DSAForCausalLM
 
 __all__ = ["hf_state_dict", "hf_model"]
 
@@ -73,7 +74,7 @@ def hf_state_dict(state: dict[str, Tensor], config: DSAConfig) -> dict[str, Tens
 
 
 def hf_model(
-    model: nn.Module, attn_implementation: str = "sdpa", experts_implementation: str = "grouped_mm"
+    model: DSAForCausalLM, attn_implementation: str = "sdpa", experts_implementation: str = "grouped_mm"
 ) -> nn.Module:
     """transformers' ``GlmMoeDsaModel`` holding ``model``'s config and weights.
 

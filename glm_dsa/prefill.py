@@ -179,6 +179,8 @@ class PrefillEngine:
             (``outputs`` writes them; one rank only).
     """
 
+    pages_peak: int  # most pages in use at once since the last reset_stats
+
     def __init__(
         self,
         model: DSAForCausalLM,

@@ -42,10 +42,10 @@ def rope_inv_freq(
     if rope_scaling is None:
         return inv_freq
     y = rope_scaling
-    low = math.floor(
+    low: float = math.floor(
         _yarn_correction_dim(y.beta_fast, rotary_dim, rope_theta, y.original_max_position_embeddings)
     )
-    high = math.ceil(
+    high: float = math.ceil(
         _yarn_correction_dim(y.beta_slow, rotary_dim, rope_theta, y.original_max_position_embeddings)
     )
     low, high = max(low, 0), min(high, rotary_dim - 1)

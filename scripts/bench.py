@@ -576,6 +576,8 @@ def main() -> int:
     ap.add_argument("--backend", choices=("reference", "triton"), default="reference",
                     help="the engine's indexer top-k and sparse attention (prefill and hf parts)")
     args = ap.parse_args()
+    if not os.path.isdir(args.out) or not os.access(args.out, os.W_OK | os.X_OK):
+        ap.error(f"--out {args.out} is not a writable directory; create it first (mkdir -p {args.out})")
     parts = set(args.parts.split(","))
     res: dict = {
         "date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(),

@@ -24,7 +24,7 @@ import traceback
 import torch
 
 from glm_dsa import mla, oracle
-from glm_dsa.golden import SPARSE_OUT_TOL, SPARSE_STAT_TOL
+from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL
 
 S_KV, TOPK, D_QK, D_V = 131_072, 2048, 576, 512
 SM_SCALE = 1 / 16  # GLM-5.3: qk_head_dim ** -0.5

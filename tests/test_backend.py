@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from glm_dsa.backend import REFERENCE, get_backend
+from glm_dsa.backend import REFERENCE, ReferenceBackend, TritonBackend, get_backend
 from glm_dsa.batch import ForwardBatch
-from glm_dsa.config import PRESETS
+from glm_dsa.config import PRESETS, YarnScaling
 from glm_dsa.indexer import mqa_logits
 from glm_dsa.layer import DSAForCausalLM
 from glm_dsa.oracle import calc_diff
@@ -232,3 +232,56 @@ def test_peers_backend_runs_the_layer_with_stand_in_kernels(monkeypatch, kv_dtyp
         eng.run()
         hidden[name] = eng.output_hidden(rid).double()
     assert calc_diff(hidden["peers"], hidden["reference"]) <= 5e-3
+
+
+# YaRN scaling makes the softmax scale differ from qk_head_dim ** -0.5 (mscale² = 1.297).
+MULTI = CFG.replace(rope_scaling=YarnScaling(factor=4.0, original_max_position_embeddings=64))
+MULTI_LENGTHS = (70, 45, 30)
+
+
+def _past_the_window(*args):
+    """The reference top-k with, in every row, the next token's key (in the pool, one past the
+    causal limit) and a key past the request's context listed too: both must be skipped."""
+    picked = REFERENCE.indexer_topk(*args).clone()
+    ks, ke = args[4].long(), args[5].long()
+    picked[:, -1] = (ke - ks).to(torch.int32)
+    picked[:, -2] = (ke - ks + 40).to(torch.int32)
+    return picked
+
+
+def _multi_prefill(model, name):
+    backend = ReferenceBackend() if name == "reference" else get_backend(name, "cpu")
+    backend.indexer_topk = _past_the_window  # an instance of its own: REFERENCE stays as it is
+    row_bytes = MULTI.num_attention_heads * (MULTI.kv_latent_dim + MULTI.kv_lora_rank + MULTI.v_head_dim) * 4
+    eng = PrefillEngine(model, num_pages=12, kv_dtype="fp32", chunked_prefill_size=128,
+                        budget_bytes=24 * row_bytes, backend=backend)  # 24-row chunks, the last partial
+    g = torch.Generator().manual_seed(8)
+    rids = [eng.add_request(torch.randint(0, MULTI.vocab_size, (n,), generator=g)) for n in MULTI_LENGTHS]
+    eng.run()
+    return [eng.output_hidden(r) for r in rids]
+
+
+def test_triton_forward_paged_equals_reference_over_requests_row_chunks_and_the_causal_limit():
+    """The triton backend's whole attention path (slots from each request's ks, the causal
+    limit, row chunks of 24 with a partial last one, the softmax scale, float32 values) against
+    the reference, with the same selection: three requests sharing steps, fp32 KV."""
+    model = init_weights(DSAForCausalLM(MULTI), seed=6).eval()
+    assert MULTI.softmax_scale != MULTI.qk_head_dim ** -0.5
+    ref, got = _multi_prefill(model, "reference"), _multi_prefill(model, "triton")
+    for r, g in zip(ref, got):
+        err = float((g.double() - r.double()).abs().max() / r.double().abs().max())
+        assert err < 1e-4, err  # float32 summation order only; a bf16 rounding would be ~4e-3
+
+
+def test_auto_on_any_cuda_device_is_triton_with_its_kernels(monkeypatch):
+    from glm_dsa import kernels
+
+    sentinel = object()
+    monkeypatch.setattr(kernels, "indexer_topk", lambda *args: sentinel)
+    for device in ("cuda", "cuda:0", "cuda:3", torch.device("cuda", 1)):
+        backend = get_backend("auto", device)
+        assert isinstance(backend, TritonBackend), device
+        assert backend.indexer_topk(None) is sentinel  # wired to the Triton top-k, not the reference's
+        assert type(backend).attend is TritonBackend.attend
+    assert get_backend("triton", "cuda:0").indexer_topk(None) is sentinel
+    assert get_backend("auto", "cpu") is REFERENCE

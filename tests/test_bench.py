@@ -136,3 +136,15 @@ def test_plot_floor_of_the_steps_adds_up_to_the_whole_prefill(tmp_path):
     log.write_text("ceilings {}\n  step 1 ((0, 0, 32768),) 2.22 s (indexer 0.58)\n"
                    "  step 2 ((0, 32768, 65536),) 2.31 s (indexer 1.26)\n")
     assert plot.read_steps(str(log), 65536) == [(0, 32768, 2.22), (32768, 65536, 2.31)]
+
+
+def test_bench_refuses_a_missing_out_directory_before_any_work(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    missing = tmp_path / "no" / "such"
+    monkeypatch.setattr("sys.argv", ["bench.py", "--out", str(missing), "--parts", "moe"])
+    monkeypatch.setattr(bench, "ceilings", lambda: pytest.fail("bench.py measured before checking --out"))
+    with pytest.raises(SystemExit) as info:
+        bench.main()
+    assert info.value.code == 2
+    assert f"--out {missing} is not a writable directory; create it first" in capsys.readouterr().err

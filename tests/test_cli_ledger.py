@@ -131,7 +131,10 @@ def test_config_json_path_is_accepted(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["ledger", "--config", "glm-5.3", "--tokens", "1000", "--chunk", "32"], "smaller than one page"),
+        (["ledger", "--config", "glm-5.3", "--tokens", "1000", "--chunk", "32"],
+         "--chunk 32 must be a positive multiple of page_size=64"),
+        (["ledger", "--config", "glm-5.3", "--tokens", "1000", "--chunk", "100"],
+         "--chunk 100 must be a positive multiple of page_size=64, e.g. --chunk 64"),
         (["ledger", "--config", "glm-5.3", "--tokens", "1000", "--chunk", "64", "--prefix", "1000"],
          "prefix"),
         (["ledger", "--config", "nope", "--tokens", "1000", "--chunk", "64"], "unknown config"),

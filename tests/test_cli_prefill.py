@@ -32,6 +32,7 @@ def test_prefill_json_counts_the_bytes_the_ledger_predicts(capsys):
     assert main(["prefill", "--config", "tiny", "--tokens", "200", "--chunk", "64", "--kv-dtype", "bf16",
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == "glm-dsa.prefill/1"
     expected = cache_bytes_written(PRESETS["tiny"], 200, "bf16")
     assert report["cache"]["bytes_written_main_kv"] == expected["main_kv"]
     assert report["cache"]["bytes_written_index_k"] == expected["index_k"]
@@ -85,3 +86,20 @@ def test_layers_with_weights_renumbers_checkpoint_layers(tmp_path):
         for key in ("self_attn.q_a_proj.weight", "mlp.experts.3.down_proj.weight", "input_layernorm.weight"):
             assert torch.equal(state[f"model.layers.{i}.{key}"], stored[f"model.layers.{2 + i}.{key}"])
     assert torch.equal(state["model.embed_tokens.weight"], stored["model.embed_tokens.weight"])
+
+
+def test_prefill_and_ledger_take_the_same_chunks(capsys):
+    for command in (["prefill", "--config", "tiny", "--tokens", "300"], ["ledger", "--config", "tiny", "--tokens", "300"]):
+        assert main([*command, "--chunk", "100"]) == 2
+        err = capsys.readouterr().err
+        assert "--chunk 100 must be a positive multiple of page_size=64, e.g. --chunk 64" in err
+        assert main([*command, "--chunk", "128", *(["--json"] if command[0] == "ledger" else ["--no-progress"])]) == 0
+        capsys.readouterr()
+
+
+def test_the_memory_hint_names_the_weights_when_they_alone_do_not_fit(capsys):
+    # All 78 GLM-5.3 layers in float32 are ~3 TB of weights: no machine's host memory holds them.
+    assert main(["prefill", "--config", "glm-5.3", "--tokens", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "the weights alone take 2973.5 GB at 4 bytes per parameter: keep fewer layers (--layers 6:7)" in err
+    assert "lower --tokens" not in err

@@ -251,6 +251,27 @@ def test_indexer_topk_selects_the_reference_sets(monkeypatch, rows_per_chunk):
     assert min(recalls) >= 0.9 and sum(recalls) / len(recalls) >= 0.99
 
 
+@pytest.mark.parametrize("rows_per_chunk", [None, 5])
+def test_indexer_topk_keeps_every_rows_last_keys_when_they_score_highest(monkeypatch, rows_per_chunk):
+    """Scores rise strictly with the key's position (equal fp8 keys, scales 1, 1.01, 1.02 …), so
+    a causal row's top-k is exactly its last ``topk`` keys, the row's own key included: a row
+    chunk that reads one key short of its range loses it."""
+    S, H, D, topk, prefix = 23, 4, 128, 8, 10
+    N = prefix + S
+    q = torch.full((S, H, D), 0.5).to(torch.float8_e4m3fn).to(DEV)
+    k = torch.full((N, D), 0.25).to(torch.float8_e4m3fn).to(DEV)
+    k_scale = (1 + 0.01 * torch.arange(N, dtype=torch.float32)).to(DEV)
+    w = torch.ones(S, H, device=DEV)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.arange(prefix + 1, N + 1, dtype=torch.int32, device=DEV)
+    if rows_per_chunk is not None:
+        monkeypatch.setattr(indexer, "max_logit_rows", lambda *a: rows_per_chunk)
+    fast = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30).cpu()
+    for m in range(S):
+        n = prefix + m + 1
+        assert sorted(fast[m].tolist()) == list(range(n - topk, n)), m
+
+
 def test_indexer_topk_names_the_first_row_whose_logits_are_nan(monkeypatch):
     """NaN is reported once, after every row chunk is queued, with the row's absolute index."""
     S, H, D, N, topk = 29, 4, 128, 260, 24

@@ -2,7 +2,7 @@
 
 On the CPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET); the
 ``cuda`` tests run the compiled kernels at GLM-5.3's shape on a GPU. bf16 results are held to
-FlashMLA's own test tolerances (``golden.SPARSE_OUT_TOL`` / ``SPARSE_STAT_TOL``) at the input scale
+FlashMLA's own test tolerances (``testing.metrics.SPARSE_OUT_TOL`` / ``SPARSE_STAT_TOL``) at the input scale
 they were set for (``BF16_STD``), float32 results to float32 rounding.
 """
 
@@ -14,21 +14,21 @@ import torch
 pytest.importorskip("triton")
 
 from glm_dsa import oracle, testing  # noqa: E402
-from glm_dsa.golden import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
+from glm_dsa.testing.cases import invalid_indices  # noqa: E402
+from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
 from glm_dsa.kernels import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32_TOL = {"abs_tol": 1e-5, "rel_tol": 1e-5, "cos_diff_tol": 1e-10}
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 # FlashMLA's sparse-prefill test draws q and kv as randn / 10. Rounding P and out to bf16 (as
 # FlashMLA does) costs ~2e-4 absolute there, inside its 8e-4; at unit scale it is ~5e-3.
 BF16_STD = 0.1
 
 
 def _indices(g, s_q, s_kv, topk, lonely_rows=()):
-    """Random rows of kv with repeats, -1 padding and out-of-range values in every row."""
+    """Random rows of kv with repeats, and the case table's invalid indices in every row."""
     idx = torch.randint(0, s_kv, (s_q, 1, topk), generator=g, dtype=torch.int32)
-    junk = torch.tensor([-1, INT32_MIN, s_kv, s_kv + 7, INT32_MAX, -123], dtype=torch.int32)
+    junk = torch.tensor(invalid_indices(s_kv), dtype=torch.int32)
     cols = torch.randperm(topk, generator=g)[: min(len(junk), topk)]
     idx[:, 0, cols] = junk[: len(cols)]
     for r in lonely_rows:
@@ -83,7 +83,7 @@ def test_bf16_glm_shape_matches_oracle_within_flashmla_tolerance():
 def test_lonely_row_is_exactly_zero_with_infinite_statistics():
     g = torch.Generator().manual_seed(2)
     q, kv = _inputs(g, 2, 4, 144, 30, torch.float32)
-    idx = torch.tensor([-1, 30, 31, INT32_MIN, INT32_MAX], dtype=torch.int32).repeat(2, 1, 4)
+    idx = torch.tensor(invalid_indices(30) * 4, dtype=torch.int32).repeat(2, 1, 1)  # [2, 1, 24]
     idx[1, 0, 7] = 29  # row 1 has exactly one valid key: out = that key's values
     out, max_logits, lse = flash_mla_sparse_fwd(*_dev(q, kv, idx), 0.5, 128)
     assert torch.equal(out[0].cpu(), torch.zeros(4, 128))

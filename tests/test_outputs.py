@@ -218,7 +218,7 @@ def test_replace_dir_refuses_a_directory_holding_files_it_would_not_write(tmp_pa
 
 
 def test_golden_over_an_existing_golden_directory_is_swapped_in(tmp_path, capsys):
-    from glm_dsa.golden import MANIFEST, write_golden
+    from glm_dsa.testing.golden import MANIFEST, write_golden
 
     g = tmp_path / "golden"
     write_golden(g, seed=1)

@@ -22,5 +22,5 @@ def patch_for_numpy_2_4() -> None:
         original(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    patched._glm_dsa_patched = True
+    setattr(patched, "_glm_dsa_patched", True)  # noqa: B010 — a mark on a function object
     interpreter._patch_lang_tensor = patched

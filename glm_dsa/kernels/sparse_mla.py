@@ -138,8 +138,8 @@ def _sparse_mla_fwd_kernel(
         cm = c * D_CHUNK + offs_c < D_V
         q_c = tl.load(q_rows + c * D_CHUNK + offs_c[None, :], mask=h_mask[:, None] & cm[None, :],
                       other=0.0)
-        q_chunks = q_chunks + (q_c.to(DOT_DTYPE),)
-        acc = acc + (tl.zeros([BLOCK_H, D_CHUNK], tl.float32),)
+        q_chunks = q_chunks + (q_c.to(DOT_DTYPE),)  # type: ignore[assignment]
+        acc = acc + (tl.zeros([BLOCK_H, D_CHUNK], tl.float32),)  # type: ignore[assignment]
     q_pe = tl.load(q_rows + D_V + offs_t[None, :], mask=h_mask[:, None] & t_mask[None, :],
                    other=0.0).to(DOT_DTYPE)
 
@@ -182,7 +182,7 @@ def _sparse_mla_fwd_kernel(
                 k_c = tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :],
                               mask=valid[:, None] & cm[None, :], other=0.0)
             k_c = k_c.to(DOT_DTYPE)
-            k_chunks = k_chunks + (k_c,)
+            k_chunks = k_chunks + (k_c,)  # type: ignore[assignment]
             st = tl.dot(k_c, tl.trans(q_chunks[c]), st, input_precision=PRECISION)
         if D_TAIL > 0:
             if KV_FP8:
@@ -205,7 +205,7 @@ def _sparse_mla_fwd_kernel(
         p = tl.trans(_round_to(pt, act_dtype, ROUND_BY_HAND).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
         new_acc = ()
         for c in tl.static_range(N_CHUNK):
-            new_acc = new_acc + (tl.dot(p, k_chunks[c], acc[c] * alpha[:, None],
+            new_acc = new_acc + (tl.dot(p, k_chunks[c], acc[c] * alpha[:, None],  # type: ignore[assignment]
                                         input_precision=PRECISION),)
         acc = new_acc
         m_i = m_new

@@ -8,7 +8,8 @@ always built on the CPU; the checker moves them to the kernel's device.
 
 Size tables (``SHAPES``): ``"small"`` for CPU runs (head counts 8-32, top-k 16-128, a few hundred
 keys); ``"glm-5.3"`` for GPU runs with GLM-5.3 / DeepSeek-V3.2 head counts (32 / 64 index heads,
-64 / 128 MLA heads), index_topk 2048, their softmax scales, and contexts of a few thousand keys.
+64 / 128 MLA heads), index_topk 2048, their softmax scales, and contexts of a few thousand keys;
+``"golden"`` (the golden vectors') those head counts and scales over the small contexts.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from glm_dsa.testing.metrics import (
     SPARSE_STAT_TOL,
 )
 
-__all__ = ["SHAPES", "CONTRACTS", "Case", "Pick", "edge_case_names", "make_case", "build_case"]
+__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "Case", "clauses", "invalid_indices", "Pick",
+           "edge_case_names", "make_case", "build_case"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -56,6 +58,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_s_q": 8, "sm_scale": (_GLM.softmax_scale, _DSV32.softmax_scale),
     },
 }
+# The golden vectors' sizes: GLM-5.3 / DeepSeek-V3.2 head counts and softmax scales over the
+# small table's contexts and top-k (a few MB on disk, seconds on a CPU).
+SHAPES["golden"] = {**SHAPES["small"], **{k: SHAPES["glm-5.3"][k] for k in
+                                          ("index_heads", "mla_heads", "sm_scale")}}
 
 # FlashMLA's sparse prefill tests draw q and kv as randn / 10 (docs/conventions.md §7).
 MLA_INPUT_STD = 0.1
@@ -94,6 +100,8 @@ class Case:
         dtypes: per output, the dtypes the contract allows.
         aux: tensors the checks reference (valid-region masks, scores, row ranges).
         repro: the ``make_case`` call that rebuilds this case.
+        clause: the contract clause an edge case holds ("" for a random case).
+        pinned: the ``kwargs`` that are pinned conventions (``kernel_options``), not the case's.
     """
 
     contract: str
@@ -104,6 +112,8 @@ class Case:
     dtypes: dict[str, tuple[torch.dtype, ...]]
     aux: dict[str, Tensor] = field(default_factory=dict)
     repro: str = ""
+    clause: str = ""
+    pinned: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -296,7 +306,14 @@ def _transform_ragged(g, pick, shp, edge):
     offsets = torch.cumsum(torch.tensor([0] + lens[:-1]), 0).to(torch.int32)
     if edge == "zero_offsets":
         offsets.zero_()
-    return (relative_indices(g, lens, topk), offsets), {}, {}
+    indices = relative_indices(g, lens, topk)
+    if edge == "repeated_index":
+        lens = [topk + 3, 40]
+        offsets = _i32([0, topk + 3])
+        indices = relative_indices(g, lens, topk)
+        indices[0, :5] = 2  # a repeated index is transformed like any other, repeats kept
+        indices[1, 1:40:2] = indices[1, 0:39:2]
+    return (indices, offsets), {}, {}
 
 
 def _transform_paged(g, pick, shp, edge):
@@ -305,7 +322,7 @@ def _transform_paged(g, pick, shp, edge):
     lens = [pick.int(0, shp["max_context"]) for _ in range(pick.int(1, shp["max_rows"]))]
     if edge == "page_size_1":
         page_size = 1
-    if edge in ("page_boundary_63_64_65", "all_minus_one_row"):
+    if edge in ("page_boundary_63_64_65", "all_minus_one_row", "repeated_index"):
         page_size, lens = PAGE, [130, 0]
     pages = max(1, -(-max(lens) // page_size))
     page_table = torch.randperm(len(lens) * pages + 5, generator=g)[: len(lens) * pages]
@@ -313,6 +330,8 @@ def _transform_paged(g, pick, shp, edge):
     indices = relative_indices(g, lens, topk)
     if edge == "page_boundary_63_64_65":
         indices[0, :3] = _i32([63, 64, 65])
+    if edge == "repeated_index":
+        indices[0, :5] = 64
     kwargs = {} if page_size == PAGE else {"page_size": page_size}
     return (indices, page_table), kwargs, {}
 
@@ -352,13 +371,17 @@ def _dequantize_cache(g, pick, shp, edge):
 
 
 # --------------------------------------------------------------------------- sparse MLA
-_INVALID = (INT32_MIN, -123456, -1)  # plus s_kv, s_kv + 55, INT32_MAX (FlashMLA's test set)
+def invalid_indices(s_kv: int) -> tuple[int, ...]:
+    """The invalid sparse-attention indices over ``s_kv`` rows that every kernel must skip:
+    negative (INT32_MIN, -123456, -1) and at or past the end (s_kv, s_kv + 55, INT32_MAX),
+    FlashMLA's test set."""
+    return (INT32_MIN, -123456, -1, s_kv, s_kv + 55, INT32_MAX)
 
 
 def _prefill_indices(g: torch.Generator, s_q: int, s_kv: int, topk: int) -> Tensor:
     """int32 [s_q, 1, topk]: distinct valid rows, -1 padding past s_kv, up to a quarter of the
     entries replaced by invalid values (negative or ≥ s_kv) at random places."""
-    invalid = torch.tensor(_INVALID + (s_kv, s_kv + 55, INT32_MAX))
+    invalid = torch.tensor(invalid_indices(s_kv))
     rows = []
     for _ in range(s_q):
         valid = torch.randperm(s_kv, generator=g)[:topk]
@@ -382,10 +405,13 @@ def _sparse_fwd(g, pick, shp, edge):
     kv = _randn(g, s_kv, 1, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
     indices = _prefill_indices(g, s_q, s_kv, topk)
     if edge == "invalid_indices":
-        indices[0, 0, 3:9] = _i32(list(_INVALID) + [s_kv, s_kv + 55, INT32_MAX])
+        indices[0, 0, 3:9] = _i32(list(invalid_indices(s_kv)))
     if edge == "lonely_row":
         indices[1] = -1
         indices[2, 0, ::2] = s_kv
+    if edge == "repeated_index":
+        indices[0, 0, :8] = 5  # a valid row listed eight times is attended eight times
+        indices[1, 0, 1::2] = indices[1, 0, ::2]
     kwargs = {}
     if sink:
         kwargs["attn_sink"] = _randn(g, heads)
@@ -415,6 +441,9 @@ def _sparse_decode(g, pick, shp, edge):
         indices[1] = -1
     if edge == "slots_across_pages":
         indices[0, 0, :4] = _i32([PAGE - 1, PAGE, 2 * PAGE - 1, 0])
+    if edge == "repeated_slot":
+        indices[0, 0, :6] = 7  # a valid slot listed six times is attended six times
+        indices[1, 0, 1::2] = indices[1, 0, ::2]
     q = _randn(g, b, s_q, heads, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
     kwargs = {}
     if lengths:
@@ -431,12 +460,13 @@ def _sparse_decode(g, pick, shp, edge):
 class Contract:
     """How to build, call and check one contract.
 
-    build(g, pick, shapes, edge) → (args, kwargs, aux). checks(call) → the metric spec per
-    output, given the call's optional arguments.
+    build(g, pick, shapes, edge) → (args, kwargs, aux). edges: each named edge case and the
+    contract clause it holds. checks(call) → the metric spec per output, given the call's
+    optional arguments.
     """
 
     build: Callable
-    edges: tuple[str, ...]
+    edges: dict[str, str]
     checks: Callable[[dict], dict]
     dtypes: dict[str, tuple[torch.dtype, ...]]
 
@@ -457,50 +487,125 @@ def _topk_checks(call: dict) -> dict:
 
 CONTRACTS: dict[str, Contract] = {
     "hadamard_transform": Contract(
-        _hadamard, ("non_power_of_two_dim", "zeros", "large_magnitude"),
+        _hadamard, {
+            "non_power_of_two_dim": "a dim that is not a power of two is zero-padded to the next "
+                                    "power, transformed and truncated",
+            "zeros": "zero input gives zero output (no NaN from a scale)",
+            "large_magnitude": "values of 1e4 keep their relative accuracy",
+        },
         _same("allclose", "out", **HADAMARD_TOL), {"out": (_BF16, _F32)}),
     "act_quant": Contract(
-        _act_quant, ("ue8m0_scales", "fp32_scales", "all_zero_block", "tiny_block"),
+        _act_quant, {
+            "ue8m0_scales": "scale_fmt='ue8m0': power-of-two scales 2^ceil(log2(amax/448))",
+            "fp32_scales": "scale_fmt=None: float32 scales amax/448",
+            "all_zero_block": "an all-zero block takes the 1e-4 amax floor",
+            "tiny_block": "a block far below the floor is scaled by the floor",
+        },
         _same("bitwise", "x_fp8", "scale"),
         {"x_fp8": (torch.float8_e4m3fn,), "scale": (_F32,)}),
     "kv_cache_cast_to_fp8": Contract(
-        _kv_cache_cast, ("zero_key", "single_block"), _same("bitwise", "kv_cache"),
-        {"kv_cache": (torch.uint8,)}),
+        _kv_cache_cast, {
+            "zero_key": "an all-zero key takes the 1e-4 amax floor",
+            "single_block": "one 64-token block: payload at t*128, scale at 64*128 + 4t",
+        },
+        _same("bitwise", "kv_cache"), {"kv_cache": (torch.uint8,)}),
     "fp8_mqa_logits": Contract(
-        _mqa_logits, ("empty_window", "no_prefix", "uncleaned", "compressed", "ue8m0_k_scales"),
+        _mqa_logits, {
+            "empty_window": "a row with ke == ks sees no key: every entry -inf",
+            "no_prefix": "a request without prefix: row i sees keys ks..ks+i",
+            "uncleaned": "clean_logits=False: entries outside [ks, ke) are unspecified",
+            "compressed": "max_seqlen_k > 0: out[i, j] is key ks[i] + j, -inf past ke",
+            "ue8m0_k_scales": "keys quantized with power-of-two scales",
+        },
         _logits_checks, {"logits": (_F32, _BF16)}),
     "fp8_paged_mqa_logits": Contract(
-        _paged_logits,
-        ("context_63_64_65", "context_1", "mtp_across_page", "context_lens_2d", "uncleaned",
-         "wide_output"),
+        _paged_logits, {
+            "context_63_64_65": "contexts one short of, at and one past a 64-token page",
+            "context_1": "a context of one token",
+            "mtp_across_page": "next_n=2: row (b, j) sees positions <= ctx_b - 2 + j, across a page",
+            "context_lens_2d": "2-D context_lens [B, next_n]: row (b, j) sees positions < ctx[b, j]",
+            "uncleaned": "clean_logits=False: entries past the context are unspecified",
+            "wide_output": "max_context_len a page past the longest context: those columns -inf",
+        },
         _logits_checks, {"logits": (_F32, _BF16)}),
     "topk_per_row": Contract(
-        _topk, ("ties_at_kth", "all_tied", "empty_row", "row_shorter_than_k", "row_exactly_k",
-                "row_k_plus_1", "offset_rows"),
+        _topk, {
+            "ties_at_kth": "the k-th value tied with unselected columns: any of them may be taken",
+            "all_tied": "every column tied",
+            "empty_row": "an empty row (start == end): all pads",
+            "row_shorter_than_k": "k-1 columns: every column once, then pads",
+            "row_exactly_k": "exactly k columns: every column once",
+            "row_k_plus_1": "k+1 columns: the smallest one dropped",
+            "offset_rows": "rows starting past column 0: indices relative to row_start",
+        },
         _topk_checks, {"indices": (torch.int32,)}),
     "topk_transform_ragged": Contract(
-        _transform_ragged, ("all_minus_one_row", "short_rows", "zero_offsets"),
+        _transform_ragged, {
+            "all_minus_one_row": "a row of -1 stays -1",
+            "short_rows": "rows shorter than k: -1 entries stay -1",
+            "zero_offsets": "offsets 0: indices unchanged",
+            "repeated_index": "a repeated index is transformed each time it is listed",
+        },
         _same("index_set", "indices_out"), {"indices_out": (torch.int32,)}),
     "topk_transform_paged": Contract(
-        _transform_paged, ("page_boundary_63_64_65", "page_size_1", "all_minus_one_row"),
+        _transform_paged, {
+            "page_boundary_63_64_65": "positions 63, 64, 65 map across a page boundary",
+            "page_size_1": "page_size=1: the page table is a slot table",
+            "all_minus_one_row": "a row of -1 stays -1",
+            "repeated_index": "a repeated position is mapped each time it is listed",
+        },
         _same("index_set", "indices_out"), {"indices_out": (torch.int32,)}),
     "quantize_k_cache": Contract(
-        _quantize_cache, ("ue8m0_scales", "fp32_scales", "zero_token", "wide_magnitudes"),
+        _quantize_cache, {
+            "ue8m0_scales": "ue8m0 tile scales 2^ceil(log2(max(amax/448, 1e-4)))",
+            "fp32_scales": "scale_fmt=None: float32 tile scales amax/448",
+            "zero_token": "an all-zero token takes the 1e-4 scale floor",
+            "wide_magnitudes": "tiles 1e6 apart in magnitude in one row",
+        },
         _same("bitwise", "k_cache"), {"k_cache": _BYTES}),
     "dequantize_k_cache": Contract(
-        _dequantize_cache, ("ue8m0_cache", "fp32_scale_cache", "zero_token"),
+        _dequantize_cache, {
+            "ue8m0_cache": "ue8m0 scales: every dequantized value exact in bf16",
+            "fp32_scale_cache": "float32 scales: e4m3 x scale rounded once to bf16",
+            "zero_token": "an all-zero token dequantizes to zeros",
+        },
         _same("bitwise", "kv"), {"kv": (_BF16,)}),
     "flash_mla_sparse_fwd": Contract(
-        _sparse_fwd, ("invalid_indices", "lonely_row", "attn_sink", "topk_length", "topk_past_kv"),
+        _sparse_fwd, {
+            "invalid_indices": "INT32_MIN, -123456, -1, s_kv, s_kv + 55, INT32_MAX are skipped",
+            "lonely_row": "a row with no valid index: out 0, max_logits -inf, lse +inf; and a "
+                          "half-invalid row",
+            "attn_sink": "attn_sink, a value-less key per head: out normalised by "
+                         "logaddexp(lse, sink), lse without it",
+            "topk_length": "entries at or past topk_length[i] are skipped (0 gives a lonely row)",
+            "topk_past_kv": "top-k wider than s_kv: the excess is -1 padding",
+            "repeated_index": "a valid index listed twice is attended twice",
+        },
         lambda call: {"out": {"metric": "allclose", **SPARSE_OUT_TOL},
                       "max_logits": {"metric": "allclose", **SPARSE_STAT_TOL},
                       "lse": {"metric": "allclose", **SPARSE_STAT_TOL}},
         {"out": (_BF16, _F32), "max_logits": (_F32,), "lse": (_F32,)}),
     "flash_mla_sparse_decode": Contract(
-        _sparse_decode, ("lonely_entry", "attn_sink", "topk_length", "slots_across_pages"),
+        _sparse_decode, {
+            "lonely_entry": "a query with no valid slot: out 0, lse +inf",
+            "attn_sink": "attn_sink, a value-less key per head: out normalised by "
+                         "logaddexp(lse, sink), lse without it",
+            "topk_length": "slots at or past topk_length[b] are not read",
+            "slots_across_pages": "slots 63, 64, 127, 0: the page is slot // 64",
+            "repeated_slot": "a valid slot listed twice is attended twice",
+        },
         lambda call: {"out": {"metric": "allclose", **DECODE_OUT_TOL},
                       "lse": {"metric": "allclose", **DECODE_LSE_TOL}},
         {"out": (_BF16, _F32), "lse": (_F32,)}),
+}
+
+
+# Conventions a kernel may implement instead of the newest upstream one, pinned through
+# ``kernel_options`` (``check_kernel(..., **options)``); golden vectors hold each contract's cases
+# once per convention.
+CONVENTIONS: dict[str, dict[str, dict]] = {
+    "flash_mla_sparse_fwd": {"sep2025": {"lse_base": "2", "lonely_lse": "-inf"}},
+    "topk_per_row": {"tilelang": {"base": "absolute", "pad": 0}},
 }
 
 
@@ -518,7 +623,12 @@ def _shapes(name: str) -> dict:
 
 def edge_case_names(contract: str) -> tuple[str, ...]:
     """The named edge cases of ``contract``, always run by ``check_kernel``."""
-    return _contract(contract).edges
+    return tuple(_contract(contract).edges)
+
+
+def clauses(contract: str) -> dict[str, str]:
+    """Each named edge case of ``contract`` and the contract clause it holds."""
+    return dict(_contract(contract).edges)
 
 
 def _mix(seed: int, *parts) -> int:
@@ -543,7 +653,7 @@ def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
     args, kwargs, aux = spec.build(g, pick, shp, edge)
     kwargs = {**kwargs, **opts}
     return Case(contract, name or (edge or "random"), tuple(args), kwargs, spec.checks(kwargs),
-                spec.dtypes, aux)
+                spec.dtypes, aux, clause=spec.edges.get(edge, "") if edge else "", pinned=tuple(opts))
 
 
 def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "small",
@@ -551,7 +661,10 @@ def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "
     """Edge case ``which`` (a name) or random case number ``which`` (an int) of ``check_kernel``'s
     run with ``seed`` and ``shapes``; the same inputs as that run."""
     if isinstance(which, str):
-        pick, data_seed, edge, name = _RandomPick(0), _mix(seed, contract, which), which, which
+        # An edge case's sizes depend on its name only (the same at every seed), its values on
+        # the seed; different edges draw different head counts and scales.
+        pick = _RandomPick(_mix(0, contract, which, "sizes"))
+        data_seed, edge, name = _mix(seed, contract, which), which, which
     else:
         case_seed = _mix(seed, contract, "random", which)
         pick, data_seed, edge, name = _RandomPick(case_seed), case_seed, None, f"random #{which}"

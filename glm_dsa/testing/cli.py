@@ -1,53 +1,171 @@
-"""``glm-dsa check MODULE:FUNCTION --contract NAME``: check a kernel from the shell.
+"""``glm-dsa check`` and ``glm-dsa compare``: check a kernel from the shell or in CI.
 
-Prints one line per output (worst metric value, bound, PASS/FAIL) and, on a failure, the first
-failure; exit status 0 (pass) or 1 (fail). Usage errors (unknown contract or shapes, a kernel
-that cannot be imported) are ValueErrors, which ``glm-dsa`` prints as one line with status 2.
+``check MODULE:FUNCTION --contract NAME`` runs the case table on the kernel; ``compare --golden
+DIR`` checks a kernel's saved outputs (``--candidate FILE``) or runs the kernel itself over the
+golden inputs (``--kernel MODULE:FUNCTION``). Both print one line per output (PASS/FAIL, the
+deciding criterion and its bound), take ``--json`` (stdout: the report, with ``schema``) and
+``--junit-xml FILE`` (one testcase per output, for CI), and exit 0 (pass) or 1 (fail). Usage
+errors (unknown contract or shapes, a kernel that cannot be imported, a device this machine does
+not have) are ValueErrors, which ``glm-dsa`` prints as one line with status 2.
+
+A kernel is named ``MODULE:FUNCTION`` (``pkgutil.resolve_name`` semantics, the current directory
+searched first, as ``python -m`` does) or ``path/to/file.py:FUNCTION``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import json
+import os
+import pkgutil
+import sys
+import xml.etree.ElementTree as ET
 
-__all__ = ["add_parser", "run", "load_kernel"]
+__all__ = ["add_parser", "add_compare_parser", "run", "run_compare", "load_kernel",
+           "CHECK_SCHEMA", "COMPARE_SCHEMA"]
+
+CHECK_SCHEMA = "glm-dsa.check/1"
+COMPARE_SCHEMA = "glm-dsa.compare/1"
 
 
-def load_kernel(path: str):
-    """The callable ``MODULE:FUNCTION`` (dotted module path, then an attribute path)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"kernel {path!r} must be MODULE:FUNCTION, e.g. glm_dsa.oracle:act_quant")
+def _load_file(path: str, attr: str, spec: str):
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise ValueError(f"kernel {spec!r}: {path} does not exist")
+    name = os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"kernel {spec!r}: {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules.setdefault(name, module)
+    # Its siblings import as they would with the file's directory as the working directory.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
-        obj = importlib.import_module(module_name)
+        module_spec.loader.exec_module(module)
     except Exception as e:  # any import-time failure of user code is a usage error
-        raise ValueError(f"cannot import {module_name!r}: {type(e).__name__}: {e}") from None
+        raise ValueError(f"cannot import {path}: {type(e).__name__}: {e}") from None
+    return _attr(module, attr, spec)
+
+
+def _attr(obj, attr: str, spec: str):
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{spec.rpartition(':')[0]!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"{path} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def load_kernel(spec: str):
+    """The callable ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``.
+
+    A module is looked up as ``pkgutil.resolve_name`` does, with the current directory first on
+    the search path (``python -m`` puts it there; the ``glm-dsa`` console script does not).
+    """
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"kernel {spec!r} must be MODULE:FUNCTION or path/to/file.py:FUNCTION, "
+                         f"e.g. glm_dsa.oracle:act_quant")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        obj = _load_file(target, attr, spec)
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = pkgutil.resolve_name(target)
+        except ModuleNotFoundError as e:
+            raise ValueError(
+                f"cannot import {target!r}: {e} (searched the current directory {os.getcwd()} and "
+                f"sys.path; name a file as path/to/{target.split('.')[-1]}.py:{attr})") from None
+        except Exception as e:  # any import-time failure of user code is a usage error
+            raise ValueError(f"cannot import {target!r}: {type(e).__name__}: {e}") from None
+        obj = _attr(module, attr, spec)
+    if not callable(obj):
+        raise ValueError(f"{spec} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _common(p) -> None:
+    p.add_argument("--device", default="cpu", help="device of the kernel's inputs (default cpu)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds one kernel call may take before it fails the case (default 600)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (with schema)")
+    p.add_argument("--junit-xml", metavar="FILE", help="also write the verdicts as JUnit XML")
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "check",
         help="check a kernel against the oracle on generated cases (exit status 1 on failure)",
-        description="Import MODULE:FUNCTION, call it and the oracle on the contract's edge cases "
-        "and seeded random cases, and compare with the contract's metric.",
+        description="Import MODULE:FUNCTION (or path/to/file.py:FUNCTION), call it and the "
+        "oracle on the contract's edge cases and seeded random cases, and compare with the "
+        "contract's metric.",
     )
-    p.add_argument("kernel", metavar="MODULE:FUNCTION", help="the kernel, e.g. mypkg.kernels:fp8_mqa_logits")
+    p.add_argument("kernel", metavar="MODULE:FUNCTION",
+                   help="the kernel, e.g. mypkg.kernels:fp8_mqa_logits or ./my_kernel.py:fn")
     p.add_argument("--contract", required=True, metavar="NAME",
                    help="the glm_dsa.oracle function the kernel implements, e.g. fp8_mqa_logits")
-    p.add_argument("--device", default="cpu", help="device of the kernel's inputs (default cpu)")
     p.add_argument("--cases", type=int, default=50, metavar="N",
                    help="cases in all, edge cases included (default 50)")
     p.add_argument("--shapes", default="small", metavar="NAME",
-                   help="size table: small (CPU) or glm-5.3 (GPU) (default small)")
+                   help="size table: small (CPU), golden or glm-5.3 (GPU) (default small)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random cases")
+    _common(p)
     p.set_defaults(func=run)
+
+
+def add_compare_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "compare",
+        help="check a kernel (or its saved outputs) against golden vectors (exit status 1 on any failure)",
+        description="Check each tensor of --candidate FILE, named like a golden output (e.g. "
+        "fp8_mqa_logits.empty_window.logits), or the outputs of --kernel MODULE:FUNCTION run on "
+        "the golden inputs, with the case table's metric; print PASS/FAIL per tensor with the "
+        "deciding criterion. Exit status 0 if all pass, 1 otherwise.",
+    )
+    p.add_argument("--golden", required=True, metavar="DIR", help="directory written by glm-dsa golden")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--candidate", metavar="FILE.safetensors",
+                      help="the kernel's outputs, named <contract>.<case>.<output>")
+    what.add_argument("--kernel", metavar="MODULE:FUNCTION",
+                      help="run this kernel on the golden inputs (its contract: --contract, or "
+                      "the function's name)")
+    p.add_argument("--contract", metavar="NAME", help="with --kernel: the contract it implements")
+    _common(p)
+    p.set_defaults(func=run_compare)
+
+
+def _check_common(args) -> None:
+    from glm_dsa.outputs import check_output_file
+    from glm_dsa.preflight import check_device
+
+    check_device("--device", args.device)
+    if args.timeout is not None and not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout:g} must be a positive number of seconds")
+    if args.junit_xml is not None:
+        check_output_file("--junit-xml", args.junit_xml)
+
+
+def _timeout(args) -> float:
+    from glm_dsa.testing.check import DEFAULT_TIMEOUT_S
+
+    return DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
+
+
+def _write_junit(path: str, suite: str, cases: list[tuple[str, bool, str]]) -> None:
+    """One testsuite; each (name, passed, message) a testcase, a failure carrying the message."""
+    root = ET.Element("testsuites")
+    failures = sum(not ok for _, ok, _ in cases)
+    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)),
+                       failures=str(failures), errors="0", skipped="0")
+    for name, ok, message in cases:
+        tc = ET.SubElement(ts, "testcase", classname=suite, name=name)
+        if not ok:
+            failure = ET.SubElement(tc, "failure", message=message.splitlines()[0] if message else "")
+            failure.text = message
+    ET.indent(root)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,9 +176,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown contract {args.contract!r}; one of: {', '.join(CONTRACTS)}")
     if args.shapes not in SHAPES:
         raise ValueError(f"unknown shapes {args.shapes!r}; one of: {', '.join(SHAPES)}")
+    _check_common(args)
     fn = load_kernel(args.kernel)
     report = run_checks(args.contract, fn, cases=args.cases, seed=args.seed, device=args.device,
-                        shapes=args.shapes)
+                        shapes=args.shapes, timeout=_timeout(args))
+    if args.junit_xml is not None:
+        _write_junit(args.junit_xml, f"glm-dsa check {args.contract}",
+                     [(f"{args.contract}.{n}", w.passed, "" if w.passed else report.failure or w.detail)
+                      for n, w in report.worst.items()])
+    if args.json:
+        print(json.dumps({"schema": CHECK_SCHEMA, "kernel": args.kernel, "shapes": args.shapes,
+                          "seed": args.seed, **report.to_json()}, indent=2))
+        return 0 if report.passed else 1
     for line in report.lines():
         print(line)
     if report.skipped:
@@ -70,3 +197,36 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"PASS: {args.kernel} matches {args.contract} on {report.cases_run} cases")
     return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from glm_dsa.testing.golden import MANIFEST, compare, compare_kernel, format_report
+
+    if not os.path.isfile(os.path.join(args.golden, MANIFEST)):
+        raise ValueError(f"--golden {args.golden}: {MANIFEST} not found; write it with glm-dsa golden --out DIR")
+    _check_common(args)
+    if args.candidate is not None:
+        from safetensors.torch import load_file
+
+        from glm_dsa.preflight import safetensors_header
+
+        if args.contract is not None:
+            raise ValueError("--contract goes with --kernel; a --candidate's tensors name their contract")
+        safetensors_header("--candidate", args.candidate)
+        try:
+            candidate = load_file(args.candidate)
+        except Exception as e:  # safetensors raises its own error type for a malformed file
+            raise ValueError(f"--candidate {args.candidate} is not a readable safetensors file: {e}") from None
+        report = compare(args.golden, candidate)
+    else:
+        fn = load_kernel(args.kernel)
+        contracts = None if args.contract is None else (args.contract,)
+        report = compare_kernel(args.golden, fn, device=args.device, timeout=_timeout(args),
+                                contracts=contracts)
+    if args.junit_xml is not None:
+        _write_junit(args.junit_xml, "glm-dsa compare", [(c.name, c.passed, c.detail) for c in report.checks])
+    if args.json:
+        print(json.dumps({"schema": COMPARE_SCHEMA, "golden": args.golden, **report.to_json()}, indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.passed else 1

@@ -18,6 +18,7 @@ tensors that the caller resolves.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Callable, Mapping, NamedTuple
 
 import torch
@@ -59,15 +60,26 @@ class Verdict(NamedTuple):
     """One metric on one tensor.
 
     passed: the verdict. value: the metric's value (differing elements for bitwise, calc_diff,
-    cos_diff for allclose, differing rows for topk_set / index_set; NaN when the check stopped
-    before computing it). bound: the value's bound (NaN where the bound is not one number).
-    detail: one line saying what was compared and, on failure, where it first fails.
+    cos_diff for allclose, differing rows for topk_set / index_set; on a failure, the failing
+    criterion's own number, NaN where it has none). bound: the value's bound (NaN where the bound
+    is not one number). detail: one line, the failing criterion first with its numbers (on a
+    pass, what was compared). criteria: one line per criterion, ``PASS`` / ``FAIL`` first.
+    hint: what a recognisable failure pattern usually means ("" when none is recognised).
     """
 
     passed: bool
     value: float
     bound: float
     detail: str
+    criteria: tuple[str, ...] = ()
+    hint: str = ""
+
+    def text(self) -> str:
+        """The detail, then (on a failure) every criterion and the hint, one per line."""
+        if self.passed:
+            return self.detail
+        rest = [f"  {c}" for c in self.criteria if c != f"FAIL {self.detail}"]
+        return "\n".join([self.detail, *rest] + ([f"  hint: {self.hint}"] if self.hint else []))
 
 
 def _pos(index: tuple[int, ...]) -> str:
@@ -78,78 +90,175 @@ def _first(mask: Tensor) -> tuple[int, ...]:
     return tuple(int(v) for v in mask.nonzero()[0])
 
 
+def _verdict(criteria: list[tuple[bool, float, float, str]], hint: str = "") -> Verdict:
+    """A verdict from its criteria (passed, value, bound, line), the first failing one leading."""
+    lines = tuple(f"{'PASS' if ok else 'FAIL'} {line}" for ok, _, _, line in criteria)
+    failed = [c for c in criteria if not c[0]]
+    if not failed:
+        ok, value, bound, line = criteria[-1]
+        return Verdict(True, value, bound, "; ".join(c[3] for c in criteria), lines)
+    _, value, bound, line = failed[0]
+    return Verdict(False, value, bound, line, lines, hint)
+
+
+LOG2E = 1 / math.log(2)
+
+
+def _ratio_hint(cand: Tensor, exp: Tensor, where: Tensor) -> str:
+    """A hint when the candidate is the expected value times one constant."""
+    c, e = cand.double(), exp.double()
+    sel = where & torch.isfinite(c) & torch.isfinite(e) & (e.abs() > 1e-6)
+    if int(sel.sum()) < 2:
+        return ""
+    ratio = c[sel] / e[sel]
+    med = float(ratio.median())
+    if not math.isfinite(med) or abs(med - 1) < 1e-3 or float((ratio - med).abs().max()) > 1e-3 * abs(med):
+        return ""
+    if abs(med - LOG2E) < 1e-3:
+        return ("every value is 1/ln 2 = 1.4427 times the oracle's: a base-2 lse / max_logits "
+                "where natural log is due (a kernel with that convention pins lse_base='2')")
+    if abs(med - 1 / LOG2E) < 1e-3:
+        return "every value is ln 2 = 0.6931 times the oracle's: natural log where base 2 is pinned"
+    return (f"every value is {med:.6g} times the oracle's: a uniform scale error (a scale "
+            f"missing, doubled or applied to the wrong operand)")
+
+
 def _bitwise(cand: Tensor, exp: Tensor) -> Verdict:
     if cand.element_size() != exp.element_size():
-        return Verdict(False, math.nan, 0.0, (
-            f"{cand.dtype} has {cand.element_size()}-byte elements, the expected {exp.dtype} "
-            f"{exp.element_size()}-byte ones"
-        ))
+        return _verdict([(False, math.nan, 0.0, (
+            f"element size: {cand.dtype} has {cand.element_size()}-byte elements, the expected "
+            f"{exp.dtype} {exp.element_size()}-byte ones"))])
     width = exp.element_size()
     a = cand.contiguous().reshape(-1).view(torch.uint8).view(-1, width)
     b = exp.contiguous().reshape(-1).view(torch.uint8).view(-1, width)
     differ = (a != b).any(dim=1).view(exp.shape)
     n = int(differ.sum())
     if n == 0:
-        return Verdict(True, 0.0, 0.0, f"bitwise equal ({exp.numel()} elements)")
+        return _verdict([(True, 0.0, 0.0, f"bitwise equal ({exp.numel()} elements)")])
     at = _first(differ)
     hex_ = lambda t: "0x" + bytes(t[at].reshape(1).view(torch.uint8).tolist()).hex()  # noqa: E731
-    return Verdict(False, float(n), 0.0, (
-        f"{n} of {exp.numel()} elements differ; first at {_pos(at)}: {hex_(cand)} vs {hex_(exp)}"
-    ))
+    return _verdict([(False, float(n), 0.0, (
+        f"bitwise: {n} of {exp.numel()} elements differ; first at {_pos(at)}: {hex_(cand)} vs "
+        f"{hex_(exp)}"))])
+
+
+def _window_hint(finite: Tensor, mask: Tensor) -> str:
+    """A hint when, row by row, the candidate's finite region is the valid region shifted or cut
+    by one column at one end."""
+    if finite.dim() != 2 or bool((finite == mask).all()):
+        return ""
+    width = mask.shape[1]
+    col = torch.arange(width)
+    patterns: dict[str, int] = {}
+    at_last = 0  # rows cut short whose window ends at the output's last column
+    for r in range(mask.shape[0]):
+        if bool((finite[r] == mask[r]).all()):
+            continue
+        valid, got = col[mask[r]], col[finite[r]]
+        if valid.numel() == 1 and got.numel() == 0:  # a one-key window cut to none
+            key = "ends one column early"
+        elif valid.numel() == 0 and got.numel() == 1:  # an empty window grown by one
+            key = "ends one column late"
+        elif valid.numel() == 0 or got.numel() == 0 or got.numel() != int(got[-1] - got[0]) + 1:
+            return ""
+        else:
+            lo, hi, glo, ghi = int(valid[0]), int(valid[-1]), int(got[0]), int(got[-1])
+            found = {(0, -1): "ends one column early", (0, 1): "ends one column late",
+                     (1, 0): "starts one column late", (-1, 0): "starts one column early"}.get(
+                (glo - lo, ghi - hi))
+            if found is None:
+                return ""
+            key = found
+            at_last += key == "ends one column early" and hi == width - 1
+        patterns[key] = patterns.get(key, 0) + 1
+    if len(patterns) != 1:
+        return ""
+    (what, rows), = patterns.items()
+    if what == "ends one column early" and at_last == rows:
+        what = "drops the output's last column"
+    why = {"ends one column early": "an exclusive end read as inclusive (< ke - 1), or the last key "
+                                    "of a block dropped",
+           "ends one column late": "the end is exclusive: a row sees keys < ke (< ctx)",
+           "starts one column late": "the start is inclusive: a row sees keys >= ks",
+           "starts one column early": "the start is inclusive at ks, not ks - 1",
+           "drops the output's last column": "a tile's tail column not written"}[what]
+    return f"off-by-one window: in {rows} rows the kernel's finite region {what} ({why})"
 
 
 def _calc_diff(cand: Tensor, exp: Tensor, spec: dict, mask: Tensor) -> Verdict:
     bound = spec["max_bf16"] if cand.dtype == torch.bfloat16 and "max_bf16" in spec else spec["max"]
     if not cand.is_floating_point():
-        return Verdict(False, math.nan, bound, f"dtype {cand.dtype} is not floating point")
+        return _verdict([(False, math.nan, bound, f"dtype: {cand.dtype} is not floating point")])
     c, e = cand.double(), exp.double()
-    bad_inside = mask & ~torch.isfinite(c)
-    if bool(bad_inside.any()):
+    finite = torch.isfinite(c)
+    criteria = []
+    bad_inside = mask & ~finite
+    n_in = int(bad_inside.sum())
+    line = f"finite inside the valid region: {n_in} of {int(mask.sum())} entries are not"
+    if n_in:
         at = _first(bad_inside)
-        return Verdict(False, math.nan, bound, (
-            f"not finite inside the valid region at {_pos(at)}: {float(c[at])} "
-            f"(expected {float(e[at])})"
-        ))
-    if spec["outside_mask"] == "-inf":
+        line += f"; first at {_pos(at)}: {float(c[at])} (expected {float(e[at])})"
+    criteria.append((n_in == 0, float(n_in), 0.0, line))
+    cleaned = spec["outside_mask"] == "-inf"
+    if cleaned:
         bad_outside = ~mask & ~torch.isneginf(c)
-        if bool(bad_outside.any()):
+        n_out = int(bad_outside.sum())
+        line = f"-inf outside the valid region: {n_out} of {int((~mask).sum())} entries are not"
+        if n_out:
             at = _first(bad_outside)
-            return Verdict(False, math.nan, bound, (
-                f"{int(bad_outside.sum())} entries outside the valid region are not -inf; "
-                f"first at {_pos(at)}: {float(c[at])}"
-            ))
-    d = oracle.calc_diff(torch.where(mask, c, 0.0), torch.where(mask, e, 0.0))
-    outside = "-inf outside exact" if spec["outside_mask"] == "-inf" else "outside ignored"
+            line += f"; first at {_pos(at)}: {float(c[at])}"
+        criteria.append((n_out == 0, float(n_out), 0.0, line))
+    d = oracle.calc_diff(torch.where(mask & finite, c, 0.0), torch.where(mask, e, 0.0))
     ok = d < bound
-    detail = f"calc_diff {d:.3g} {'<' if ok else '>='} {bound:g} ({outside})"
+    line = (f"calc_diff {d:.3g} {'<' if ok else '>='} {bound:g} inside the valid region "
+            f"({'-inf outside exact' if cleaned else 'outside ignored'})")
     if not ok:
-        err = torch.where(mask, (c - e).abs(), 0.0)
+        err = torch.where(mask & finite, (c - e).abs(), 0.0)
         at = _first(err == err.max())
-        detail += f"; largest error at {_pos(at)}: {float(c[at])} vs {float(e[at])}"
-    return Verdict(ok, d, bound, detail)
+        line += f"; largest error at {_pos(at)}: {float(c[at])} vs {float(e[at])}"
+    criteria.append((ok, d, bound, line))
+    # Outside the valid region an uncleaned candidate's entries say nothing about its window.
+    hint = _window_hint(finite if cleaned else finite & mask, mask)
+    if not hint and not ok:
+        hint = _ratio_hint(c, e, mask)
+    return _verdict(criteria, hint)
 
 
 def _allclose(cand: Tensor, exp: Tensor, spec: dict) -> Verdict:
     bound = spec["cos_diff_tol"]
     if not cand.is_floating_point():
-        return Verdict(False, math.nan, bound, f"dtype {cand.dtype} is not floating point")
+        return _verdict([(False, math.nan, bound, f"dtype: {cand.dtype} is not floating point")])
     r = oracle.check_allclose(cand, exp, spec["abs_tol"], spec["rel_tol"], spec["cos_diff_tol"])
-    # The two tests that decide, each beside its bound; an element fails only when it is outside
-    # both the absolute and the relative tolerance, so the max abs / max rel errors (usually at
-    # different elements) follow as information.
-    cos_ok = abs(r.cos_diff) <= bound
-    text = (
-        f"{r.num_failed} of {exp.numel()} elements outside both abs {spec['abs_tol']:g} and rel "
-        f"{spec['rel_tol']:.4g} (worst element {r.worst_element:.3g} of its bound, fails at ≥ 1); "
-        f"cos_diff {r.cos_diff:.3g} {'≤' if cos_ok else '>'} {bound:g}; "
-        f"info: max abs err {r.max_abs_err:.3g}, max rel err {r.max_rel_err:.3g}"
-    )
+    criteria = []
+    hint = ""
     if r.anomaly is not None:
-        text = f"inf/NaN positions differ: {r.anomaly}; " + text
-    elif r.first_failure is not None:
+        n = sum(int((special(cand) ^ special(exp)).sum())
+                for special in (torch.isposinf, torch.isneginf, torch.isnan))
+        where = r.anomaly.replace(" ans", " the kernel").replace(" ref", " the oracle")
+        criteria.append((False, float(n), 0.0, f"inf/NaN positions: {where}"))
+        if bool((torch.isneginf(cand) & torch.isposinf(exp)).any()):
+            hint = ("lonely rows (no valid index): the kernel gives -inf where the contract gives "
+                    "+inf (the older FlashMLA convention; a kernel with it pins lonely_lse='-inf')")
+        elif bool((torch.isposinf(cand) & torch.isneginf(exp)).any()):
+            hint = "lonely rows: the kernel gives +inf where the pinned convention gives -inf"
+    else:
+        criteria.append((True, 0.0, 0.0, "inf/NaN positions equal"))
+    # An element fails only when it is outside both the absolute and the relative tolerance.
+    line = (f"elements: {r.num_failed} of {exp.numel()} outside both abs {spec['abs_tol']:g} and rel "
+            f"{spec['rel_tol']:.4g} (worst element {r.worst_element:.3g} of its bound, fails at >= 1)")
+    if r.first_failure is not None and r.anomaly is None:
         at = r.first_failure
-        text += f"; first failure at {_pos(at)}: {float(cand[at])} vs {float(exp[at])}"
-    return Verdict(r.passed, r.cos_diff, bound, text)
+        line += f"; first at {_pos(at)}: {float(cand[at])} vs {float(exp[at])}"
+    criteria.append((r.num_failed == 0, float(r.num_failed), 0.0, line))
+    cos_ok = abs(r.cos_diff) <= bound
+    criteria.append((cos_ok, r.cos_diff, bound, (
+        f"cos_diff {r.cos_diff:.3g} {'<=' if cos_ok else '>'} {bound:g} (info: max abs err "
+        f"{r.max_abs_err:.3g}, max rel err {r.max_rel_err:.3g})")))
+    verdict = _verdict(criteria, hint or _ratio_hint(cand, exp, torch.ones_like(exp, dtype=torch.bool)))
+    if verdict.passed:  # the pass line leads with the metric's value, cos_diff
+        return verdict._replace(value=r.cos_diff, bound=bound,
+                                detail=f"{criteria[1][3]}; {criteria[2][3]}")
+    return verdict
 
 
 def _selection(row: list[int], k: int, pad: int) -> list[int] | None:
@@ -170,11 +279,11 @@ def _is_integer(t: Tensor) -> bool:
 def _topk_set(cand: Tensor, exp: Tensor, spec: dict, scores: Tensor, starts: Tensor,
               ends: Tensor) -> Verdict:
     if not _is_integer(cand):
-        return Verdict(False, math.nan, 0.0, f"dtype {cand.dtype} is not an integer type")
+        return _verdict([(False, math.nan, 0.0, f"dtype: {cand.dtype} is not an integer type")])
     starts_, ends_ = starts.tolist(), ends.tolist()
     pad, absolute = spec["pad"], spec["base"] == "absolute"
     topk = exp.shape[1]
-    bad, first = 0, None
+    bad, first, last_dropped, at_end, looks_absolute = 0, None, 0, 0, 0
     for r, (c_row, e_row) in enumerate(zip(cand.tolist(), exp.tolist())):
         s, e = starts_[r], ends_[r]
         k = min(topk, e - s)
@@ -186,35 +295,54 @@ def _topk_set(cand: Tensor, exp: Tensor, spec: dict, scores: Tensor, starts: Ten
             cols = [v if absolute else v + s for v in picked]
             if any(not s <= c < e for c in cols):
                 why = f"an index outside the row's [{s}, {e})"
+                at_end += e in cols and all(s <= c <= e for c in cols)
+                looks_absolute += not absolute and s > 0 and all(s <= v < e for v in picked)
             elif len(set(cols)) != k:
                 why = "a repeated index"
-            elif e - s > topk:
+            elif e - s > topk and wanted is not None:
                 wanted_cols = [v if absolute else v + s for v in wanted]
                 got = sorted(scores[r, cols].tolist())
                 if got != sorted(scores[r, wanted_cols].tolist()):
                     why = "a selected score differs from the top-k scores"
+        if why is not None and picked is not None and wanted is not None and e > s:
+            got_cols = {v if absolute else v + s for v in picked}
+            want_cols = {v if absolute else v + s for v in wanted}
+            last_dropped += (e - 1) in want_cols and (e - 1) not in got_cols
         if why is not None:
             bad += 1
             first = first or f"row {r}: {why}; got {c_row[:8]}…, expected {e_row[:8]}…"
     if bad == 0:
-        return Verdict(True, 0.0, 0.0,
-                       f"{exp.shape[0]} rows equal as sets (equal scores interchangeable)")
-    return Verdict(False, float(bad), 0.0, f"{bad} of {exp.shape[0]} rows differ; first {first}")
+        return _verdict([(True, 0.0, 0.0,
+                          f"{exp.shape[0]} rows equal as sets (equal scores interchangeable)")])
+    hint = ""
+    if looks_absolute == bad:
+        hint = ("the indices look like column numbers: the contract's are relative to row_start "
+                "(a kernel returning columns pins base='absolute')")
+    elif at_end:
+        hint = f"{at_end} rows select column row_end: the range [row_start, row_end) is exclusive"
+    elif last_dropped == bad:
+        hint = (f"{bad} rows never select their last column (row_end - 1): the range is read as "
+                f"[row_start, row_end - 1)")
+    return _verdict([(False, float(bad), 0.0,
+                      f"rows as sets: {bad} of {exp.shape[0]} rows differ; first {first}")], hint)
 
 
 def _index_set(cand: Tensor, exp: Tensor) -> Verdict:
     if not _is_integer(cand):
-        return Verdict(False, math.nan, 0.0, f"dtype {cand.dtype} is not an integer type")
+        return _verdict([(False, math.nan, 0.0, f"dtype: {cand.dtype} is not an integer type")])
     c_sorted, e_sorted = cand.long().sort(dim=-1).values, exp.long().sort(dim=-1).values
     differ = (c_sorted != e_sorted).any(dim=-1)
     n = int(differ.sum())
     if n == 0:
-        return Verdict(True, 0.0, 0.0, f"{exp.shape[0]} rows equal as sets")
+        return _verdict([(True, 0.0, 0.0, f"{exp.shape[0]} rows equal as multisets")])
     row = _first(differ)
-    return Verdict(False, float(n), 0.0, (
-        f"{n} of {exp.shape[0]} rows differ as sets; first row {_pos(row)}: sorted "
-        f"{c_sorted[row].tolist()[:8]}… vs {e_sorted[row].tolist()[:8]}…"
-    ))
+    hint = ""
+    got_counts, want_counts = Counter(c_sorted[row].tolist()), Counter(e_sorted[row].tolist())
+    if any(v >= 0 and n > 1 and got_counts[v] < n for v, n in want_counts.items()):
+        hint = "a repeated index appears fewer times than listed: are repeats de-duplicated?"
+    return _verdict([(False, float(n), 0.0, (
+        f"rows as multisets: {n} of {exp.shape[0]} rows differ; first row {_pos(row)}: sorted "
+        f"{c_sorted[row].tolist()[:8]}… vs {e_sorted[row].tolist()[:8]}…"))], hint)
 
 
 def check_tensor(spec: Mapping, cand: Tensor, exp: Tensor, ref: Callable[[str], Tensor]) -> Verdict:
@@ -227,8 +355,8 @@ def check_tensor(spec: Mapping, cand: Tensor, exp: Tensor, ref: Callable[[str], 
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; one of {', '.join(METRICS)}")
     if tuple(cand.shape) != tuple(exp.shape):
-        return Verdict(False, math.nan, math.nan,
-                       f"shape {tuple(cand.shape)}, expected {tuple(exp.shape)}")
+        return _verdict([(False, math.nan, math.nan,
+                          f"shape: {tuple(cand.shape)}, expected {tuple(exp.shape)}")])
     if metric == "bitwise":
         return _bitwise(cand, exp)
     if metric == "calc_diff":
