@@ -85,6 +85,13 @@ class KVCache:
     ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` tensor otherwise.
     ``index_k[layer]`` (full layers only): uint8 ``[num_pages, page_size * (index_head_dim + 4)]``.
     ``bytes_written`` counts every byte stored, per pool kind, for checks against the ledger.
+
+    ``write_mla`` refuses a row holding NaN or inf in every ``kv_dtype`` (the FP8 format cannot
+    store one; a bf16 or fp32 row would poison every later query silently). With
+    ``track_writes=True`` (a debugging aid: one bool per slot per layer, and a check that
+    synchronizes on CUDA) ``read_mla`` refuses slots never written since the cache was built,
+    which would otherwise read back as plausible zeros. Kernels reading the pools directly
+    (the triton backend) and the index-K pages are outside this check.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class KVCache:
         num_pages: int,
         kv_dtype: str = "fp8",
         device: torch.device | str = "cpu",
+        track_writes: bool = False,
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={kv_dtype!r}: choose one of {KV_DTYPES}")
@@ -125,6 +133,10 @@ class KVCache:
                     device=self.device,
                 )
         self.bytes_written = {"mla": 0, "index_k": 0}
+        self.written: dict[int, torch.Tensor] | None = None
+        if track_writes:
+            self.written = {layer: torch.zeros(num_pages * self.page_size, dtype=torch.bool, device=self.device)
+                            for layer in self.layers}
 
     @property
     def mla_row_bytes(self) -> int:
@@ -157,7 +169,13 @@ class KVCache:
             raise ValueError(
                 f"kv_latent must be [{slots.numel()}, {cfg.kv_latent_dim}], got {tuple(kv_latent.shape)}"
             )
+        if not bool(torch.isfinite(kv_latent).all()):
+            bad = int((~torch.isfinite(kv_latent)).any(dim=-1).nonzero()[0])
+            raise ValueError(f"write_mla of layer {layer}: kv_latent row {bad} (slot {int(slots[bad])}) holds NaN "
+                             "or inf, which the cache does not store; fix the producer of the latent")
         pool = self.mla[layer]
+        if self.written is not None:
+            self.written[layer][slots.to(pool.device)] = True
         if self.kv_dtype == "fp8":
             c, k_pe = kv_latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             rows = mla_kv_quantize(c, k_pe, cfg.scale_fmt)
@@ -174,6 +192,13 @@ class KVCache:
         """
         self._check_slots(slots)
         pool = self.mla[layer]
+        if self.written is not None:
+            unwritten = (~self.written[layer][slots.to(pool.device)]).nonzero()
+            if unwritten.numel():
+                first = int(unwritten[0])
+                raise ValueError(f"read_mla of layer {layer}: {unwritten.numel()} of {slots.numel()} slots were "
+                                 f"never written (first: slots[{first}] = {int(slots[first])}); write them with "
+                                 "write_mla first, or check the page table")
         if self.kv_dtype == "fp8":
             rows = mla_kv_load(pool, slots.to(pool.device))
             out = mla_kv_dequantize(rows, self.config.kv_lora_rank, self.config.qk_rope_head_dim)

@@ -14,12 +14,15 @@ One ``_add_<command>`` function per subcommand registers its arguments and handl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
-import tempfile
+import threading
 import time
+import warnings
 from typing import Sequence
 
 from glm_dsa.backend import BACKENDS, get_backend
@@ -214,16 +217,17 @@ def _cmd_prefill(args) -> int:
     """One rank, ``--cp N`` ranks spawned here, or this rank of a torchrun group."""
     import torch.multiprocessing as mp
 
-    from glm_dsa.cp import launch, launched_by_torchrun
+    from glm_dsa.cp import check_launch, launch, launched_by_torchrun
 
     from glm_dsa.preflight import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
-    check_device("--device", args.device)
+    device = check_device("--device", args.device)
     if launched_by_torchrun() or (args.cp or 1) == 1:
         return _run_prefill(args)
-    _preflight_prefill(args)
+    check_launch(args.cp, device, f"--cp {args.cp}")
+    _preflight_prefill(args, ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
         launch(_run_prefill, args.cp, args.device, (args,))
     except mp.ProcessRaisedException as e:
@@ -334,9 +338,11 @@ def _text_ids(args, vocab_size: int) -> list[int]:
     return ids
 
 
-def _preflight_prefill(args) -> list[int]:
-    """Every prefill input, before a model is built; returns the prompt lengths."""
-    from glm_dsa.preflight import available_bytes, check_device, check_fits, check_optional_module, check_output_file
+def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
+    """Every prefill input, before a model is built; returns the prompt lengths. The memory
+    check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
+    model and caches)."""
+    from glm_dsa.preflight import available_bytes, check_device, check_fits, check_optional_module
     from glm_dsa.ledger import param_counts, prefill_peak_bytes
     from glm_dsa.budget import Budgets
 
@@ -399,10 +405,9 @@ def _preflight_prefill(args) -> list[int]:
         if not 0 <= args.prefix < args.tokens:
             raise ValueError(f"--prefix {args.prefix} must lie in [0, --tokens {args.tokens})")
         lengths = [args.tokens] * args.requests + ([args.prefix] if args.prefix else [])
-    if args.save_outputs:
-        check_output_file("--save-outputs", args.save_outputs)
+    _check_positions(given[0] if given else "--tokens", args, config, lengths)
+    _check_prefill_outputs(args)
     if args.plot:
-        check_output_file("--plot", args.plot)
         check_optional_module("--plot", "matplotlib", "plot")
     dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
                                                                              else "float32")]
@@ -422,8 +427,37 @@ def _preflight_prefill(args) -> list[int]:
         fewer = "" if args.layers else "keep fewer layers (--layers 6:7), "
         lower = (f"the weights alone take {weights / 1e9:.1f} GB at {dtype_bytes} bytes per "
                  f"parameter: {fewer}use a smaller --config or --dtype bfloat16")
+    if ranks_on_host > 1:
+        need *= ranks_on_host
+        lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
     return lengths
+
+
+def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
+    """Every prompt of ``flag`` within the config's ``max_position_embeddings`` (as
+    ``add_request`` requires)."""
+    longest = config.max_position_embeddings
+    fix = "or use a config whose config.json has a larger max_position_embeddings"
+    for i, n in enumerate(lengths):
+        if n <= longest:
+            continue
+        past = f"past max_position_embeddings={longest} of config {config.name}"
+        if flag == "--tokens":
+            raise ValueError(f"--tokens {n} runs {past}; lower --tokens {fix}")
+        what = {"--input-ids": f"request.{i}.input_ids has", "--input-hidden": f"request.{i}.hidden has",
+                "--text": "tokenizes to"}[flag]
+        path = getattr(args, flag[2:].replace("-", "_"))
+        raise ValueError(f"{flag} {path}: {what} {n} tokens, {past}; shorten it {fix}")
+
+
+def _check_prefill_outputs(args) -> None:
+    """``--save-outputs`` and ``--plot`` against the run's inputs and each other."""
+    from glm_dsa.outputs import check_outputs
+
+    inputs = {"--input-ids": args.input_ids, "--input-hidden": args.input_hidden, "--text": args.text,
+              "--weights": args.weights, "--config": args.config if os.path.exists(args.config) else None}
+    check_outputs({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
 def _prompts(args, config):
@@ -469,6 +503,7 @@ def _run_prefill(args) -> int:
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
     from glm_dsa.budget import Budgets
+    from glm_dsa.outputs import write_file
     from glm_dsa.prefill import PrefillEngine
 
     device = torch.device(args.device)
@@ -481,7 +516,7 @@ def _run_prefill(args) -> int:
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if cp_group is None or cp_group.rank == 0:
-        _preflight_prefill(args)
+        _preflight_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
     backend = get_backend("reference" if args.batch_invariant else args.backend, device)
     backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
     cuda = device.type == "cuda"
@@ -519,7 +554,7 @@ def _run_prefill(args) -> int:
     if args.save_outputs:
         outputs = _config_layer_names(engine.outputs(rids), args.layers,
                                       get_config(args.weights or args.config).num_hidden_layers)
-        _write_atomically(args.save_outputs, lambda tmp: save_file(outputs, tmp))
+        write_file(args.save_outputs, lambda tmp: save_file(outputs, tmp))
     if args.plot:
         lengths = [r["tokens"] for r in report["requests"]]
         tokens = f"{len(lengths)} x {lengths[0]}" if len(set(lengths)) == 1 else "+".join(map(str, lengths))
@@ -590,24 +625,6 @@ def _format_prefill_report(report: dict) -> str:
     return "\n\n".join(blocks)
 
 
-def _write_atomically(path: str, write) -> None:
-    """``write(tmp)`` to a temporary file beside ``path``, then rename it over ``path``, with the
-    mode a plain ``open`` would give (0666 less the umask; temporary files are 0600)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _plot_steps(timeline, path: str, title: str) -> None:
     try:
         import matplotlib
@@ -631,11 +648,13 @@ def _plot_steps(timeline, path: str, title: str) -> None:
     # Outside the axes, so the legend never covers a bar.
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
-    _write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    from glm_dsa.outputs import write_file
+
+    write_file(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
 
 
 def _cmd_golden(args) -> int:
-    from glm_dsa.preflight import check_output_dir
+    from glm_dsa.outputs import check_output_dir
     from glm_dsa.testing.golden import write_golden
 
     check_output_dir("--out", args.out)
@@ -689,7 +708,9 @@ def _cmd_fidelity(args) -> int:
                                    chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=backend,
                                    budget_bytes=budget)}
     if args.plot:
-        _write_atomically(args.plot, lambda tmp: plot_fidelity(report, tmp))
+        from glm_dsa.outputs import write_file
+
+        write_file(args.plot, lambda tmp: plot_fidelity(report, tmp))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -762,22 +783,58 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised where the program is, so output temporaries are removed on the way out."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+@contextlib.contextmanager
+def _signals_unwind(command: str):
+    """While a command runs: SIGTERM unwinds like Ctrl-C does, and a library warning prints as
+    one line ``glm-dsa <command>: warning: …``. Both are restored afterwards (``main`` may be
+    called from Python)."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, *rest, **kw: print(f"glm-dsa {command}: warning: {message}",
+                                                              file=sys.stderr)
+    try:
+        yield
+    finally:
+        warnings.showwarning = show
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``glm-dsa`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
 
-    Every error is one line ``glm-dsa <command>: error: <what and how to fix>`` on stderr: exit
-    status 2 for bad input (a ValueError: every command checks its inputs before computing),
-    1 for a failure during the run; ``--debug`` raises instead, with the traceback.
+    Every error is one line ``glm-dsa <command>: error: <what and how to fix>`` on stderr (a
+    config with several bad keys gives one such line per key): exit status 2 for bad input (a
+    ValueError: every command checks its inputs before computing), 1 for a failure during the
+    run, 130 for Ctrl-C and 143 for SIGTERM (``glm-dsa <command>: interrupted`` /
+    ``terminated``, partial outputs removed); ``--debug`` raises instead, with the traceback.
     """
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with _signals_unwind(args.command):
+            return args.func(args)
+    except (KeyboardInterrupt, _Terminated) as e:
+        if args.debug:
+            raise
+        terminated = isinstance(e, _Terminated)
+        print(f"glm-dsa {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except Exception as e:
         if args.debug:
             raise
         bad_input = isinstance(e, ValueError)
         what = str(e) if bad_input else f"{type(e).__name__}: {e} (rerun with --debug for the traceback)"
-        print(f"glm-dsa {args.command}: error: {what}", file=sys.stderr)
+        for line in what.splitlines() or [""]:
+            print(f"glm-dsa {args.command}: error: {line}", file=sys.stderr)
         return 2 if bad_input else 1
 
 

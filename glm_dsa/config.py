@@ -14,12 +14,16 @@ import difflib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 __all__ = [
     "DSAConfig",
     "YarnScaling",
+    "Rule",
+    "SCHEMA",
+    "ROPE_SCHEMA",
     "PRESETS",
     "get_config",
     "indexer_types_from_rule",
@@ -33,6 +37,141 @@ FULL = "full"
 SHARED = "shared"
 
 
+# ------------------------------------------------------------------ the typed schema
+_PYTHON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int, "bool": bool, "str": str, "object": Mapping, "list": (list, tuple)}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one configuration key may hold: a JSON kind and a range or a set of values.
+
+    ``kind``: ``"int"`` (an integer, not a boolean), ``"number"`` (a finite integer or float,
+    not a boolean), ``"bool"``, ``"str"``, ``"object"`` or ``"list"``. ``low`` is inclusive,
+    ``above`` / ``below`` exclusive; ``nullable`` admits ``null`` / ``None``.
+    """
+
+    kind: str
+    low: float | None = None
+    above: float | None = None
+    below: float | None = None
+    choices: tuple[Any, ...] = ()
+    nullable: bool = False
+
+    def allowed(self) -> str:
+        """What the rule admits, in words (``an integer ≥ 1``)."""
+        if self.choices:
+            text = "one of " + ", ".join(json.dumps(c) for c in self.choices)
+        else:
+            text = {"int": "an integer", "number": "a finite number", "bool": "a boolean (true or false)",
+                    "str": "a string", "object": "a JSON object", "list": "a list"}[self.kind]
+            bounds = [f"≥ {self.low:g}" if self.low is not None else "",
+                      f"> {self.above:g}" if self.above is not None else "",
+                      f"< {self.below:g}" if self.below is not None else ""]
+            if any(bounds):
+                text += " " + " and ".join(b for b in bounds if b)
+        return text + (" or null" if self.nullable else "")
+
+    def admits(self, value: Any) -> bool:
+        if value is None:
+            return self.nullable
+        if isinstance(value, bool) and self.kind != "bool":
+            return False
+        if self.kind == "number":
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return False
+        elif not isinstance(value, _PYTHON_TYPES[self.kind]):
+            return False
+        if self.choices and value not in self.choices:
+            return False
+        return ((self.low is None or value >= self.low) and (self.above is None or value > self.above)
+                and (self.below is None or value < self.below))
+
+
+_POSITIVE = Rule("int", low=1)
+_COUNT = Rule("int", low=0)
+_EPS = Rule("number", above=0, below=1)
+_FLAG = Rule("bool")
+
+# Every top-level config.json key glm-dsa reads, with DSAConfig's field of the same name.
+SCHEMA: dict[str, Rule] = {
+    "model_type": Rule("str", choices=("glm_moe_dsa", "deepseek_v32")),
+    **{key: _POSITIVE for key in (
+        "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+        "index_topk_freq", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+        "moe_intermediate_size", "intermediate_size", "max_position_embeddings", "vocab_size", "page_size")},
+    **{key: _COUNT for key in ("index_skip_topk_offset", "n_shared_experts", "first_k_dense_replace",
+                               "dense_attn_kv_len_threshold")},
+    "indexer_types": Rule("list", nullable=True),
+    "routed_scaling_factor": Rule("number", above=0),
+    "norm_topk_prob": _FLAG,
+    "rms_norm_eps": _EPS,
+    "index_k_norm_eps": _EPS,
+    "rope_theta": Rule("number", above=1),
+    "rope_scaling": Rule("object", nullable=True),
+    "rope_parameters": Rule("object", nullable=True),
+    "rope_interleave": _FLAG,
+    "indexer_rope_interleave": _FLAG,
+    "tie_word_embeddings": _FLAG,
+    "scale_fmt": Rule("str", choices=("ue8m0",), nullable=True),
+}
+
+# The keys of ``rope_scaling`` / ``rope_parameters`` (YaRN's, as Hugging Face names them).
+ROPE_SCHEMA: dict[str, Rule] = {
+    "rope_type": Rule("str", choices=("default", "yarn"), nullable=True),
+    "type": Rule("str", choices=("default", "yarn"), nullable=True),
+    "rope_theta": Rule("number", above=1),
+    "factor": Rule("number", low=1),
+    "original_max_position_embeddings": _POSITIVE,
+    "beta_fast": Rule("number", above=0),
+    "beta_slow": Rule("number", above=0),
+    "mscale": Rule("number", low=0),
+    "mscale_all_dim": Rule("number", low=0),
+}
+
+# Keys of GLM-5.x / DeepSeek-V3.2 config.json files that glm-dsa does not read: never reported
+# as near-misses of the keys it does read.
+_IGNORED_HF_KEYS = frozenset({
+    "_name_or_path", "architectures", "attention_bias", "attention_dropout", "auto_map", "aux_loss_alpha",
+    "bos_token_id", "dtype", "eos_token_id", "ep_size", "head_dim", "hidden_act", "initializer_range",
+    "layer_types", "mlp_bias", "mlp_layer_types", "moe_layer_freq", "num_key_value_heads",
+    "num_nextn_predict_layers", "output_router_logits", "pad_token_id", "pretraining_tp", "qk_head_dim",
+    "quantization_config", "router_aux_loss_coef", "scoring_func", "seq_aux", "topk_method", "torch_dtype",
+    "transformers_version", "use_cache", "partial_rotary_factor", "attention_factor",
+})
+
+
+def schema_problems(values: Mapping[str, Any], schema: Mapping[str, Rule], prefix: str = "",
+                    show=json.dumps) -> list[str]:
+    """One line per key of ``values`` that ``schema`` has a rule for and that breaks it:
+    ``key=<value> must be <what is allowed>`` (values shown with ``show``)."""
+    lines = []
+    for key, rule in schema.items():
+        if key in values and not rule.admits(values[key]):
+            try:
+                shown = show(values[key])
+            except (TypeError, ValueError):
+                shown = repr(values[key])
+            lines.append(f"{prefix}{key}={shown} must be {rule.allowed()}")
+    return lines
+
+
+def near_misses(keys: Iterable[str], defaults: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``did you mean`` lines for the ``keys`` that are not keys of ``defaults`` but close to one
+    (difflib), naming the default the intended key then takes."""
+    keys = list(keys)
+    lines = []
+    for key in keys:
+        if key in defaults or key in _IGNORED_HF_KEYS:
+            continue
+        near = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.8)
+        if near and near[0] not in keys:
+            lines.append(f"unknown key {prefix}{key} (did you mean {prefix}{near[0]}? it is unset, so it "
+                         f"takes its default {json.dumps(defaults[near[0]])})")
+    return lines
+
+
 @dataclass(frozen=True)
 class YarnScaling:
     """YaRN RoPE scaling (DeepSeek-V3.2's ``rope_scaling``); GLM-5.x has none."""
@@ -43,6 +182,14 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = schema_problems(vars(self), ROPE_SCHEMA, "rope_scaling.", show=repr)
+        if not problems and not self.beta_fast > self.beta_slow:
+            problems.append(f"rope_scaling.beta_fast={self.beta_fast!r} must be > rope_scaling.beta_slow="
+                            f"{self.beta_slow!r} (YaRN ramps from the fast to the slow rotation count)")
+        if problems:
+            raise ValueError("\n".join(problems))
 
     def mscale_value(self, mscale: float) -> float:
         """YaRN's attention-magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 if factor ≤ 1)."""
@@ -107,6 +254,13 @@ class DSAConfig:
     scale_fmt: str | None = "ue8m0"
 
     def __post_init__(self) -> None:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        rules = {k: r for k, r in SCHEMA.items() if k in fields and k != "rope_scaling"}  # a YarnScaling here
+        problems = schema_problems(fields, rules, show=repr)
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            problems.append(f"rope_scaling={self.rope_scaling!r} must be a YarnScaling or None")
+        if problems:
+            raise ValueError("\n".join(problems))
         if not self.indexer_types:
             object.__setattr__(
                 self,
@@ -120,23 +274,15 @@ class DSAConfig:
         self._validate()
 
     # ---------------------------------------------------------------- validation
-    # One flat list of checks, one per rule on the fields, each with its own message: splitting
-    # it would only scatter the rules a reader looks for in one place (81 lines).
+    # The cross-field rules (each field's type and range are SCHEMA's, checked first): one flat
+    # list, one message per rule, every broken rule reported at once, one line each.
     def _validate(self) -> None:
+        problems: list[str] = []
+
         def need(ok: bool, msg: str) -> None:
             if not ok:
-                raise ValueError(msg)
+                problems.append(msg)
 
-        positive = [
-            "num_hidden_layers", "hidden_size", "num_attention_heads", "q_lora_rank",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "index_n_heads", "index_head_dim", "index_topk", "n_routed_experts",
-            "num_experts_per_tok", "n_group", "topk_group", "moe_intermediate_size",
-            "intermediate_size", "max_position_embeddings", "vocab_size", "page_size",
-        ]
-        for f in positive:
-            v = getattr(self, f)
-            need(isinstance(v, int) and v > 0, f"{f}={v!r} must be a positive integer")
         need(
             self.index_topk % 64 == 0,
             f"index_topk={self.index_topk} must be a multiple of 64 (one KV page); "
@@ -193,12 +339,8 @@ class DSAConfig:
             f"first_k_dense_replace={self.first_k_dense_replace} must lie in "
             f"[0, num_hidden_layers={self.num_hidden_layers}]",
         )
-        need(self.n_shared_experts >= 0, f"n_shared_experts={self.n_shared_experts} must be ≥ 0")
-        need(
-            self.scale_fmt in (None, "ue8m0"),
-            f"scale_fmt={self.scale_fmt!r} must be None (fp32 amax/448) or 'ue8m0'",
-        )
-        need(self.rms_norm_eps > 0, f"rms_norm_eps={self.rms_norm_eps} must be > 0")
+        if problems:
+            raise ValueError("\n".join(problems))
 
     # ---------------------------------------------------------------- derived
     @property
@@ -424,15 +566,15 @@ _SHAPE_FIELDS = (
     "n_shared_experts", "moe_intermediate_size", "intermediate_size", "first_k_dense_replace",
     "vocab_size",
 )
-_KNOWN_KEYS = frozenset(_DIRECT_FIELDS + _EXTRA_FIELDS)
+_KNOWN_KEYS = frozenset(_DIRECT_FIELDS + _EXTRA_FIELDS + ("model_type", "rope_theta", "rope_scaling",
+                                                             "rope_parameters", "indexer_types"))
 
 
 def _yarn_from_dict(d: Mapping[str, Any]) -> YarnScaling | None:
+    """YaRN from a schema-checked ``rope_scaling`` / ``rope_parameters`` object (None: no scaling)."""
     kind = d.get("rope_type", d.get("type", "default"))
     if kind in (None, "default"):
         return None
-    if kind != "yarn":
-        raise ValueError(f"rope scaling type {kind!r} is not supported; only 'yarn' or none")
     ref = YarnScaling()
     return YarnScaling(
         factor=float(d.get("factor", ref.factor)),
@@ -446,6 +588,27 @@ def _yarn_from_dict(d: Mapping[str, Any]) -> YarnScaling | None:
     )
 
 
+def _read_config_json(path: str) -> dict[str, Any]:
+    """The JSON object of a ``config.json`` file (or of a directory's), every failure naming it."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"config {os.path.dirname(path)} is a directory without a config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except PermissionError:
+        raise ValueError(f"config {path} is not readable; check its permissions") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"config {path} is not UTF-8 text; a config.json is one JSON object") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config {path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"config {path} holds a JSON {type(d).__name__.replace('dict', 'object')}, "
+                         "not an object; a config.json is one JSON object {...} of named keys")
+    return d
+
+
 def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSAConfig:
     """Build a config from a Hugging Face ``config.json`` (path, directory or parsed dict).
 
@@ -453,50 +616,71 @@ def from_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> DSACo
     ``rope_scaling``; an explicit ``indexer_types`` list wins over the freq/offset rule; HF's
     defaults for GLM (freq 1, offset 2) apply when neither is given. A ``deepseek_v32`` config
     (DeepSeek-V3.2's published ``config.json``) defaults to a half-split indexer RoPE.
+
+    Every key read is checked against ``SCHEMA`` / ``ROPE_SCHEMA`` (type, range, allowed values)
+    and then the cross-field rules, before anything is built: the ``ValueError`` has one line per
+    broken rule, each naming the file, the key, its value and what is allowed. A key that is not
+    read but is a near-miss of one that is (``routed_scaling_factr``) is warned about (``did you
+    mean``), since its default then applies.
     """
     if isinstance(path_or_dict, Mapping):
         d = dict(path_or_dict)
-        name = str(d.get("_name_or_path", "hf"))
+        where = name = str(d.get("_name_or_path", "hf"))
     else:
-        p = os.fspath(path_or_dict)
-        if os.path.isdir(p):
-            p = os.path.join(p, "config.json")
-        with open(p, encoding="utf-8") as f:
-            d = json.load(f)
-        name = str(d.get("_name_or_path", p))
+        where = os.fspath(path_or_dict)
+        d = _read_config_json(where)
+        name = str(d.get("_name_or_path", where))
+
+    def refuse(lines: list[str]) -> ValueError:
+        return ValueError("\n".join(f"config {where}: {line}" for line in lines))
+
+    missing = [f for f in _SHAPE_FIELDS if f not in d]
+    if missing:
+        hints = []
+        for f in missing:
+            near = difflib.get_close_matches(f, [k for k in d if k not in _KNOWN_KEYS], n=1, cutoff=0.8)
+            hints.append(f"{f} (did you mean: {near[0]!r}?)" if near else f)
+        raise refuse([f"lacks key(s) that set tensor shapes or the layer schedule: {', '.join(hints)}"])
+    problems = schema_problems(d, SCHEMA)
+    rope_key = "rope_parameters" if isinstance(d.get("rope_parameters"), Mapping) else "rope_scaling"
+    rope = d.get(rope_key) if isinstance(d.get(rope_key), Mapping) else None
+    hf_defaults = {**{k: getattr(_GLM53, k) for k in _DIRECT_FIELDS + _EXTRA_FIELDS},
+                   "index_topk_freq": 1, "index_skip_topk_offset": 2, "rope_theta": 10_000.0}
+    warnings_ = near_misses(d, hf_defaults)
+    if rope is not None:
+        problems += schema_problems(rope, ROPE_SCHEMA, f"{rope_key}.")
+        yarn_defaults = {"rope_type": "default", "type": "default", "rope_theta": 10_000.0,
+                         **dataclasses.asdict(YarnScaling())}
+        warnings_ += near_misses(rope, yarn_defaults, f"{rope_key}.")
+    for line in warnings_:
+        warnings.warn(f"config {where}: {line}", stacklevel=2)
+    if problems:
+        raise refuse(problems)
+
     kw: dict[str, Any] = {"name": name, "model_type": d.get("model_type", "glm_moe_dsa")}
     defaults: dict[str, Any] = {"index_topk_freq": 1, "index_skip_topk_offset": 2}
     if kw["model_type"] == "deepseek_v32":
         # DeepSeek-V3.2's config.json has no RoPE-layout keys; its indexer rotates half-split pairs
         # (DeepSeek's inference code, fixed 2025-11-17) while MLA's are interleaved
         defaults["indexer_rope_interleave"] = False
-    missing = [f for f in _SHAPE_FIELDS if f not in d]
-    if missing:
-        hints = []
-        for key in missing:
-            near = difflib.get_close_matches(key, [k for k in d if k not in _KNOWN_KEYS], n=1, cutoff=0.8)
-            hints.append(f"{key} (did you mean: {near[0]!r}?)" if near else key)
-        raise ValueError(f"config {name} lacks key(s) that set tensor shapes or the layer schedule: "
-                         f"{', '.join(hints)}")
-    for key in _DIRECT_FIELDS:
-        if key in d:
-            kw[key] = d[key]
-        elif key in defaults:
-            kw[key] = defaults[key]
-    for key in _EXTRA_FIELDS:
-        if key in d:
-            kw[key] = d[key]
-    rope = d.get("rope_parameters")
-    if isinstance(rope, Mapping):
-        kw["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10_000.0)))
-        kw["rope_scaling"] = _yarn_from_dict(rope)
-    else:
-        kw["rope_theta"] = float(d.get("rope_theta", 10_000.0))
-        scaling = d.get("rope_scaling")
-        kw["rope_scaling"] = _yarn_from_dict(scaling) if isinstance(scaling, Mapping) else None
+    for f in _DIRECT_FIELDS:
+        if f in d:
+            kw[f] = d[f]
+        elif f in defaults:
+            kw[f] = defaults[f]
+    for f in _EXTRA_FIELDS:
+        if f in d:
+            kw[f] = d[f]
+    top_theta = d.get("rope_theta", 10_000.0)
+    kw["rope_theta"] = float(rope.get("rope_theta", top_theta) if rope is not None and rope_key == "rope_parameters"
+                             else top_theta)
     if d.get("indexer_types"):
         kw["indexer_types"] = tuple(d["indexer_types"])
-    return DSAConfig(**kw)
+    try:
+        kw["rope_scaling"] = _yarn_from_dict(rope) if rope is not None else None
+        return DSAConfig(**kw)
+    except ValueError as e:
+        raise refuse(str(e).replace("rope_scaling.", f"{rope_key}.").splitlines()) from None
 
 
 def to_hf_config(config: DSAConfig) -> dict[str, Any]:

@@ -35,9 +35,14 @@ under ``torchrun``, ``init_from_env()`` joins the group torchrun set up.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import signal
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -47,6 +52,8 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 if TYPE_CHECKING:
     from glm_dsa.layer import DSAModel, StepContext
@@ -59,6 +66,8 @@ __all__ = [
     "dist_backend_for",
     "launched_by_torchrun",
     "init_from_env",
+    "usable_cores",
+    "check_launch",
     "launch",
 ]
 
@@ -289,8 +298,36 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """End this rank when the launching process ends, however it ends (SIGKILL included):
+    Linux's parent-death signal, else a thread watching the parent's pid."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent_pid:  # the parent died before the signal was armed
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="glm-dsa-parent-watch").start()
+
+
 def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, device: str,
-                args: tuple) -> None:
+                args: tuple, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group; the parent alone handles it and ends the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs))
     if torch.device(device).type == "cpu":
@@ -303,17 +340,48 @@ def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, devic
         dist.destroy_process_group()
 
 
+def check_launch(nprocs: int, device: torch.device | str, label: str = "", bound_by_cores: bool = True) -> None:
+    """Refuse ``nprocs`` ranks the machine cannot hold: more than its GPUs on CUDA and, with
+    ``bound_by_cores``, more than its usable CPU cores on CPU (each rank is a process with its
+    own model and caches). ``label`` names the request in the message (default ``nprocs=N``)."""
+    label = label or f"nprocs={nprocs!r}"
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"{label} must be a positive number of ranks")
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.device_count() < nprocs:
+        raise ValueError(f"{label}: {nprocs} ranks need {nprocs} CUDA devices, torch sees "
+                         f"{torch.cuda.device_count()}")
+    if bound_by_cores and device.type == "cpu" and nprocs > usable_cores():
+        raise ValueError(f"{label}: {nprocs} ranks on {usable_cores()} usable CPU core(s), each rank a process with "
+                         f"its own model and caches; use at most {usable_cores()}")
+
+
 def launch(fn: Callable[..., Any], nprocs: int, device: torch.device | str = "cpu",
            args: tuple = ()) -> None:
     """Run ``fn(*args)`` on ``nprocs`` new processes forming one group (gloo on CPU, NCCL on
     CUDA with rank ``r`` on ``cuda:r``), rendezvous on a free loopback port; returns when all
-    are done and raises if one failed. ``fn`` must be importable (a module-level function)."""
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs={nprocs!r} must be a positive number of ranks")
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.device_count() < nprocs:
-        raise ValueError(
-            f"{nprocs} ranks need {nprocs} CUDA devices, torch sees {torch.cuda.device_count()}"
-        )
-    mp.spawn(_rank_entry, args=(fn, nprocs, _free_loopback_port(), str(device), args),
-             nprocs=nprocs, join=True)
+    are done and raises if one failed. ``fn`` must be importable (a module-level function).
+
+    On CUDA one rank per device; on CPU more ranks than cores are admitted here (the tests run
+    4 ranks on 2 cores, slowly but correctly), while ``glm-dsa prefill --cp`` refuses them with
+    ``check_launch``. The ranks never outlive this process:
+    they die with it (parent-death signal), and an exception here (Ctrl-C, SIGTERM under
+    ``glm-dsa``) terminates them before it propagates.
+    """
+    check_launch(nprocs, device, bound_by_cores=False)
+    context = mp.start_processes(
+        _rank_entry, args=(fn, nprocs, _free_loopback_port(), str(device), args, os.getpid()),
+        nprocs=nprocs, join=False, start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except BaseException:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+        for process in context.processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        raise

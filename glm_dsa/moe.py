@@ -339,13 +339,15 @@ class Experts(nn.Module):
                 row_keys: Tensor | None = None) -> Tensor:
         """``x: [m, H]`` rows grouped by expert, ``counts[e]`` rows for expert ``e`` (host
         ints) ending at ``offsets[e]`` (int32, on ``x``'s device) → ``[m, H]`` in ``x.dtype``:
-        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES``, ``experts_loop`` otherwise, and
+        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES`` where ``F.grouped_mm`` takes the shapes
+        (rows of ``H`` and ``I`` elements a multiple of 16 bytes), ``experts_loop`` otherwise, and
         ``experts_row_tiled`` on the rows' ``row_keys`` in batch-invariant mode."""
         if invariant.active():
             if row_keys is None:
                 raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
             return experts_row_tiled(x, self.gate_up_proj, self.down_proj, counts, row_keys)
-        if x.dtype in GROUPED_MM_DTYPES:
+        row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
+        if x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes):
             return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets)
         return experts_loop(x, self.gate_up_proj, self.down_proj, counts)
 

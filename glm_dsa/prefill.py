@@ -270,6 +270,13 @@ class PrefillEngine:
             if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, vocab_size={self.config.vocab_size})")
             n = input_ids.numel()
+        longest = self.config.max_position_embeddings
+        if n + max_new_tokens > longest:
+            raise ValueError(
+                f"request of {n} + {max_new_tokens} tokens runs past max_position_embeddings={longest} of config "
+                f"{self.config.name} (positions the model was not built for): shorten it, or use a config with a "
+                "larger max_position_embeddings"
+            )
         need = math.ceil((n + max_new_tokens) / self.config.page_size)
         if need > self.allocator.num_pages:
             raise ValueError(
@@ -459,7 +466,7 @@ class PrefillEngine:
         written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
         pool = cache.pool_bytes()
         report = {
-            "requests": [{"tokens": self.finished[r].length, "cached": self.finished[r].cached_len}
+            "requests": [{"tokens": self._finished(r).length, "cached": self._finished(r).cached_len}
                          for r in rids],
             "budget_bytes": self.budgets.logits_bytes,
             "attention_budget_bytes": self.budgets.attention_bytes,
@@ -499,7 +506,7 @@ class PrefillEngine:
 
         out = {}
         for i, rid in enumerate(rids):
-            r = self.finished[rid]
+            r = self._finished(rid)
             if r.cached_len and (warm is None or warm.length < r.cached_len):
                 raise ValueError(f"request {rid} hit {r.cached_len} cached tokens that no warm_up "
                                  "request computed; run the shared prefix with warm_up first")
@@ -518,7 +525,19 @@ class PrefillEngine:
         """The last layer's output ``[L - cached_len, hidden]`` for the tokens request ``rid`` ran,
         on the model's device (``L × hidden_size × 2`` bytes in bf16: 12.9 GB for 1M tokens of
         GLM-5.3)."""
-        return torch.cat(self.finished[rid].hidden)
+        return torch.cat(self._finished(rid).hidden)
+
+    def _finished(self, rid: int) -> Request:
+        """The finished request ``rid``; a ``ValueError`` naming its state otherwise."""
+        if rid in self.finished:
+            return self.finished[rid]
+        for state, queue in (("waiting", self.waiting), ("running", self.running)):
+            for req in queue:
+                if req.rid == rid:
+                    raise ValueError(f"request {rid} is {state} ({req.prefix_len} of {req.length} tokens run); "
+                                     "call run() (or step() until it returns None) before reading its outputs")
+        added = f"ids 0 … {self._next_rid - 1}" if self._next_rid else "no request yet"
+        raise ValueError(f"no request {rid}: add_request has returned {added}")
 
 
 def _step_json(s: StepRecord, rids: Sequence[int]) -> dict:

@@ -2,7 +2,7 @@
 
 Each check raises ``ValueError`` with one line naming the flag or file and the fix; ``glm-dsa``
 prints it as ``glm-dsa <command>: error: …`` with exit status 2. Files are checked by their
-safetensors header alone (no tensor is read), outputs by their directory, and memory by the
+safetensors header alone (no tensor is read), outputs by ``glm_dsa.outputs``, and memory by the
 ledger's estimate of the run's peak (:func:`glm_dsa.ledger.prefill_peak_bytes`).
 """
 
@@ -16,8 +16,6 @@ import struct
 import torch
 
 __all__ = [
-    "check_output_file",
-    "check_output_dir",
     "safetensors_header",
     "check_device",
     "check_optional_module",
@@ -26,28 +24,6 @@ __all__ = [
 ]
 
 _GB = 1e9
-
-
-def check_output_file(flag: str, path: str) -> None:
-    """``path`` can be written: not a directory, its directory exists and is writable."""
-    if os.path.isdir(path):
-        raise ValueError(f"{flag} {path} is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{flag} {path} is not writable; choose another path")
-
-
-def check_output_dir(flag: str, path: str) -> None:
-    """``path`` is a writable directory or can be created as one."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{flag} {path} exists and is not a directory; give a directory")
-    target = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(target):
-        raise ValueError(f"{flag} {path}: directory {target} does not exist; create it first")
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path} is not writable; choose another directory")
 
 
 def safetensors_header(flag: str, path: str) -> dict[str, dict]:

@@ -46,6 +46,10 @@ def files(tmp_path_factory):
     (d / "golden").mkdir()
     (d / "golden" / "manifest.json").write_text("{}")
     (d / "afile").write_text("x")
+    (d / "list.json").write_text("[1, 2]")
+    (d / "broken.json").write_text('{"hidden_size": 128,')
+    (d / "stringbool.json").write_text(json.dumps({**cfg, "norm_topk_prob": "false"}))
+    os.mkfifo(d / "fifo")
     return d
 
 
@@ -95,6 +99,16 @@ def _cases():
         ([*TINY, "--config", f + "/typo.json", "--tokens", "64"], 2, "did you mean"),
         (["prefill", "--config", "glm-5.3", "--tokens", "64", "--no-progress"], 2, "GB host memory"),
         ([*TINY, "--tokens", str(10**12)], 2, "lower --tokens"),
+        ([*TINY, "--config", f + "/list.json", "--tokens", "64"], 2, "list.json holds a JSON list, not an object"),
+        ([*TINY, "--config", f + "/broken.json", "--tokens", "64"], 2, "broken.json is not valid JSON"),
+        ([*TINY, "--config", f + "/stringbool.json", "--tokens", "64"], 2,
+         'stringbool.json: norm_topk_prob="false" must be a boolean (true or false)'),
+        ([*TINY, "--tokens", "16385"], 2, "--tokens 16385 runs past max_position_embeddings=16384"),
+        ([*TINY, "--tokens", "64", "--cp", "4096"], 2, "--cp 4096: 4096 ranks on"),
+        ([*TINY, "--input-ids", f + "/ids.safetensors", "--save-outputs", f + "/ids.safetensors"], 2,
+         "is the input --input-ids"),
+        ([*TINY, "--tokens", "64", "--save-outputs", f + "/fifo"], 2, "is a FIFO, not a regular file"),
+        ([*TINY, "--tokens", "64", "--save-outputs", "/dev/null"], 2, "is a character device"),
         (["golden", "--out", f + "/afile"], 2, "--out"),
         (["golden", "--out", f + "/no/such/parent"], 2, "--out"),
         (["compare", "--golden", f + "/nowhere", "--candidate", f + "/ids.safetensors"], 2, "manifest.json"),

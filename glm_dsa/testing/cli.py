@@ -136,7 +136,8 @@ def add_compare_parser(subparsers) -> None:
 
 
 def _check_common(args) -> None:
-    from glm_dsa.preflight import check_device, check_output_file
+    from glm_dsa.outputs import check_output_file
+    from glm_dsa.preflight import check_device
 
     check_device("--device", args.device)
     if args.timeout is not None and not args.timeout > 0:

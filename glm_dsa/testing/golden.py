@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from glm_dsa import oracle
+from glm_dsa.outputs import replace_dir
 from glm_dsa.testing.cases import CONTRACTS, CONVENTIONS, Case, edge_case_names, make_case
 from glm_dsa.testing.check import DEFAULT_TIMEOUT_S, expected_outputs, kernel_outputs, verdicts_of
 
@@ -154,13 +155,17 @@ def _manifest_digest(manifest: dict) -> str:
 
 # ----------------------------------------------------------------------------- files
 def write_golden(out_dir: str | os.PathLike, seed: int = 0) -> dict:
-    """Write ``<contract>.safetensors`` per contract and ``manifest.json`` into ``out_dir``.
+    """Write ``<contract>.safetensors`` per contract and ``manifest.json`` as the directory
+    ``out_dir``, written beside it and swapped in whole (``glm_dsa.outputs.replace_dir``): an
+    interrupted write leaves an existing golden directory as it was.
 
-    Returns the manifest (also written). Existing files of the same names are replaced.
+    Returns the manifest (also written).
     """
+    return replace_dir(os.fspath(out_dir), lambda tmp: _write_golden_into(tmp, seed))
+
+
+def _write_golden_into(out_dir: str, seed: int) -> dict:
     cases = golden_cases(seed)
-    out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     by_contract: dict[str, list[tuple[str, str, Case]]] = {}
     for entry in cases:
         by_contract.setdefault(entry[2].contract, []).append(entry)

@@ -1,0 +1,104 @@
+"""``--cp N`` bounded by the machine, and ranks that never outlive their parent (issue 27,
+"Hangs and runaways": ``--cp 64`` on 2 cores ran 65 processes past 120 s, and killing the parent
+left them all running)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from glm_dsa.cli import main
+from glm_dsa.cp import check_launch, launch, usable_cores
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_LAUNCHER = """
+import os, sys, time
+from glm_dsa.cp import launch
+
+
+def rank(directory):
+    open(os.path.join(directory, str(os.getpid())), "w").close()
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    launch(rank, 2, "cpu", (sys.argv[1],))
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Exited (or a zombie waiting for a reaper that is not its parent any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or usable_cores() < 2, reason="needs Linux and 2 cores")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_the_ranks_die_with_their_parent(tmp_path, sig):
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER)
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    parent = subprocess.Popen([sys.executable, str(script), str(ranks)], cwd=REPO, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONPATH": REPO})
+    deadline = time.monotonic() + 120
+    while len(os.listdir(ranks)) < 2:
+        assert time.monotonic() < deadline and parent.poll() is None, "the ranks did not start"
+        time.sleep(0.2)
+    pids = [int(p) for p in os.listdir(ranks)]
+    parent.send_signal(sig)
+    parent.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {pids} outlived their parent (signal {sig.name})"
+        time.sleep(0.2)
+
+
+def test_check_launch_refuses_more_ranks_than_usable_cores():
+    n = usable_cores() + 1
+    with pytest.raises(ValueError, match=rf"^nprocs={n}: {n} ranks on {n - 1} usable CPU core\(s\), each rank a "
+                                         rf"process with its own model and caches; use at most {n - 1}$"):
+        check_launch(n, "cpu")
+    check_launch(n, "cpu", bound_by_cores=False)  # launch's own bound: the tests oversubscribe on purpose
+    with pytest.raises(ValueError, match="nprocs=0 must be a positive number of ranks"):
+        launch(print, 0)
+
+
+def test_cli_cp_beyond_the_cores_is_refused_before_any_process_starts(capsys):
+    n = usable_cores() + 1
+    t0 = time.perf_counter()
+    assert main(["prefill", "--config", "tiny", "--tokens", "300", "--cp", str(n), "--no-progress"]) == 2
+    assert time.perf_counter() - t0 < 5
+    assert capsys.readouterr().err == (
+        f"glm-dsa prefill: error: --cp {n}: {n} ranks on {n - 1} usable CPU core(s), each rank a process with its "
+        f"own model and caches; use at most {n - 1}\n")
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="needs 2 cores")
+def test_the_memory_check_counts_a_model_per_rank(capsys, monkeypatch):
+    """One rank's estimated peak (read off the refusal with 1 byte free) fits the host; two
+    ranks' do not, and are refused with twice the estimate."""
+    argv = ["prefill", "--config", "tiny", "--tokens", "300", "--chunk", "128", "--no-progress"]
+
+    def needs(err: str) -> float:
+        return float(err.split("needs ")[1].split(" GB")[0])
+
+    monkeypatch.setattr("glm_dsa.preflight.available_bytes", lambda device: 1)
+    assert main(argv) == 2
+    one_rank = needs(capsys.readouterr().err)
+    monkeypatch.setattr("glm_dsa.preflight.available_bytes", lambda device: int(1.5 * one_rank * 1e9))
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--cp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert abs(needs(err) - 2 * one_rank) <= 0.1 and "2 ranks each hold the model and caches: lower --cp" in err, err
