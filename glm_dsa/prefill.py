@@ -212,7 +212,9 @@ class PrefillEngine:
         self.model, self.config = model, cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.backend = get_backend(backend, self.device)
+        # auto picks what the run can do: batch invariance is the reference's alone
+        self.backend = get_backend("reference" if batch_invariant and backend == "auto" else backend,
+                                   self.device)
         self.backend.require(self.dtype, kv_dtype)
         if batch_invariant and self.backend.name != "reference":
             raise ValueError(f"batch_invariant=True needs backend='reference' (the {self.backend.name} "
