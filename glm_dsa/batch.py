@@ -46,7 +46,8 @@ class RowGather(Protocol):
         out_slots: int64 ``[n]``, the whole chunk's cache slots, where gathered rows are stored.
     """
 
-    out_slots: torch.Tensor
+    @property
+    def out_slots(self) -> torch.Tensor: ...
 
     def gather(self, local: torch.Tensor, op: str) -> torch.Tensor:
         """Every rank's ``local [L, ...]`` rows → the chunk's ``[n, ...]`` in chunk order;

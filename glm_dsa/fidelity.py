@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import math
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from glm_dsa.backend import Backend
 from glm_dsa.cache import KVCache
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
@@ -259,6 +260,7 @@ class _Capture:
         self._start: dict[int, int] = {}
         self._handles = []
         for layer in model.model.layers:
+            assert isinstance(layer, DecoderLayer)  # nn.ModuleList types its items as nn.Module
             i = layer.layer_idx
             self.inputs[i] = []
             self._handles.append(layer.input_layernorm.register_forward_hook(self._input_hook(i)))
@@ -313,7 +315,7 @@ class _Replay(NamedTuple):
     kv_latent: Tensor     # [n, kv_lora_rank + rope], every position
     q_nope: Tensor        # [r, H, qk_nope_head_dim], the sampled rows
     q_pe: Tensor          # [r, H, qk_rope_head_dim]
-    index: _IndexerInputs | None
+    indexer_inputs: _IndexerInputs | None  # not ``index``: that would shadow ``tuple.index``
 
 
 def _replay(layer: DecoderLayer, steps: list[Tensor], positions: Tensor) -> _Replay:
@@ -378,8 +380,8 @@ def _layer_figures(layer: DecoderLayer, steps: list[Tensor], positions: Tensor, 
                                       dtype=torch.float64),
             "_out_sparse": out["sparse"], "_out_dense": out["dense"], "_kept": mass.kept, "_best": mass.best,
         }
-        if rep.index is not None:
-            figures.update(_indexer_recalls(rep.index, topk, lengths, layer.config, budget_bytes))
+        if rep.indexer_inputs is not None:
+            figures.update(_indexer_recalls(rep.indexer_inputs, topk, lengths, layer.config, budget_bytes))
     return figures
 
 
@@ -423,7 +425,7 @@ def selection_fidelity(
     seed: int = 0,
     chunked_prefill_size: int = 32768,
     kv_dtype: str = "fp8",
-    backend: str = "reference",
+    backend: str | Backend = "reference",
     budget_bytes: int | None = None,
 ) -> dict:
     """Prefill ``inputs`` and measure every layer's selection on ``rows`` sampled positions.
@@ -483,6 +485,7 @@ def selection_fidelity(
     buckets = position_buckets(n, cfg.index_topk)
     layers = []
     for layer in model.model.layers:
+        assert isinstance(layer, DecoderLayer)  # nn.ModuleList types its items as nn.Module
         i = layer.layer_idx
         source = cfg.topk_source(i)
         topk = torch.cat(capture.topk[source])
@@ -517,12 +520,12 @@ def _summaries(fig: dict[str, Tensor], positions: Tensor, buckets: list[tuple[in
             continue
         dev_rows = rows.to(fig["_kept"].device)
         kept, best = fig["_kept"][dev_rows], fig["_best"][dev_rows]
-        s = {"positions": label, "lo": lo, "hi": hi, "rows": rows.numel(),
-             "mass_kept_mean": float(kept.mean()), "mass_kept_worst": float(kept.min()),
-             "mass_best_mean": float(best.mean()), "mass_best_worst": float(best.min()),
-             "overlap_mean": float(fig["overlap"][dev_rows].mean()),
-             "calc_diff": calc_diff(fig["_out_sparse"][dev_rows], fig["_out_dense"][dev_rows]),
-             "calc_diff_worst_row": float(fig["calc_diff"][rows].max())}
+        s: dict[str, Any] = {"positions": label, "lo": lo, "hi": hi, "rows": rows.numel(),
+                             "mass_kept_mean": float(kept.mean()), "mass_kept_worst": float(kept.min()),
+                             "mass_best_mean": float(best.mean()), "mass_best_worst": float(best.min()),
+                             "overlap_mean": float(fig["overlap"][dev_rows].mean()),
+                             "calc_diff": calc_diff(fig["_out_sparse"][dev_rows], fig["_out_dense"][dev_rows]),
+                             "calc_diff_worst_row": float(fig["calc_diff"][rows].max())}
         s["mass_gap_mean"] = s["mass_best_mean"] - s["mass_kept_mean"]
         for name in _RECALLS:
             if name in fig:

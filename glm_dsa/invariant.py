@@ -74,7 +74,8 @@ def _aligned(t: Tensor) -> Tensor:
 def _padded(t: Tensor, rows: int) -> Tensor:
     """``t [r, ...]`` zero-padded to ``[rows, ...]`` in ``t``'s stride order (a transposed
     operand stays transposed: the kernel follows the layout)."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
     shape = (rows, *t.shape[1:])
     out = t.new_zeros([shape[d] for d in order]).permute(*[order.index(d) for d in range(t.dim())])
     out[: t.shape[0]] = t
@@ -102,6 +103,7 @@ def batch_tiled(fn: Callable[[Tensor, Tensor], Tensor], a: Tensor, b: Tensor) ->
         if out is None:
             out = res.new_empty((n, *res.shape[1:]))
         out[t0:t1] = res
+    assert out is not None  # n > 0: the loop ran at least once
     return out
 
 
@@ -142,6 +144,7 @@ def row_tiled(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor,
         if out is None:
             out = res.new_empty((num_tiles * tile, *res.shape[1:]))
         out[t * tile : (t + 1) * tile] = res
+    assert out is not None  # n > 0: at least one tile
     return out[where]
 
 

@@ -266,6 +266,7 @@ class PrefillEngine:
                 raise ValueError("input_hidden holds NaN or inf")
             n = input_hidden.shape[0]
         else:
+            assert input_ids is not None  # exactly one of input_ids / input_hidden (checked above)
             if input_ids.dtype != torch.int64 or input_ids.dim() != 1 or input_ids.numel() == 0:
                 raise ValueError(f"input_ids must be a non-empty 1-D int64 tensor, got {input_ids.dtype} "
                                  f"{tuple(input_ids.shape)}")
@@ -288,15 +289,17 @@ class PrefillEngine:
         rid = self._next_rid
         self._next_rid += 1
         if input_hidden is None:
+            assert input_ids is not None  # exactly one of input_ids / input_hidden (checked above)
             self.waiting.append(Request(rid, input_ids.cpu(), max_new_tokens))
         else:
             self.waiting.append(Request(rid, torch.empty(0, dtype=torch.int64), max_new_tokens,
                                         input_hidden=input_hidden.detach().cpu()))
         return rid
 
-    def _cacheable(self, req: Request) -> bool:
-        """Whether ``req`` takes part in the prefix cache (keyed by token ids: not hidden inputs)."""
-        return self.prefix_cache is not None and req.input_hidden is None
+    def _prefix_cache_for(self, req: Request) -> PrefixCache | None:
+        """The prefix cache when ``req`` takes part in it (keyed by token ids: not hidden inputs),
+        else None."""
+        return self.prefix_cache if req.input_hidden is None else None
 
     def _admit(self) -> None:
         """Reserve pages for waiting requests in FIFO order while the pool has room."""
@@ -304,7 +307,8 @@ class PrefillEngine:
             req = self.waiting[0]
             page = self.config.page_size
             # A hit must leave at least one token to run: its last position's logits are needed.
-            hit = self.prefix_cache.match(req.input_ids, req.length - 1) if self._cacheable(req) else []
+            prefix_cache = self._prefix_cache_for(req)
+            hit = prefix_cache.match(req.input_ids, req.length - 1) if prefix_cache is not None else []
             total = math.ceil((req.length + req.max_new_tokens) / page)
             fresh = self.allocator.alloc(total - len(hit))
             if fresh is None:
@@ -415,8 +419,9 @@ class PrefillEngine:
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
-        if self._cacheable(req):
-            self.prefix_cache.insert(req.input_ids, req.pages, req.length)
+        prefix_cache = self._prefix_cache_for(req)
+        if prefix_cache is not None:
+            prefix_cache.insert(req.input_ids, req.pages, req.length)
         self.allocator.release(req.pages)
         self.finished[req.rid] = req
 
@@ -455,7 +460,7 @@ class PrefillEngine:
         hits = 0
         if self.prefix_cache is not None:
             hits = sum(len(self.prefix_cache.match(r.input_ids, r.length - 1)) * page for r in self.waiting
-                       if self._cacheable(r))
+                       if self._prefix_cache_for(r) is not None)
         return sum(r.length for r in self.waiting) - hits
 
     def report(self, rids: Sequence[int]) -> dict:
@@ -502,7 +507,7 @@ class PrefillEngine:
         """
         warm = self.finished[self.warm_rid] if self.warm_rid is not None else None
 
-        def rows(r: Request, own: list[torch.Tensor], cached: list[torch.Tensor] | None) -> torch.Tensor:
+        def rows(r: Request, own: list[torch.Tensor], cached: list[torch.Tensor]) -> torch.Tensor:
             head = [torch.cat(cached)[: r.cached_len]] if r.cached_len else []
             return torch.cat(head + own).cpu().contiguous()
 
@@ -514,13 +519,15 @@ class PrefillEngine:
                                  "request computed; run the shared prefix with warm_up first")
             if r.input_hidden is None:
                 out[f"request.{i}.input_ids"] = r.input_ids.contiguous()
-            out[f"request.{i}.hidden"] = rows(r, r.hidden, warm and warm.hidden).float()
+            out[f"request.{i}.hidden"] = rows(r, r.hidden, warm.hidden if warm is not None else []).float()
             if r.logits is not None:
                 out[f"request.{i}.logits"] = r.logits.float().contiguous()
             for layer, parts in r.layer_hidden.items():
-                out[f"request.{i}.layer.{layer}.hidden"] = rows(r, parts, warm and warm.layer_hidden[layer]).float()
+                cached = warm.layer_hidden[layer] if warm is not None else []
+                out[f"request.{i}.layer.{layer}.hidden"] = rows(r, parts, cached).float()
             for layer, parts in r.layer_topk.items():
-                out[f"request.{i}.layer.{layer}.topk"] = rows(r, parts, warm and warm.layer_topk[layer]).to(torch.int32)
+                cached = warm.layer_topk[layer] if warm is not None else []
+                out[f"request.{i}.layer.{layer}.topk"] = rows(r, parts, cached).to(torch.int32)
         return out
 
     def output_hidden(self, rid: int) -> torch.Tensor:
