@@ -18,6 +18,7 @@ from typing import Iterable
 
 import torch
 
+from glm_dsa import syncfree
 from glm_dsa.config import DSAConfig
 from glm_dsa.kv_format import (
     index_k_page_bytes,
@@ -155,6 +156,11 @@ class KVCache:
         if slots.dtype != torch.int64 or slots.dim() != 1:
             raise ValueError(f"slots must be a 1-D int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
         capacity = self.num_pages * self.page_size
+        if slots.numel() and syncfree.active():
+            syncfree.check((slots.min() >= 0) & (slots.max() < capacity),
+                           f"slot out of the pool: slots must lie in [0, {capacity}) "
+                           f"({self.num_pages} pages × {self.page_size})")
+            return
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
             raise ValueError(
                 f"slot out of the pool: slots must lie in [0, {capacity}) "
@@ -169,7 +175,11 @@ class KVCache:
             raise ValueError(
                 f"kv_latent must be [{slots.numel()}, {cfg.kv_latent_dim}], got {tuple(kv_latent.shape)}"
             )
-        if not bool(torch.isfinite(kv_latent).all()):
+        if syncfree.active():
+            syncfree.check(torch.isfinite(kv_latent).all(),
+                           f"write_mla of layer {layer}: a kv_latent row holds NaN or inf, which the "
+                           "cache does not store; fix the producer of the latent")
+        elif not bool(torch.isfinite(kv_latent).all()):
             bad = int((~torch.isfinite(kv_latent)).any(dim=-1).nonzero()[0])
             raise ValueError(f"write_mla of layer {layer}: kv_latent row {bad} (slot {int(slots[bad])}) holds NaN "
                              "or inf, which the cache does not store; fix the producer of the latent")

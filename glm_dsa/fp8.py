@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm_dsa import syncfree
+
 __all__ = [
     "FP8_E4M3_MAX",
     "AMAX_FLOOR",
@@ -107,11 +109,11 @@ def act_quant(
         raise ValueError(f"scale_fmt={scale_fmt!r} must be None (fp32 amax/448) or 'ue8m0'")
     d = x.shape[-1]
     _check_block(d, block_size)
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(
-            "act_quant got NaN or inf input; a non-finite value would give the whole block "
-            "(and the cache page it lands in) a garbage scale: fix the producer of x"
-        )
+    syncfree.check(
+        torch.isfinite(x).all(),
+        "act_quant got NaN or inf input; a non-finite value would give the whole block "
+        "(and the cache page it lands in) a garbage scale: fix the producer of x",
+    )
     compute = torch.promote_types(x.dtype, torch.float32)
     blocks = x.to(compute).reshape(*x.shape[:-1], d // block_size, block_size)
     amax = blocks.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)

@@ -35,7 +35,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from glm_dsa import invariant
+from glm_dsa import invariant, syncfree
 from glm_dsa.batch import INDEX_K_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.budget import max_logit_rows
 from glm_dsa.config import DSAConfig
@@ -493,6 +493,8 @@ def chunked_topk(
     S, S_kv = q_fp8.shape[0], k_fp8.shape[0]
     rows = max_logit_rows(S, S_kv, budget_bytes)
     out = torch.empty((S, topk), dtype=torch.int32, device=q_fp8.device)
+    if syncfree.active():
+        return _chunked_topk_by_sizes(ks, ke, S_kv, topk, rows, out, chunk_topk)
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
         chunk_ks, chunk_ke = ks[r0:r1].long(), ke[r0:r1].long()
@@ -511,6 +513,22 @@ def chunked_topk(
         starts = (chunk_ks - lo).clamp(0, hi - lo)
         ends = torch.where(nonempty, chunk_ke - lo, starts)
         out[r0:r1] = chunk_topk(RowChunk(r0, r1, lo, hi, starts, ends))
+    return out
+
+
+def _chunked_topk_by_sizes(ks: Tensor, ke: Tensor, S_kv: int, topk: int, rows: int, out: Tensor,
+                           chunk_topk: Callable[[RowChunk], Tensor]) -> Tensor:
+    """``chunked_topk``'s loop planned from the sizes alone (``glm_dsa.syncfree``): each chunk
+    spans every key column ``[0, S_kv)`` rather than its rows' span, and is scored unless no
+    row can have more than ``topk`` keys (``S_kv ≤ topk``). Each row's result is the eager
+    loop's: the same windows, relative to column 0 (the eager span also starts there for a
+    batch's first request), and a row with ``≤ topk`` keys gives ``0 … len − 1`` either way."""
+    if S_kv <= topk:
+        out[:] = _prefix_indices(ke.long() - ks.long(), topk)
+        return out
+    for r0 in range(0, ks.shape[0], rows):
+        r1 = min(ks.shape[0], r0 + rows)
+        out[r0:r1] = chunk_topk(RowChunk(r0, r1, 0, S_kv, ks[r0:r1].long(), ke[r0:r1].long()))
     return out
 
 

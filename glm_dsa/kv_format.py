@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm_dsa import syncfree
 from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast, raw_scale
 
 __all__ = [
@@ -54,6 +55,11 @@ def _check_slots(slots: Tensor, num_slots: int) -> None:
         )
     if slots.numel() == 0:
         return
+    if syncfree.active():
+        syncfree.check((slots.min() >= 0) & (slots.max() < num_slots),
+                       f"a slot is outside the pool of {num_slots} slots [0, {num_slots}); "
+                       "allocate more pages or fix the slot mapping")
+        return
     lo, hi = int(slots.min()), int(slots.max())
     if lo < 0 or hi >= num_slots:
         bad = lo if lo < 0 else hi
@@ -65,6 +71,11 @@ def _check_slots(slots: Tensor, num_slots: int) -> None:
 
 def _check_unique(slots: Tensor) -> None:
     # Two writes to one slot would leave whichever the backend happened to apply last.
+    if syncfree.active():
+        ordered = slots.sort().values
+        syncfree.check((ordered[1:] != ordered[:-1]).all(),
+                       "slots to store must be distinct; one slot was written twice")
+        return
     if slots.numel() != torch.unique(slots).numel():
         raise ValueError("slots to store must be distinct; one slot was written twice")
 
@@ -191,8 +202,7 @@ def mla_kv_quantize(c: Tensor, k_pe: Tensor, scale_fmt: str | None = "ue8m0") ->
         raise ValueError(f"scale_fmt={scale_fmt!r} must be None (fp32 amax/448) or 'ue8m0'")
     n, rank = c.shape
     mla_kv_row_bytes(rank, k_pe.shape[1], "fp8")  # validates the tile multiple
-    if not bool(torch.isfinite(c).all()):
-        raise ValueError("mla_kv_quantize got NaN or inf in c; fix the producer of the latent")
+    syncfree.check(torch.isfinite(c).all(), "mla_kv_quantize got NaN or inf in c; fix the producer of the latent")
     compute = torch.promote_types(c.dtype, torch.float32)
     tiles = c.to(compute).reshape(n, rank // MLA_TILE, MLA_TILE)
     amax = tiles.abs().amax(dim=-1)

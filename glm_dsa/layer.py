@@ -117,6 +117,15 @@ class DecoderLayer(nn.Module):
             ``(out [n, hidden], topk_indices)``: the top-k this layer used, for the next shared
             layer.
         """
+        h, topk_indices = self.attention_block(x, step, topk_indices)
+        return self.ffn_block(h, step), topk_indices
+
+    def attention_block(
+        self, x: torch.Tensor, step: StepContext, topk_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first half of ``forward``: ``(h = x + attn(input_layernorm(x)) [n, hidden],
+        topk_indices)``, this step's KV (and index K) written. ``glm_dsa.graphs`` captures the
+        halves as separate pieces where the FFN cannot be captured."""
         attn, batch, cache, cp_chunk = self.self_attn, step.batch, step.cache, step.cp_chunk
         timer = _Timer(step.times, x.device)
         timer.start()
@@ -134,9 +143,15 @@ class DecoderLayer(nn.Module):
         h = x + step.backend.attend(attn, proj, cache, self.layer_idx, batch, topk_indices,
                                     step.budgets.attention_bytes)
         timer.stop("attention")
-        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, batch.positions)
+        return h, topk_indices
+
+    def ffn_block(self, h: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The second half of ``forward``: ``h + ffn(post_attention_layernorm(h))`` ``[n, hidden]``."""
+        timer = _Timer(step.times, h.device)
+        timer.start()
+        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, step.batch.positions)
         timer.stop("moe")
-        return out, topk_indices
+        return out
 
     def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None,
              positions: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from glm_dsa import invariant
+from glm_dsa import graphs, invariant
 from glm_dsa.backend import Backend, get_backend
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
@@ -91,6 +91,7 @@ class StepRecord:
     indexer: float
     attention: float
     moe: float
+    cuda_graph: bool = False  # replayed from CUDA graphs: no per-component split (all 0)
 
 
 def _ceil_page(n: int, page: int) -> int:
@@ -182,6 +183,13 @@ class PrefillEngine:
             attention at every length (``glm_dsa.invariant``), so a request's outputs are
             bitwise the same whatever the chunk size, the requests sharing its steps and its
             prefix-cache hits (same device, library and thread count). Reference backend only.
+        cuda_graphs: replay steps of up to ``graphs.MAX_GRAPH_TOKENS`` tokens over up to
+            ``graphs.MAX_GRAPH_CONTEXT`` context rows from CUDA graphs captured per padded
+            bucket (``glm_dsa.graphs``; the results are the eager step's on the padded inputs).
+            None (default): on wherever it can run — CUDA, the triton backend, one rank, no
+            ``layer_outputs``; True there or a ValueError saying why not; False: every step
+            eager. Steps from graphs have no per-component ``timing`` split. The pool gets
+            ``graphs.max_padding`` scratch slots more, outside the allocator, for padded rows.
     """
 
     pages_peak: int  # most pages in use at once since the last reset_stats
@@ -200,6 +208,7 @@ class PrefillEngine:
         backend: str | Backend = "auto",
         layer_outputs: bool = False,
         batch_invariant: bool = False,
+        cuda_graphs: bool | None = None,
     ) -> None:
         cfg = model.config
         if layer_outputs and cp_group is not None:
@@ -220,13 +229,26 @@ class PrefillEngine:
             raise ValueError(f"batch_invariant=True needs backend='reference' (the {self.backend.name} "
                              "kernels are not batch-invariant)")
         self.batch_invariant = batch_invariant
-        self.cache = KVCache(cfg, num_pages, kv_dtype, self.device)
+        why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,
+                                     layer_outputs=layer_outputs)
+        if cuda_graphs and why_not:
+            raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")
+        use_graphs = why_not is None and cuda_graphs is not False
+        scratch = graphs.max_padding(graphs.MAX_GRAPH_TOKENS, cfg.page_size) if use_graphs else 0
+        scratch_pages = -(-scratch // cfg.page_size)
+        self.cache = KVCache(cfg, num_pages + scratch_pages, kv_dtype, self.device)
         self.allocator = PageAllocator(num_pages)
         self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if prefix_caching else None
         self.chunked_prefill_size = chunked_prefill_size
         if not isinstance(budget_bytes, Budgets):
             budget_bytes = Budgets.default(self.device, budget_bytes)
         self.budgets = budget_bytes
+        # The scratch pages follow the allocator's: padded rows of a graph step write there.
+        self.graphs = graphs.StepGraphs(
+            model.model, self.cache, self.budgets, self.backend,
+            torch.arange(num_pages * cfg.page_size, (num_pages + scratch_pages) * cfg.page_size,
+                         device=self.device),
+        ) if use_graphs else None
         self.compute_logits = compute_logits
         self.timing = timing
         self.cp_group = cp_group
@@ -339,7 +361,11 @@ class PrefillEngine:
         t0 = time.perf_counter()
         step = StepContext(batch, cache, self.budgets, self.backend, times=times)
         with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
-            if self.cp_group is None:
+            from_graph = self.graphs is not None and self.graphs.fits(batch)
+            if from_graph:
+                assert self.graphs is not None
+                hidden = self.graphs.run(inputs, batch)
+            elif self.cp_group is None:
                 with self._layer_capture(plan, batch):
                     hidden = self.model.model(inputs, step)
             else:
@@ -361,7 +387,7 @@ class PrefillEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - t0
-        t = times or LayerTimes()
+        t = LayerTimes() if times is None or from_graph else times
         record = StepRecord(
             step=len(self.timeline) + 1,
             chunks=tuple((r.rid, p, p + e) for (r, e), p in zip(plan, prefix_lens)),
@@ -371,6 +397,7 @@ class PrefillEngine:
             indexer=t.indexer,
             attention=t.attention,
             moe=t.moe,
+            cuda_graph=from_graph,
         )
         self.timeline.append(record)
         for req, _ in plan:
@@ -490,6 +517,8 @@ class PrefillEngine:
                 "bytes_written_index_k": written["index_k"],
             },
         }
+        if self.graphs is not None:
+            report["cuda_graphs"] = self.graphs.report()
         if self.cp_group is not None:
             g = self.cp_group
             report["context_parallel"] = {"cp": g.size, "split": g.split, "ranks": g.stats()}
@@ -559,4 +588,5 @@ def _step_json(s: StepRecord, rids: Sequence[int]) -> dict:
         "attention_s": s.attention,
         "moe_s": s.moe,
         "projections_s": s.projections,
+        "cuda_graph": s.cuda_graph,
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm_dsa import syncfree
 from glm_dsa.kv_format import index_k_page_bytes
 
 __all__ = [
@@ -53,6 +54,9 @@ def check_ranges(ks: Tensor, ke: Tensor, num_cols: int, what: str) -> None:
     """Every row's window satisfies ``0 ≤ ks ≤ ke ≤ num_cols`` (``what`` names ``num_cols``);
     the first bad row is named."""
     bad = (ks < 0) | (ks > ke) | (ke > num_cols)
+    if syncfree.active():
+        syncfree.check(~bad.any(), f"a row's [ks, ke) breaks 0 ≤ ks ≤ ke ≤ {what}={num_cols}")
+        return
     if bool(bad.any()):
         m = int(bad.nonzero()[0, 0])
         raise ValueError(
