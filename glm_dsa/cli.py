@@ -154,6 +154,10 @@ def _add_prefill(sub) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same outputs for a request whatever the chunk size and the requests "
                         "sharing its steps (reference backend; README, Chunked prefill)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay steps of up to 16,384 tokens from CUDA graphs captured per padded token bucket "
+                        "(default: on with the triton backend on CUDA, one rank, no --save-layer-outputs; "
+                        "such steps print no per-component split)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
     p.add_argument("--input-hidden", metavar="FILE.safetensors",
@@ -349,6 +353,17 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     if args.batch_invariant and args.backend in ("triton", "peers"):
         raise ValueError(f"--batch-invariant runs the reference backend; drop --backend {args.backend}")
     device = check_device("--device", args.device)
+    if args.cuda_graphs:
+        from glm_dsa.cp import launched_by_torchrun
+        from glm_dsa.graphs import unsupported
+
+        backend = "reference" if args.batch_invariant else args.backend
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "reference"
+        why = unsupported(device, backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
+                          layer_outputs=args.save_layer_outputs)
+        if why:
+            raise ValueError(f"--cuda-graphs: {why}; drop the flag")
     if args.requests < 1:
         raise ValueError(f"--requests {args.requests} must be ≥ 1")
     if args.budget_bytes is not None and args.budget_bytes < 1:
@@ -535,7 +550,7 @@ def _run_prefill(args) -> int:
         chunked_prefill_size=args.chunk,
         budget_bytes=Budgets.default(device, args.budget_bytes, args.mem_fraction_static),
         timing=True, cp_group=cp_group, backend=backend, layer_outputs=args.save_layer_outputs,
-        batch_invariant=args.batch_invariant)
+        batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
             for p in prompts]
@@ -598,7 +613,8 @@ def _format_prefill_report(report: dict) -> str:
          "moe s", "projections s", "total s"],
         [[str(s["step"]), " ".join(f"{c['request']}:{c['start']}-{c['end'] - 1}" for c in s["chunks"]),
           " ".join(str(p) for p in s["prefix_at_start"]),
-          *(f"{s[k]:.4f}" for k in ("indexer_s", "attention_s", "moe_s", "projections_s", "seconds"))]
+          *(("—" if s.get("cuda_graph") else f"{s[k]:.4f}") for k in
+            ("indexer_s", "attention_s", "moe_s", "projections_s")), f"{s['seconds']:.4f}"]
          for s in report["steps"]],
     )
     usage = report["cache"]
@@ -611,6 +627,15 @@ def _format_prefill_report(report: dict) -> str:
         ["main KV bytes written", f"{usage['bytes_written_main_kv']:,}"],
         ["index-K bytes written", f"{usage['bytes_written_index_k']:,}"],
     ])]
+    if report.get("cuda_graphs", {}).get("graphs"):
+        g = report["cuda_graphs"]
+        blocks.append(table(
+            f"CUDA graphs (steps marked — in the timeline replayed them; {g['replays']} replays, "
+            f"pool {g['pool_bytes'] / 1e6:.1f} MB)",
+            ["tokens", "context rows", "pieces (graph / eager)", "capture s", "pool MB"],
+            [[str(b["tokens"]), str(b["context"]), f"{b['graph_pieces']} / {b['eager_pieces']}",
+              f"{b['capture_seconds']:.3f}", f"{b['pool_bytes'] / 1e6:.1f}"] for b in g["graphs"]],
+        ))
     if "context_parallel" in report:
         cp = report["context_parallel"]
         blocks.append(table(

@@ -90,13 +90,14 @@ def _bucket_floors(max_tokens: int, page_size: int) -> list[int]:
     return floors
 
 
-def unsupported(device: torch.device, backend: Backend, *, timing_split: bool = False,
-                cp: bool = False, layer_outputs: bool = False) -> str | None:
-    """Why steps of this engine cannot run from CUDA graphs, or None when they can."""
+def unsupported(device: torch.device, backend: str, *, cp: bool = False,
+                layer_outputs: bool = False) -> str | None:
+    """Why steps on ``device`` with the backend named ``backend`` cannot run from CUDA graphs
+    (one line), or None when they can."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
-    if backend.name not in GRAPH_BACKENDS:
-        return (f"the {backend.name} backend reads values on the host during a step; CUDA graphs need "
+    if backend not in GRAPH_BACKENDS:
+        return (f"the {backend} backend reads values on the host during a step; CUDA graphs need "
                 f"backend {' or '.join(GRAPH_BACKENDS)}")
     if cp:
         return "context parallel steps communicate between ranks; CUDA graphs run one rank"

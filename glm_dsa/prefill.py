@@ -229,7 +229,7 @@ class PrefillEngine:
             raise ValueError(f"batch_invariant=True needs backend='reference' (the {self.backend.name} "
                              "kernels are not batch-invariant)")
         self.batch_invariant = batch_invariant
-        why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,
+        why_not = graphs.unsupported(self.device, self.backend.name, cp=cp_group is not None,
                                      layer_outputs=layer_outputs)
         if cuda_graphs and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")

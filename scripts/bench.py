@@ -299,11 +299,13 @@ def _index_topk(model: torch.nn.Module, hf: torch.nn.Module | None, topk: int):
 
 
 def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: int = 32768,
-              backend: str = "reference"):
-    """One chunked prefill of ``ids``: (seconds, peak bytes, hidden [L, hidden] on the GPU, engine)."""
-    engine = PrefillEngine.for_prompts(model, [ids.numel()], kv_dtype=kv_dtype, chunked_prefill_size=chunk,
-                                       prefix_caching=False, compute_logits=False, timing=timing,
-                                       backend=backend)
+              backend: str = "reference", engine: PrefillEngine | None = None, cuda_graphs: bool | None = None):
+    """One chunked prefill of ``ids``: (seconds, peak bytes, hidden [L, hidden] on the GPU, engine).
+    ``engine``: reuse it (its cache and captured CUDA graphs), as a server does; else a new one."""
+    if engine is None:
+        engine = PrefillEngine.for_prompts(model, [ids.numel()], kv_dtype=kv_dtype, chunked_prefill_size=chunk,
+                                           prefix_caching=False, compute_logits=False, timing=timing,
+                                           backend=backend, cuda_graphs=cuda_graphs)
     rid = engine.add_request(ids)
     _sync()
     torch.cuda.reset_peak_memory_stats()
@@ -313,14 +315,30 @@ def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: in
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated(), engine.output_hidden(rid), engine
 
 
+def _time_ours(model, ids: Tensor, backend: str, cuda_graphs: bool | None, reps: int = 2) -> dict:
+    """Best of ``reps`` prefills on one engine after a warm-up run on it (which captures its CUDA
+    graphs): seconds, peak bytes above what was allocated before the engine, hidden, engine."""
+    base = torch.cuda.memory_allocated()
+    warm = _run_ours(model, ids, "fp8", backend=backend, cuda_graphs=cuda_graphs)
+    engine = warm[3]
+    runs = [_run_ours(model, ids, "fp8", backend=backend, engine=engine) for _ in range(reps)]
+    graphs = engine.graphs.report() if engine.graphs is not None else None
+    return {"seconds": min(r[0] for r in runs), "peak": max(r[1] for r in runs) - base,
+            "first_seconds": warm[0], "hidden": runs[0][2], "engine": engine,
+            "from_graphs": all(s.cuda_graph for s in engine.timeline[-reps:]), "graphs": graphs}
+
+
 # One measurement script read top to bottom: build both models, then per length time, compare
 # and profile each; the steps share the models and the result dict (93 lines).
-def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = "reference") -> list[dict]:
+def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = "reference",
+                graphs: bool = True) -> list[dict]:
     """glm-dsa's chunked prefill against transformers' ``GlmMoeDsaModel`` (one full-width MoE layer
     with the indexer, bf16, sdpa) on the same weights, at each length in ``lengths``.
 
     Both run from token ids to the final-normed hidden states. ``rms_norm_eps`` is 1e-6 here so
-    that HF's latent norms (fixed at 1e-6) compute the same function as ours.
+    that HF's latent norms (fixed at 1e-6) compute the same function as ours. glm-dsa runs with
+    its default CUDA graphs (``graphs``; the triton backend) and eagerly, each on an engine reused
+    after a warm-up; the eager hidden states are compared with the graphs' bitwise.
     """
     from glm_dsa.hf import hf_model
     from glm_dsa.oracle import calc_diff
@@ -343,14 +361,26 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
         row: dict = {"tokens": n}
         captured.clear()
         with torch.no_grad():
-            _run_ours(model, ids, "fp8", backend=backend)  # warm-up
-            base = torch.cuda.memory_allocated()
-            runs = [_run_ours(model, ids, "fp8", backend=backend) for _ in range(2)]
-            row["ours_seconds"] = min(r[0] for r in runs)
-            row["ours_peak_gb"] = (max(r[1] for r in runs) - base + ours_w) / GB
-            ours_hidden = model.model.norm(runs[0][2])
+            # glm-dsa as configured (CUDA graphs by default on the triton backend), then eagerly;
+            # each engine is reused after a warm-up run, as a server reuses its engine and graphs.
+            eager = _time_ours(model, ids, backend, cuda_graphs=False)
             ours_topk = captured.get("ours")
-            engine = _run_ours(model, ids, "fp8", timing=True, backend=backend)[3]
+            row["ours_eager_seconds"] = eager["seconds"]
+            del eager
+            torch.cuda.empty_cache()
+            ours = _time_ours(model, ids, backend, cuda_graphs=None if graphs else False)
+            row["ours_seconds"] = ours["seconds"]
+            row["ours_peak_gb"] = (ours["peak"] + ours_w) / GB
+            row["ours_cuda_graphs"] = ours["from_graphs"]
+            row["ours_first_seconds"] = ours["first_seconds"]
+            if ours["graphs"] is not None:
+                row["graph_pool_gb"] = ours["graphs"]["pool_bytes"] / GB
+                row["graph_capture_seconds"] = sum(g["capture_seconds"] for g in ours["graphs"]["graphs"])
+            row["eager_over_graphs"] = row["ours_eager_seconds"] / row["ours_seconds"]
+            ours_hidden = model.model.norm(ours["hidden"])
+            row["graphs_equal_eager"] = torch.equal(ours["hidden"], _run_ours(
+                model, ids, "fp8", backend=backend, cuda_graphs=False)[2])
+            engine = _run_ours(model, ids, "fp8", timing=True, backend=backend, cuda_graphs=False)[3]
             s = engine.timeline[0]
             row["ours_components"] = {k: getattr(s, k) for k in ("projections", "indexer", "attention", "moe")}
             if profile:
@@ -358,13 +388,13 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
                 from torch.profiler import profile as prof
 
                 with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                    _run_ours(model, ids, "fp8", backend=backend)
+                    _run_ours(model, ids, "fp8", backend=backend, engine=ours["engine"])
                 with open(os.path.join(out_dir, f"profile_{n}.txt"), "w") as f:
                     for shapes in (False, True):
                         f.write(p.key_averages(group_by_input_shape=shapes).table(
                             sort_by="cuda_time_total", row_limit=40, max_name_column_width=90,
                             max_shapes_column_width=120))
-            del runs, engine
+            del ours, engine
             torch.cuda.empty_cache()
             dev_ids = ids.cuda()[None]
             try:
@@ -543,8 +573,8 @@ def render_markdown(res: dict) -> str:
         out.append("")
     hf = [r for r in res.get("hf", []) if "tokens" in r]
     if hf:
-        out += ["| tokens | glm-dsa | HF | HF time / glm-dsa time | glm-dsa peak | HF peak | agreement |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["| tokens | glm-dsa | glm-dsa eager | HF | HF time / glm-dsa time | glm-dsa peak | HF peak "
+                "| agreement |", "|---|---|---|---|---|---|---|---|"]
         for r in hf:
             if "hf_seconds" in r:
                 theirs = (_ms(r["hf_seconds"]), f"{r['speedup_vs_hf']:.2f}", f"{r['hf_peak_gb']:.1f} GB")
@@ -552,7 +582,9 @@ def render_markdown(res: dict) -> str:
                 theirs = (f"failed: {r.get('hf_error', '')[:90]}", "—", "—")
             agree = (f"top-k overlap {r['topk_overlap']:.1%} ({r['overlap_rows']:,} rows)" if "topk_overlap" in r
                      else f"calc_diff {r['calc_diff_fp8_kv']:.1e} (FP8 KV)" if "calc_diff_fp8_kv" in r else "—")
-            out.append(f"| {r['tokens']:,} | {_ms(r['ours_seconds'])} | {theirs[0]} | {theirs[1]} "
+            mode = " (graphs)" if r.get("ours_cuda_graphs") else ""
+            eager = _ms(r["ours_eager_seconds"]) if "ours_eager_seconds" in r else "—"
+            out.append(f"| {r['tokens']:,} | {_ms(r['ours_seconds'])}{mode} | {eager} | {theirs[0]} | {theirs[1]} "
                        f"| {r['ours_peak_gb']:.1f} GB | {theirs[2]} | {agree} |")
         for r in res["hf"]:
             if "equality" in r:
@@ -575,6 +607,9 @@ def main() -> int:
     ap.add_argument("--peer-queries", default="4096,32768", help="query rows of the peers part")
     ap.add_argument("--backend", choices=("reference", "triton"), default="reference",
                     help="the engine's indexer top-k and sparse attention (prefill and hf parts)")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="hf part: glm-dsa's timed runs with the engine's default CUDA graphs (on the triton "
+                         "backend); the eager time is measured beside them either way")
     args = ap.parse_args()
     if not os.path.isdir(args.out) or not os.access(args.out, os.W_OK | os.X_OK):
         ap.error(f"--out {args.out} is not a writable directory; create it first (mkdir -p {args.out})")
@@ -633,7 +668,7 @@ def main() -> int:
             save()
     if "hf" in parts:
         res["hf"] = bench_vs_hf([int(n) for n in args.hf_tokens.split(",")], args.out, args.profile,
-                                args.backend)
+                                args.backend, args.cuda_graphs)
         save()
     return 0
 

@@ -71,6 +71,9 @@ def test_markdown_tables_quote_the_json_figures_and_mark_an_unfinished_prefill()
         "hf": [
             {"tokens": 8192, "ours_seconds": 0.2, "ours_peak_gb": 27.6, "hf_seconds": 0.08,
              "hf_peak_gb": 40.6, "speedup_vs_hf": 0.4, "topk_overlap": 0.984, "overlap_rows": 6144},
+            {"tokens": 2048, "ours_seconds": 0.012, "ours_eager_seconds": 0.021, "ours_cuda_graphs": True,
+             "ours_peak_gb": 24.6, "hf_seconds": 0.0155, "hf_peak_gb": 23.2, "speedup_vs_hf": 1.29,
+             "calc_diff_fp8_kv": 7.2e-4},
             {"tokens": 24576, "ours_seconds": 0.63, "ours_peak_gb": 35.8, "hf_error": "CUDA out of memory."},
             {"equality": {"tokens": 2048, "index_topk": 2048, "calc_diff": 5.5e-4, "max_abs_diff": 1.2,
                           "max_abs": 5.9}},
@@ -80,8 +83,10 @@ def test_markdown_tables_quote_the_json_figures_and_mark_an_unfinished_prefill()
     assert "torch 2.11.0+cu130, transformers 5.17.0" in md
     assert "| 65,536 | 2 | 2.00 s | 200.0 ms | 1.20 s | 600.0 ms | 100.0 ms | 30.0 GB | 100.0 ms | 20× |" in md
     assert "| 1,048,576 | 1 (to 32,768) | 300.00 s |" in md and "| 41.5 GB | 3.00 s | — |" in md
-    assert "| 8,192 | 200.0 ms | 80.0 ms | 0.40 | 27.6 GB | 40.6 GB | top-k overlap 98.4% (6,144 rows) |" in md
-    assert "| 24,576 | 630.0 ms | failed: CUDA out of memory. | — |" in md
+    assert "| 8,192 | 200.0 ms | — | 80.0 ms | 0.40 | 27.6 GB | 40.6 GB | top-k overlap 98.4% (6,144 rows) |" in md
+    assert ("| 2,048 | 12.0 ms (graphs) | 21.0 ms | 15.5 ms | 1.29 | 24.6 GB | 23.2 GB | calc_diff 7.2e-04 (FP8 KV) |"
+            in md)
+    assert "| 24,576 | 630.0 ms | — | failed: CUDA out of memory. | — |" in md
     assert "calc_diff 5.5e-04" in md
 
 
