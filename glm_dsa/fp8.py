@@ -43,7 +43,8 @@ def raw_scale(amax: Tensor) -> Tensor:
     product is one IEEE multiplication on CPU and CUDA alike. It differs from the quotient
     ``amax / 448`` by at most one ulp (in about half of the blocks of random data).
     """
-    recip = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=amax.dtype, device=amax.device)
+    # A fill on the device, not a host-to-device copy (which a CUDA graph cannot capture).
+    recip = torch.full((), 1.0 / FP8_E4M3_MAX, dtype=amax.dtype, device=amax.device)
     return amax * recip
 
 

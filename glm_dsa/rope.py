@@ -7,6 +7,7 @@ turns by ``position * inv_freq[i]`` with ``inv_freq[i] = theta**(-2i / rotary_di
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -56,6 +57,14 @@ def rope_inv_freq(
     return inv_freq / y.factor * (1.0 - keep) + inv_freq * keep
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq_on(rotary_dim: int, rope_theta: float, rope_scaling: YarnScaling | None,
+                 device: torch.device) -> Tensor:
+    """``rope_inv_freq`` on ``device``, copied there once: a step captured in a CUDA graph may not
+    copy from the host."""
+    return rope_inv_freq(rotary_dim, rope_theta, rope_scaling).to(device)
+
+
 def rope_cos_sin(
     positions: Tensor,
     rotary_dim: int,
@@ -76,7 +85,7 @@ def rope_cos_sin(
         )
     if not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} must be a floating-point dtype")
-    inv_freq = rope_inv_freq(rotary_dim, rope_theta, rope_scaling).to(positions.device)
+    inv_freq = _inv_freq_on(rotary_dim, rope_theta, rope_scaling, positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq  # [n, rotary_dim // 2]
     cos, sin = angles.cos(), angles.sin()
     if rope_scaling is not None:
