@@ -494,8 +494,10 @@ class PrefillEngine:
         """The run since the last ``reset_stats`` as a JSON-ready dict: ``requests`` (tokens,
         cached), ``budget_bytes`` (the logits budget), ``attention_budget_bytes``,
         ``total_seconds``, ``steps`` (each request named by its index in ``rids``), ``cache``
-        usage in pages and bytes, and under CP ``context_parallel`` with every rank's counters
-        (a collective: every rank must call it)."""
+        usage in pages and bytes (the pools' bytes include the scratch pages of CUDA-graph
+        padding), with CUDA graphs ``cuda_graphs`` (``graphs.StepGraphs.report``: per bucket its
+        capture seconds and pool memory), and under CP ``context_parallel`` with every rank's
+        counters (a collective: every rank must call it)."""
         cache, page = self.cache, self.config.page_size
         written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
         pool = cache.pool_bytes()
