@@ -787,7 +787,7 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
     # _preflight_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
     p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None,
-                   batch_invariant=False)
+                   batch_invariant=False, cuda_graphs=None)
 
 
 def build_parser() -> argparse.ArgumentParser:

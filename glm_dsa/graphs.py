@@ -118,6 +118,15 @@ class _Piece:
     verdicts: Tensor | None = None
 
 
+def _hooked(model: torch.nn.Module) -> bool:
+    """Any forward (pre-)hook on ``model``'s modules, or a global one."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def _raise_first(pieces: list[_Piece]) -> None:
     """The first failed data check of the replayed ``pieces`` as its ValueError (one copy)."""
     if not pieces:
@@ -226,6 +235,9 @@ class _BucketGraph:
                 state = self._run_piece_eagerly(piece, state)
         torch.cuda.current_stream(self.cache.device).wait_stream(side)
         torch.cuda.synchronize(self.cache.device)
+        # Without the warm-up's cached blocks (a capture empties the cache itself), so that the
+        # growth of the reserved memory is what the graphs' pool took.
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved(self.cache.device)
         for i, (piece, before) in enumerate(zip(self.pieces, shapes)):
             if piece.checks is None:
@@ -296,8 +308,11 @@ class StepGraphs:
         self.replays = 0
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """True when ``batch``'s step runs from graphs (its sizes are within the limits)."""
-        return batch.num_tokens <= self.max_tokens and batch.kv_slots.numel() <= self.max_context
+        """True when ``batch``'s step runs from graphs: its sizes are within the limits and no
+        module of the model has a forward hook (a replay runs no Python, so a hook would see
+        the capture's tensors once and never again; ``glm_dsa.fidelity`` hooks the layers)."""
+        return (batch.num_tokens <= self.max_tokens and batch.kv_slots.numel() <= self.max_context
+                and not _hooked(self.model))
 
     def _bucket(self, inputs: Tensor, batch: ForwardBatch) -> _BucketGraph:
         page = self.model.config.page_size

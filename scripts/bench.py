@@ -351,8 +351,7 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
     ours_w, hf_w = _param_bytes(model), _param_bytes(hf)
     print(f"hf: weights ours {ours_w / GB:.1f} GB, HF {hf_w / GB:.1f} GB (shared)", flush=True)
     captured: dict[str, Tensor] = {}
-    model.model.layers[0].self_attn.indexer.register_forward_hook(
-        lambda m, a, out: captured.__setitem__("ours", out))
+    indexer = model.model.layers[0].self_attn.indexer
     hf.layers[0].self_attn.indexer.register_forward_hook(
         lambda m, a, out: captured.__setitem__("hf", out[0]))  # [B=1, S, topk] -> [S, topk]
     rows = []
@@ -363,7 +362,10 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
         with torch.no_grad():
             # glm-dsa as configured (CUDA graphs by default on the triton backend), then eagerly;
             # each engine is reused after a warm-up run, as a server reuses its engine and graphs.
+            # The top-k is read by a hook, on the eager runs only: a module with a hook runs eagerly.
+            hook = indexer.register_forward_hook(lambda m, a, out: captured.__setitem__("ours", out))
             eager = _time_ours(model, ids, backend, cuda_graphs=False)
+            hook.remove()
             ours_topk = captured.get("ours")
             row["ours_eager_seconds"] = eager["seconds"]
             del eager
