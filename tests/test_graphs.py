@@ -210,7 +210,7 @@ def _prefill(model, prompts, chunk, graphs, engine=None, prefix=None):
 def test_graphs_replay_equals_eager_bitwise(lengths, chunk, prefix):
     """Every context within ``index_topk``, where the eager step is deterministic (the triton
     select keeps every key, in order): replayed steps give the eager bits, padded or not."""
-    model = _small_cuda(index_topk=2048)
+    model = _small_cuda(index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
     cfg = model.config
     g = torch.Generator().manual_seed(0)
     pre = torch.randint(0, cfg.vocab_size, (prefix,), generator=g) if prefix else None

@@ -189,6 +189,24 @@ def test_glm_shape_fp8_on_gpu_matches_oracle_on_dequantized_rows():
     _check(got, want, SPARSE_OUT_TOL, SPARSE_STAT_TOL)
 
 
+@pytest.mark.cuda
+def test_fp8_rows_not_a_multiple_of_16_bytes_over_several_tiles():
+    """164-byte FP8 rows (latent 128 + RoPE 16, the ``small`` config) and 512 indices, several key
+    tiles: the next tile's L2 prefetch needs 16-byte rows, so it is off here (it faulted)."""
+    from glm_dsa.kv_format import mla_kv_dequantize, mla_kv_quantize
+
+    g = torch.Generator().manual_seed(3)
+    s_q, h, s_kv, topk = 8, 4, 1024, 512
+    latent = torch.randn(s_kv, 144, generator=g) * BF16_STD
+    rows = mla_kv_quantize(latent[:, :128], latent[:, 128:])                 # uint8 [s_kv, 164]
+    kv = mla_kv_dequantize(rows, 128, 16).to(torch.bfloat16)[:, None, :]
+    q = (torch.randn(s_q, h, 144, generator=g) * BF16_STD).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(s_kv, generator=g)[:topk] for _ in range(s_q)])[:, None, :].to(torch.int32)
+    want = oracle.flash_mla_sparse_fwd(q, kv, idx, 1 / 16, 128)
+    got = sparse_mla_fwd_fp8(*_dev(q, rows, idx), 1 / 16, 128)
+    _check(got, want, SPARSE_OUT_TOL, SPARSE_STAT_TOL)
+
+
 def test_flash_mla_sparse_fwd_passes_the_harness():
     cases = len(testing.edge_case_names("flash_mla_sparse_fwd")) + 1  # every named edge, one random
     report = testing.check_kernel("flash_mla_sparse_fwd", flash_mla_sparse_fwd, cases=cases,

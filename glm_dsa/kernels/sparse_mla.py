@@ -253,6 +253,7 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
     sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
     lengths = None if topk_length is None else topk_length.contiguous()
     idx = indices[:, 0, :]
+    row_bytes = kv_rows.shape[-1] * kv_rows.element_size()
     grid = lambda meta: (s_q * triton.cdiv(h_q, meta["BLOCK_H"]),)  # noqa: E731
     _sparse_mla_fwd_kernel[grid](
         q, kv_rows, idx, out, max_logits, lse,
@@ -267,8 +268,10 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STATIC_TOPK=topk if _INTERPRET else 0,
         ROUND_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16,
-        # The interpreter has no PTX; prefetching changes no value.
-        PREFETCH=not _INTERPRET, ROW_BYTES=kv_rows.shape[-1] * kv_rows.element_size(),
+        # The interpreter has no PTX; prefetching changes no value. The bulk prefetch takes
+        # 16-byte aligned rows of a multiple of 16 bytes (656-byte FP8 rows are; the 164-byte rows
+        # of a 128 + 16 latent are not, and faulted with a misaligned address on the H200).
+        PREFETCH=not _INTERPRET and row_bytes % 16 == 0, ROW_BYTES=row_bytes,
     )
     return out, max_logits, lse
 
