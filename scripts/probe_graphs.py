@@ -143,6 +143,11 @@ def part_equal(out: str) -> list[dict]:
     return rows
 
 
+def _calc_diff(x, y) -> float:
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
 def part_time(out: str, tokens: list[int], reps: int) -> list[dict]:
     from bench import _one_layer_model
 
@@ -167,11 +172,16 @@ def part_time(out: str, tokens: list[int], reps: int) -> list[dict]:
                     times.append(time.perf_counter() - t0)
                 row[f"{'graphs' if graphs else 'eager'}_s"] = times
                 outs[graphs] = hidden[0]
+                if not graphs:
+                    outs["eager_first"] = first[0]
                 if graphs:
                     row["report"] = engine.graphs.report()
                 del engine
                 torch.cuda.empty_cache()
         row["equal"] = torch.equal(outs[False], outs[True])
+        row["eager_equal_eager"] = torch.equal(outs[False], outs["eager_first"])
+        row["calc_diff_graphs_eager"] = _calc_diff(outs[False], outs[True])
+        row["calc_diff_eager_eager"] = _calc_diff(outs[False], outs["eager_first"])
         row["max_abs_diff"] = float((outs[False].float() - outs[True].float()).abs().max())
         row["eager_over_graphs"] = min(row["eager_s"]) / min(row["graphs_s"])
         print("time", json.dumps(row), flush=True)
