@@ -131,7 +131,7 @@ def _raise_first(pieces: list[_Piece]) -> None:
     """The first failed data check of the replayed ``pieces`` as its ValueError (one copy)."""
     if not pieces:
         return
-    flat = torch.cat([p.verdicts for p in pieces]).tolist()
+    flat = torch.cat([p.verdicts for p in pieces if p.verdicts is not None]).tolist()
     for piece in pieces:
         assert piece.checks is not None
         k = len(piece.checks.flags)
