@@ -200,6 +200,13 @@ def _prefill(model, prompts, chunk, graphs, engine=None, prefix=None):
     return [engine.output_hidden(r) for r in rids], engine
 
 
+def _padded_eager(engine: PrefillEngine) -> PrefillEngine:
+    """``engine`` running each graph step's padded inputs eagerly (what its graphs replay)."""
+    assert engine.graphs is not None
+    engine.graphs.run = engine.graphs.run_eager  # type: ignore[method-assign]
+    return engine
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("lengths, chunk, prefix", [
     ([2048], 2048, 0),                # one request on a bucket
@@ -209,7 +216,10 @@ def _prefill(model, prompts, chunk, graphs, engine=None, prefix=None):
 ])
 def test_graphs_replay_equals_eager_bitwise(lengths, chunk, prefix):
     """Every context within ``index_topk``, where the eager step is deterministic (the triton
-    select keeps every key, in order): replayed steps give the eager bits, padded or not."""
+    select keeps every key, in order). Replayed steps give the bits of the same padded steps run
+    eagerly. Against the unpadded eager engine they are bitwise where no step was padded; a padded
+    step hands cuBLAS more rows, which may round real rows otherwise (on the H200, 2026-12-01,
+    one request of 1000 and of 2000 tokens came out bitwise; the three requests did not)."""
     model = _small_cuda(index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
     cfg = model.config
     g = torch.Generator().manual_seed(0)
@@ -217,19 +227,32 @@ def test_graphs_replay_equals_eager_bitwise(lengths, chunk, prefix):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
     if pre is not None:
         prompts = [torch.cat([pre, p[prefix:]]) for p in prompts]
+    lengths_run = [p.numel() for p in prompts] + ([pre.numel()] if pre is not None else [])
     with torch.no_grad():
         eager, _ = _prefill(model, prompts, chunk, False, prefix=pre)
         graph, engine = _prefill(model, prompts, chunk, True, prefix=pre)
+        padded = PrefillEngine.for_prompts(model, lengths_run, chunked_prefill_size=chunk, compute_logits=False,
+                                           prefix_caching=pre is not None, cuda_graphs=True)
+        if pre is not None:
+            _padded_eager(padded).warm_up(pre)
+        padded_eager, _ = _prefill(model, prompts, chunk, None, engine=_padded_eager(padded))
     assert all(s.cuda_graph for s in engine.timeline)
-    for a, b in zip(eager, graph):
+    for a, b in zip(padded_eager, graph):
         assert torch.equal(a, b)
+    sizes = [sum(e - s for _, s, e in st.chunks) for st in engine.timeline]
+    unpadded = all(token_bucket(n, cfg.page_size) == n for n in sizes)
+    for a, b in zip(eager, graph):
+        if unpadded:
+            assert torch.equal(a, b)
+        # Rounding, or a MoE routing near-tie flipped by it, on a few rows; misplaced rows are ~1.
+        assert _calc_diff(a, b) < 1e-2
     report = engine.report(list(engine.finished))["cuda_graphs"]
     assert report["graphs"] and report["pool_bytes"] > 0
     if pre is None:  # the same engine again: replays only, the same bits
         with torch.no_grad():
             again, _ = _prefill(model, prompts, chunk, None, engine=engine)
         assert engine.report(list(engine.finished))["cuda_graphs"]["graphs"] == report["graphs"]
-        for a, b in zip(eager, again):
+        for a, b in zip(graph, again):
             assert torch.equal(a, b)
 
 
