@@ -360,7 +360,9 @@ def _kernel_logits(q, w, k, k_scale, ks, ke):
     logits = torch.full((S, N), NEG_INF, device=DEV)
     for m in range(S):
         n = int(ke[m] - ks[m])
-        logits[m, int(ks[m]) + cols[m, :n].long()] = raw[m, :n]
+        seen = cols[m, :n].long()
+        assert torch.equal(seen.sort().values, torch.arange(n, device=DEV)), m  # each key once
+        logits[m, int(ks[m]) + seen] = raw[m, :n]
     return logits
 
 

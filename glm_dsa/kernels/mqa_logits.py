@@ -261,7 +261,7 @@ def _mqa_candidates_kernel(
 
     Entry ``(i, j)`` of row i's window with ``not (logit < thr[i])`` (NaN included) is appended
     to row i's candidate buffer (its order key as int32 bits and ``j − ks[i]``) at a slot taken
-    from ``counters[i, 0]``; a tile reserves one block of slots per row with one atomic. Slots
+    from ``counters[i, 0]`` by an atomic add. Slots
     past ``cand`` are counted but not written, so the count tells the caller the buffer
     overflowed (``cand`` slots a row). Nothing else is stored: the logits never reach memory.
     """
@@ -277,6 +277,7 @@ def _mqa_candidates_kernel(
     q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
     d = tl.arange(0, DP)
     cand_off = rows.to(tl.int64) * cand
+    count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * 4, (BLOCK_N, BLOCK_M))
     for t in tl.range(c0, c1):
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_keys
@@ -285,16 +286,13 @@ def _mqa_candidates_kernel(
         k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
         logits = _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
-        take = (inside & ~(logits < thr[None, :])).to(tl.int32)  # [BLOCK_N, BLOCK_M]
-        per_row = tl.sum(take, axis=0)
-        if tl.sum(per_row, axis=0) > 0:
-            base = tl.atomic_add(counters_ptr + rows * 4, per_row, mask=per_row > 0,
-                                 sem="relaxed")
-            slot = base[None, :] + tl.cumsum(take, axis=0) - take
-            ok = (take > 0) & (slot < cand)
-            at = cand_off[None, :] + slot
-            tl.store(cand_key_ptr + at, order_keys(logits).to(tl.int32, bitcast=True), mask=ok)
-            tl.store(cand_idx_ptr + at, cols[:, None] - ks[None, :], mask=ok)
+        take = inside & ~(logits < thr[None, :])  # [BLOCK_N, BLOCK_M]
+        # One atomic per kept entry, none for the rest: no reduction across warps per tile.
+        slot = tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed")
+        ok = take & (slot < cand)
+        at = cand_off[None, :] + slot
+        tl.store(cand_key_ptr + at, order_keys(logits).to(tl.int32, bitcast=True), mask=ok)
+        tl.store(cand_idx_ptr + at, cols[:, None] - ks[None, :], mask=ok)
 
 
 _KEY = ["HP", "DP", "size_class"]
