@@ -331,7 +331,9 @@ def main(argv=None) -> int:
                                      "traceback": traceback.format_exc()}  # fmt: skip
         report["parts"][name]["wall_s"] = time.perf_counter() - t0
         torch.cuda.empty_cache()
-        print(f"{name:12s} {json.dumps(report['parts'][name], default=str)[:600]}", flush=True)
+        print(f"{name:12s} {json.dumps(report['parts'][name], default=str)[:1500]}", flush=True)
+        # Written after every part, so that a run stopped by its time limit keeps what it finished.
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
 
     print("\n| part | ms | TFLOP/s | DeepGEMM TFLOP/s | ratio | calc_diff | masks |")
     print("|---|---|---|---|---|---|---|")
