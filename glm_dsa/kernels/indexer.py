@@ -3,17 +3,16 @@
 The contract of ``glm_dsa.indexer.indexer_topk`` (request-relative int32 ``[S, topk]``, ``-1``
 padding, a row with ``≤ topk`` keys gives ``0 … len − 1``) except the order inside a row, which
 is free (set semantics, ties at the k-th value broken arbitrarily, as every upstream top-k
-kernel). The float32 logits of a row never reach memory. Rows go in launches of
-``candidate_rows`` rows; per launch:
+kernel). The float32 logits of a row never reach memory. Per launch:
 
 1. **sample**: the logits kernel on every ``stride``-th key of the launch's column span
-   (``stride = ⌈longest window / SAMPLE⌉``, so at most ``SAMPLE`` keys);
+   (the union of its rows' windows; ``stride = ⌈span / SAMPLE⌉``, so at most ``SAMPLE`` keys);
 2. **thresholds**: for each row whose window has more than ``cand`` keys, the sample's score
    that about ``TARGET_FACTOR · topk`` keys of the window are expected to reach; ``-inf``
    (keep every key) for shorter windows;
 3. **candidates**: the logits kernel over every key, its epilogue appending the entries not
    below the row's threshold (NaN included) to a per-row buffer of
-   ``cand = min(CAND_FACTOR · topk, longest window)`` slots;
+   ``cand = min(CAND_FACTOR · topk, span)`` slots;
 4. **select**: the radix select of ``glm_dsa.kernels.topk`` on each row's candidates.
 
 The candidates are every key of the row at or above its threshold, so when there are at least
@@ -22,7 +21,8 @@ exact top-k of the kernel's own float32 logits. How good the sample is decides o
 a row whose candidates cannot hold its top-k (fewer than ``topk``: the threshold came out too
 high; more than ``cand``: heavy ties) is redone after the last launch by full logits and the
 radix select over the row (``select_in_chunks``), in the reference's budgeted row chunks.
-Host syncs: the window span of each launch (three numbers) and one for the redone rows.
+The launches are ``indexer.chunked_topk``'s row chunks (of ``candidate_rows`` rows), so its host
+syncs are the reference's (the span of each chunk, three numbers), plus one for the redone rows.
 
 Memory: a launch holds its rows' sample logits (4 bytes × ≤ ``SAMPLE``), candidate buffers
 (8 bytes × ``cand``) and 24 bytes of counters, threshold and flags, plus the sampled keys;
@@ -111,30 +111,19 @@ def indexer_topk(
     check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
     check_device(q_fp8)
     S, _, D = q_fp8.shape
-    S_kv, dev = k_fp8.shape[0], q_fp8.device
-    out = torch.empty((S, topk), dtype=torch.int32, device=dev)
-    nans = torch.zeros(S, dtype=torch.int32, device=dev)
-    redo = torch.zeros(S, dtype=torch.int32, device=dev)
-    rows = candidate_rows(S, S_kv, D, topk, budget_bytes)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)
-        chunk_ks, chunk_ke = ks[r0:r1].long(), ke[r0:r1].long()
-        lens = chunk_ke - chunk_ks
-        nonempty = lens > 0
-        longest, lo, hi = torch.stack([
-            lens.max(), torch.where(nonempty, chunk_ks, S_kv).min(),
-            torch.where(nonempty, chunk_ke, 0).max(),
-        ]).tolist()  # fmt: skip
-        if longest <= topk:
-            out[r0:r1] = _prefix(lens, topk)
-            continue
-        starts = (chunk_ks - lo).clamp(0, hi - lo).to(torch.int32)
-        # Rows that keep every key are not scored: an empty window in the kernels.
-        ends = torch.where(lens > topk, chunk_ke - lo, starts).to(torch.int32)
-        out[r0:r1], redo[r0:r1], nans[r0:r1] = _launch(
-            q_fp8[r0:r1], weights[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], starts, ends,
-            lens.to(torch.int32), topk, longest,
+    nans = torch.zeros(S, dtype=torch.int32, device=q_fp8.device)
+    redo = torch.zeros(S, dtype=torch.int32, device=q_fp8.device)
+
+    def chunk_topk(chunk: RowChunk) -> Tensor:
+        r0, r1, lo, hi = chunk.r0, chunk.r1, chunk.lo, chunk.hi
+        picked, redo[r0:r1], nans[r0:r1] = _launch(
+            q_fp8[r0:r1], weights[r0:r1], k_fp8[lo:hi], k_scale[lo:hi], chunk.starts, chunk.ends,
+            topk,
         )  # fmt: skip
+        return picked
+
+    rows = candidate_rows(S, k_fp8.shape[0], D, topk, budget_bytes)
+    out = chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk, rows)
     again = redo.nonzero().flatten()
     if again.numel():
         q_again, w_again = q_fp8[again], weights[again]
@@ -146,21 +135,20 @@ def indexer_topk(
     return out
 
 
-def _prefix(lens: Tensor, topk: int) -> Tensor:
-    """int32 ``[R, topk]``: ``0 … len − 1`` then ``-1``."""
-    ar = torch.arange(topk, device=lens.device)
-    return torch.where(ar < lens[:, None], ar, -1).to(torch.int32)
-
-
 def _launch(q_fp8: Tensor, weights: Tensor, k_fp8: Tensor, k_scale: Tensor, starts: Tensor,
-            ends: Tensor, lens: Tensor, topk: int, longest: int) -> tuple[Tensor, Tensor, Tensor]:
-    """One launch's steps 1–4 over keys ``k_fp8`` (the launch's column span): ``(indices,
-    redo, nans)`` of ``launch_select_candidates``. ``starts``/``ends``: int32 windows in the
-    span (empty for rows of ``lens ≤ topk``); ``lens``: the rows' true window lengths."""
-    R, dev = q_fp8.shape[0], q_fp8.device
-    cand = min(CAND_FACTOR * topk, longest)
-    if longest > cand:
-        stride = -(-longest // SAMPLE)
+            ends: Tensor, topk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Steps 1–4 for one row chunk over its column span ``k_fp8`` (row windows ``[starts,
+    ends)`` in it, integer ``[R]``): ``(indices, redo, nans)`` of ``launch_select_candidates``.
+    The span's length stands in for the longest window (no host sync): it sets the sample's
+    stride and the candidate slots."""
+    R, span, dev = q_fp8.shape[0], k_fp8.shape[0], q_fp8.device
+    starts = starts.to(torch.int32)
+    lens = ends.to(torch.int32) - starts
+    # Rows that keep every key are not scored: an empty window in the kernels.
+    ends = torch.where(lens > topk, starts + lens, starts)
+    cand = min(CAND_FACTOR * topk, span)
+    if span > cand:
+        stride = -(-span // SAMPLE)
         sampled = k_fp8[::stride].contiguous(), k_scale[::stride].contiguous()
         # Sample j is key j · stride: row windows [⌈start / stride⌉, ⌈end / stride⌉).
         s_starts = starts.add(stride - 1).floor_divide(stride)

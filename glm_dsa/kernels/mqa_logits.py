@@ -166,15 +166,10 @@ def _split_range(n_tiles, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mqa_logits_kernel(
-    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
-    S, n_keys, n_out, out_stride, size_class,
-    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
-    # Heaviest row blocks first: causal windows grow with the row.
+def _row_block(q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H: tl.constexpr, D: tl.constexpr,
+               HP: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's row block (heaviest first: causal windows grow with the row): its rows,
+    their windows, its key tiles (split ``[s0, s1)``, computed ``[c0, c1)``), queries and gates."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
@@ -183,15 +178,38 @@ def _mqa_logits_kernel(
     lo, hi = _row_block_window(ks, ke, n_keys)
     s0, s1, c0, c1 = _split_range(tl.cdiv(n_keys, BLOCK_N), lo, hi, BLOCK_N)
     q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
+    return rows, row_ok, ks, ke, s0, s1, c0, c1, q, w
+
+
+@triton.jit
+def _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D: tl.constexpr, DP: tl.constexpr,
+              HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile ``t`` of contiguous keys: its columns, their in-range mask and its logits
+    ``[BLOCK_N, BLOCK_M]``."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_keys
     d = tl.arange(0, DP)
+    k = tl.load(k_ptr + cols[:, None].to(tl.int64) * D + d[None, :],
+                mask=_dim_mask(col_ok, d, D, DP), other=0.0)
+    k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
+    return cols, col_ok, _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    S, n_keys, n_out, out_stride, size_class,
+    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
+    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
+        q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
     row_off = rows.to(tl.int64) * out_stride
     for t in tl.range(c0, c1):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_keys
-        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * D + d[None, :],
-                    mask=_dim_mask(col_ok, d, D, DP), other=0.0)
-        k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
-        logits = _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+        cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
+                                         BLOCK_N)
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         if COMPRESSED:
             # Row i's column j holds key ks[i] + j; only its window is written.
@@ -266,25 +284,14 @@ def _mqa_candidates_kernel(
     overflowed (``cand`` slots a row). Nothing else is stored: the logits never reach memory.
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < S
-    ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
-    ke = tl.load(ke_ptr + rows, mask=row_ok, other=0)
+    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
+        q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
-    lo, hi = _row_block_window(ks, ke, n_keys)
-    s0, s1, c0, c1 = _split_range(tl.cdiv(n_keys, BLOCK_N), lo, hi, BLOCK_N)
-    q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
-    d = tl.arange(0, DP)
     cand_off = rows.to(tl.int64) * cand
     count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * 4, (BLOCK_N, BLOCK_M))
     for t in tl.range(c0, c1):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_keys
-        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * D + d[None, :],
-                    mask=_dim_mask(col_ok, d, D, DP), other=0.0)
-        k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
-        logits = _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+        cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
+                                         BLOCK_N)
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         take = inside & ~(logits < thr[None, :])  # [BLOCK_N, BLOCK_M]
         # One atomic per kept entry, none for the rest: no reduction across warps per tile.

@@ -138,6 +138,14 @@ def _emit(src, idx_src, first, end, ncols, kth, need, counters, out, nans,
 
 
 @triton.jit
+def _store_prefix(out, n, topk, BLOCK: tl.constexpr):
+    """A row that keeps every key: ``0 … n − 1`` then ``-1`` into its ``topk`` slots."""
+    for s in range(0, topk, BLOCK):
+        col = s + tl.arange(0, BLOCK)
+        tl.store(out + col, tl.where(col < n, col, -1), mask=col < topk)
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr, stride_row, ncols, starts_ptr, ends_ptr, out_ptr, cand_key_ptr, cand_idx_ptr,
     counters_ptr, topk, target, CAND: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
@@ -152,9 +160,7 @@ def _topk_kernel(
     nans = tl.zeros((), dtype=tl.int32)
     if n <= topk:
         # Every key is kept: 0 … n − 1 then -1, scores not read.
-        for s in range(0, topk, BLOCK):
-            col = s + tl.arange(0, BLOCK)
-            tl.store(out + col, tl.where(col < n, col, -1), mask=col < topk)
+        _store_prefix(out, n, topk, BLOCK)
     else:
         from_row = n <= CAND
         if not from_row:
@@ -226,9 +232,7 @@ def _select_candidates_kernel(
     nans = tl.zeros((), dtype=tl.int32)
     redo = tl.zeros((), dtype=tl.int32)
     if n <= topk:
-        for s in range(0, topk, BLOCK):
-            col = s + tl.arange(0, BLOCK)
-            tl.store(out + col, tl.where(col < n, col, -1), mask=col < topk)
+        _store_prefix(out, n, topk, BLOCK)
     else:
         found = tl.load(counters + _CANDS)
         if (found >= topk) & (found <= cand):
