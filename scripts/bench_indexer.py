@@ -172,6 +172,11 @@ def _median_s(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _progress(res: dict, *keys: str) -> None:
+    """Print measurements as they are made, so a run stopped by its time limit shows them."""
+    print("  indexer", json.dumps({k: res[k] for k in keys if k in res}, default=str), flush=True)
+
+
 def _slices(S: int, rows: int):
     return [(r0, min(S, r0 + rows)) for r0 in range(0, S, rows)]
 
@@ -200,6 +205,7 @@ def part_indexer(deep_gemm) -> dict:
     res["candidate_config"] = _best_config(mqa_logits._mqa_candidates_tuned)
     timings = getattr(mqa_logits._mqa_candidates_tuned, "configs_timings", None) or {}
     res["candidate_config_ms"] = {str(c): t for c, t in timings.items()}
+    _progress(res, "first_call_s", "candidate_config", "candidate_config_ms")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -208,6 +214,7 @@ def part_indexer(deep_gemm) -> dict:
     res["peak_above_inputs_bytes"] = torch.cuda.max_memory_allocated() - base
     res["indexer_s"] = _median_s(run)
     res["indexer_tflops"] = flops / res["indexer_s"] / 1e12
+    _progress(res, "indexer_s", "indexer_tflops", "peak_above_inputs_bytes")
 
     def logits_alone():
         for r0, r1 in _slices(S, rows):
@@ -216,6 +223,7 @@ def part_indexer(deep_gemm) -> dict:
     res["logits_alone_s"] = _median_s(logits_alone)
     res["logits_alone_tflops"] = flops / res["logits_alone_s"] / 1e12
     res["indexer_over_logits_alone"] = res["indexer_s"] / res["logits_alone_s"]
+    _progress(res, "logits_alone_s", "logits_alone_tflops", "indexer_over_logits_alone")
     if deep_gemm is not None:
         try:
             def dg_alone():
@@ -226,6 +234,7 @@ def part_indexer(deep_gemm) -> dict:
             res["deepgemm_logits_alone_s"] = _median_s(dg_alone)
             res["deepgemm_logits_alone_tflops"] = flops / res["deepgemm_logits_alone_s"] / 1e12
             res["indexer_over_deepgemm_logits_alone"] = res["indexer_s"] / res["deepgemm_logits_alone_s"]
+            _progress(res, "deepgemm_logits_alone_s", "indexer_over_deepgemm_logits_alone")
         except Exception as e:  # DeepGEMM's own failure must not hide ours
             res["deepgemm_error"] = f"{type(e).__name__}: {e}"
 
@@ -233,8 +242,11 @@ def part_indexer(deep_gemm) -> dict:
         fast.select_in_chunks(q, w, k, k_scale, ks, ke, TOPK, budget, fast._full_logits(q, w, k, k_scale))
 
     res["previous_s"] = _median_s(previous, reps=1)
+    _progress(res, "previous_s")
     # The steps of one launch (the whole chunk): sample + thresholds, candidates, select.
-    res.update(_launch_steps(fast, q, w, k, k_scale, ks, ke))
+    steps = _launch_steps(fast, q, w, k, k_scale, ks, ke)
+    res.update(steps)
+    _progress(res, *steps)
 
     # Recall against the oracle's canonical top-k on a few rows.
     pick = torch.linspace(0, S - 1, RECALL_ROWS, device="cuda").long()
