@@ -64,13 +64,13 @@ CONFIGS = [
     {"BLOCK_Q": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 5},
     {"BLOCK_Q": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 5},
 ]
-# The candidate kernel (``launch_mqa_candidates``) keeps the logits kernel's tiles; tuned on the
-# indexer's 32,768 × 1,015,808 chunk: the logits kernel's winner there first (2026-12-01 runs
-# 2 and 6), then the next two by tile shape.
+# The candidate kernel (``launch_mqa_candidates``) keeps the logits kernel's tiles. On the
+# indexer's 32,768 × 1,015,808 chunk (H200, 2026-12-01, bench/RESULTS.md issue 30): 392 ms,
+# 429 ms, and 519 ms for BLOCK_Q 128 / BLOCK_N 128 / 8 warps, dropped (each config tried costs
+# a few seconds of first-call tuning per shape class at this size).
 CANDIDATE_CONFIGS = [
     {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_Q": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI tests) runs programs one after another
 # in numpy: one config, small tiles so that masking and splits are exercised at small shapes.
