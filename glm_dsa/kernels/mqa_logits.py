@@ -278,10 +278,10 @@ def _mqa_candidates_kernel(
     """``_mqa_logits_kernel``'s logits, kept only where they reach the row's threshold.
 
     Entry ``(i, j)`` of row i's window with ``not (logit < thr[i])`` (NaN included) is appended
-    to row i's candidate buffer (its order key as int32 bits and ``j − ks[i]``) at a slot taken
-    from ``counters[i, 0]`` by an atomic add. Slots
-    past ``cand`` are counted but not written, so the count tells the caller the buffer
-    overflowed (``cand`` slots a row). Nothing else is stored: the logits never reach memory.
+    to row i's candidate buffer of ``cand`` slots (its order key as int32 bits and
+    ``j − ks[i]``) at a slot taken from ``counters[i, 0]`` by an atomic add. Entries past
+    ``cand`` are counted but not written, so the count tells the caller the buffer overflowed.
+    Nothing else is stored: the logits never reach memory.
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
     rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
