@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from glm_dsa import indexer as reference
+from glm_dsa import syncfree
 from glm_dsa.indexer import RowChunk, chunked_topk
 from glm_dsa.kernels.mqa_logits import (
     check_device,
@@ -110,6 +111,11 @@ def indexer_topk(
     check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
     check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
     check_device(q_fp8)
+    if syncfree.active():
+        # Which rows the candidate filter must redo is read on the host (``nonzero``), which a
+        # captured step cannot do: there every row chunk takes the logits and the radix select.
+        return select_in_chunks(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes,
+                                _full_logits(q_fp8, weights, k_fp8, k_scale))
     S, _, D = q_fp8.shape
     nans = torch.zeros(S, dtype=torch.int32, device=q_fp8.device)
     redo = torch.zeros(S, dtype=torch.int32, device=q_fp8.device)
