@@ -27,10 +27,10 @@ so its softmax reductions always see the same shape.
 
 Elementwise ops are not all shape-free either. ATen's CPU kernels run a call (or each thread's
 share of it) in SIMD vectors and its last ``numel mod 2·width`` elements through a scalar loop;
-for ``sigmoid``, ``silu`` and ``gelu`` the two paths round differently (1 ulp), so a row's
-result depends on whether the call's size put it in the tail (float32 and float64, AVX-512 and
-AVX2 builds; ``exp``, ``log``, ``rsqrt``, ``cos``/``sin`` and the exact ops agree; measured by
-``tests/test_determinism.py``). ``row_wise(fn, x, keys)`` therefore runs a whole row-wise
+for ``sigmoid`` and ``silu`` (and ``gelu`` in float64) the two paths round 1 ulp apart, so a
+row's result depends on whether the call's size put it in the tail (float32 and float64, ATen's
+AVX-512 and AVX2 kernels; ``exp``, ``log``, ``rsqrt``, ``cos``/``sin`` and the exact ops agree:
+``scripts/probe_gemm_invariance.py``, docs/determinism.md). ``row_wise(fn, x, keys)`` therefore runs a whole row-wise
 function, its GEMMs and its activations together, on the row tiles: the router's
 ``sigmoid(x Wᵀ)`` and the MLPs' SwiGLU.
 """
