@@ -17,10 +17,12 @@ therefore checked in float64 with an fp64 cache, where a last-bit difference is 
 flips nothing: ≤ 1e-10 (measured ≤ 2e-15), and the FP8 index-K pages are byte-identical.
 
 The logits are the exception: ``DSAForCausalLM.logits`` is a float32 GEMM in every model dtype,
-and a rank runs on ``cores // cp`` threads while the one-rank run here uses all of them. MKL
-rounds a one-row float32 GEMM by its thread count (``tiny``'s ``[1, 128] × [128, 512]``: 1, 2,
-8 and 16 threads agree, 3 and 5 differ by 2e-6, 2026-12-01, this host), so on a 16-core host
-(5 threads per rank at cp = 3) the float64 runs' logits differed by 1.3e-8 relative. They are
+and a rank runs on ``cores // cp`` threads while the one-rank run here runs on 2
+(tests/conftest.py). MKL rounds a one-row float32 GEMM by its thread count (``tiny``'s
+``[1, 128] × [128, 512]``: 1, 2, 8 and 16 threads agree, 3 and 5 differ by 2e-6, 2026-12-01,
+this host), so on a 16-core host (5 threads per rank at cp = 3) the float64 runs' logits
+differed by 1.3e-8 relative (reproduced here, to the last digit, with ``os.cpu_count`` made to
+say 16 in the ranks). They are
 checked against the float32 dot-product error bound instead (``_assert_float32_logits_agree``).
 """
 
