@@ -480,18 +480,21 @@ def chunked_topk(
     topk: int,
     budget_bytes: int,
     chunk_topk: Callable[[RowChunk], Tensor],
+    rows: int | None = None,
 ) -> Tensor:
     """The budgeted row-chunk loop of ``indexer_topk``, with the per-chunk scoring passed in.
 
     On arguments the caller has checked (``validate.check_indexer_topk_inputs``): for each
-    chunk of at most
-    ``max_logit_rows`` rows either fills ``0 … len − 1`` (every row keeps all its keys) or
-    calls ``chunk_topk(RowChunk)``, which returns int32 ``[r1 − r0, topk]`` relative to
-    ``starts``. The reference and the Triton backend share this loop and differ only in
-    ``chunk_topk``; whatever it allocates (the chunk's logits) is freed before the next chunk.
+    chunk of at most ``rows`` rows (``max_logit_rows`` when None; a scoring that holds less
+    than the float32 logits may take more) either fills ``0 … len − 1`` (every row keeps all
+    its keys) or calls ``chunk_topk(RowChunk)``, which returns int32 ``[r1 − r0, topk]``
+    relative to ``starts``. The reference and the Triton backend share this loop and differ
+    only in ``chunk_topk``; whatever it allocates (the chunk's logits) is freed before the next
+    chunk.
     """
     S, S_kv = q_fp8.shape[0], k_fp8.shape[0]
-    rows = max_logit_rows(S, S_kv, budget_bytes)
+    if rows is None:
+        rows = max_logit_rows(S, S_kv, budget_bytes)
     out = torch.empty((S, topk), dtype=torch.int32, device=q_fp8.device)
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)

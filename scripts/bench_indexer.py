@@ -1,20 +1,23 @@
-"""Benchmark the Triton indexer kernels on one GPU (issue 18's rows), in one run of a few minutes.
+"""Benchmark the Triton indexer kernels on one GPU (issues 18 and 30), in one run of a few minutes.
 
 Parts (each independent: one that fails records its error and the others still run):
   ceiling   fp8 ``torch._scaled_mm`` TFLOP/s at 8192³ (the tensor-core ceiling of this GPU).
-  logits    ``fp8_mqa_logits`` at S × 131,072 keys for S = 4,096 and 32,768, H = 32, D = 128,
-            the queries the last S tokens of a 131,072-token request (causal with prefix);
+  indexer   ``indexer_topk`` (candidate filter in the logits epilogue, exact select) for a
+            32,768-token chunk at prefix 983,040 (1,015,808 keys) under the SGLang logits
+            budget, against the chunk's logits alone (the logits kernel over the budget's row
+            slices, and DeepGEMM's on the same slices) and against the previous implementation
+            (those logits, then the radix select per slice); the launch's steps (sample and
+            thresholds, candidates, select) by CUDA events, the candidate counts and redone
+            rows, peak memory above the inputs, and recall against the oracle on a few rows.
+  logits    ``fp8_mqa_logits`` at issue 30's four shapes (``LOGITS_SHAPES``: S × N, H, D = 128,
+            the queries the last S tokens of an N-token request, causal with prefix);
             TFLOP/s over unmasked pairs (2·H·D per pair), DeepGEMM on the same inputs when
             ``import deep_gemm`` works, the ratio, calc_diff against the oracle on a row subset.
-  paged     ``fp8_paged_mqa_logits`` at the same shapes through a shuffled block table.
-  indexer   ``indexer_topk`` for a 32,768-token chunk at prefix 983,040 (1,048,576 keys) under
-            the SGLang logits budget: total time, one chunk's logits vs the Triton select's time
-            and ``torch.topk``'s (with their shares of the logits time, and the select's exactness
-            against ``torch.topk`` on a few rows),
-            peak memory above the inputs, and recall against the oracle's top-k on a few rows.
+  paged     ``fp8_paged_mqa_logits`` at 4,096 and 32,768 × 131,072 through a shuffled block table.
 
-The first call of each kernel autotunes (``glm_dsa.kernels.mqa_logits.CONFIGS``); its time is
-reported as ``first_call_s`` and the winning config is printed.
+The first call of each kernel autotunes (``glm_dsa.kernels.mqa_logits.CONFIGS``,
+``CANDIDATE_CONFIGS``); its time is reported as ``first_call_s`` and the winning config is
+printed.
 
 Usage: python scripts/bench_indexer.py --out bench_indexer.json [--deep-gemm PATH]
 """
@@ -35,11 +38,14 @@ sys.path.insert(0, str(ROOT))
 
 H, D, CONTEXT, TOPK = 32, 128, 131_072, 2048
 INDEXER_CHUNK, INDEXER_PREFIX = 32_768, 983_040
+# Issue 30's four logits shapes: (query rows, keys, heads), causal, the rows the last keys.
+LOGITS_SHAPES = [(4096, 131_072, 32), (32_768, 131_072, 32), (8192, 1_048_576, 32), (4096, 131_072, 64)]
 CHECK_ROWS = 256  # rows checked against the float64 oracle (slow at 131,072 keys)
 RECALL_ROWS = 8
 
 
-def _inputs(S: int, N: int, seed: int = 0):
+def _inputs(S: int, N: int, seed: int = 0, heads: int = H):
+    H = heads
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(S, H, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
     k = torch.randn(N, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
@@ -93,14 +99,14 @@ def part_ceiling() -> dict:
     return {"scaled_mm_tflops": 2 * n**3 / ms / 1e9, "ms": ms}
 
 
-def part_logits(S: int, deep_gemm) -> dict:
+def part_logits(S: int, N: int, heads: int, deep_gemm) -> dict:
     from glm_dsa.kernels import fp8_mqa_logits, mqa_logits
 
-    q, k, k_scale, w, ks, ke = _inputs(S, CONTEXT)
+    q, k, k_scale, w, ks, ke = _inputs(S, N, heads=heads)
     pairs = int((ke - ks).long().sum())
-    flops = 2 * H * D * pairs
+    flops = 2 * heads * D * pairs
     run = lambda: fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
-    res = {"S": S, "N": CONTEXT, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
+    res = {"S": S, "N": N, "H": heads, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
     res["config"] = _best_config(mqa_logits._mqa_logits_tuned)
     ms = _time_ms(run)
     res.update(triton_ms=ms, triton_tflops=flops / ms / 1e9)
@@ -153,53 +159,94 @@ def part_paged(S: int) -> dict:
     return res
 
 
-def part_indexer() -> dict:
+def _median_s(fn, reps: int = 3) -> float:
+    """Median wall seconds of ``reps`` synchronized calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def _progress(res: dict, *keys: str) -> None:
+    """Print measurements as they are made, so a run stopped by its time limit shows them."""
+    print("  indexer", json.dumps({k: res[k] for k in keys if k in res}, default=str), flush=True)
+
+
+def _slices(S: int, rows: int):
+    return [(r0, min(S, r0 + rows)) for r0 in range(0, S, rows)]
+
+
+def part_indexer(deep_gemm) -> dict:
+    """One GLM-5.3 chunk at prefix 983,040: the candidate-filter ``indexer_topk`` against the
+    chunk's logits alone (the logits kernel over the budget's row slices, what any indexer that
+    materializes logits computes; DeepGEMM on the same slices) and against the previous
+    implementation (those logits, then the radix select per slice)."""
     from glm_dsa import budget as budgets, oracle
-    from glm_dsa.kernels import indexer_topk
-    from glm_dsa.kernels.topk import select_rows as select_topk
+    from glm_dsa.kernels import indexer as fast
+    from glm_dsa.kernels import mqa_logits
     from glm_dsa.kernels.mqa_logits import launch_mqa_logits
 
     S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK
     q, k, k_scale, w, ks, ke = _inputs(S, N)
     budget = budgets.logits_budget_bytes("cuda")
     rows = budgets.max_logit_rows(S, N, budget)
-    res = {"S": S, "N": N, "budget_bytes": budget, "rows_per_chunk": rows}
-    run = lambda: indexer_topk(q, w, k, k_scale, ks, ke, TOPK, budget)  # noqa: E731
+    pairs = int((ke - ks).long().sum())
+    flops = 2 * H * D * pairs
+    res = {"S": S, "N": N, "budget_bytes": budget, "logits_rows_per_slice": rows,
+           "n_slices": -(-S // rows), "candidate_rows_per_launch": fast.candidate_rows(S, N, D, TOPK, budget),
+           "unmasked_pairs": pairs}  # fmt: skip
+    run = lambda: fast.indexer_topk(q, w, k, k_scale, ks, ke, TOPK, budget)  # noqa: E731
     res["first_call_s"] = _first_call_s(run)
+    res["candidate_config"] = _best_config(mqa_logits._mqa_candidates_tuned)
+    timings = getattr(mqa_logits._mqa_candidates_tuned, "configs_timings", None) or {}
+    res["candidate_config_ms"] = {str(c): t for c, t in timings.items()}
+    _progress(res, "first_call_s", "candidate_config", "candidate_config_ms")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
     out = run()
     torch.cuda.synchronize()
-    res["total_s"] = time.perf_counter() - t0
     res["peak_above_inputs_bytes"] = torch.cuda.max_memory_allocated() - base
-    pairs = int((ke - ks).long().sum())
-    res["logits_tflops_in_indexer"] = 2 * H * D * pairs / res["total_s"] / 1e12
+    res["indexer_s"] = _median_s(run)
+    res["indexer_tflops"] = flops / res["indexer_s"] / 1e12
+    _progress(res, "indexer_s", "indexer_tflops", "peak_above_inputs_bytes")
 
-    # The last (heaviest) chunk alone: logits vs selection.
-    r0 = S - rows
-    cks, cke = ks[r0:].long(), ke[r0:].long()
-    args = (q[r0:], k, k_scale, w[r0:], cks.to(torch.int32), cke.to(torch.int32), True, 0)
-    logits = launch_mqa_logits(*args)
-    res["chunk_logits_ms"] = _time_ms(lambda: launch_mqa_logits(*args))
-    res["chunk_topk_ms"] = _time_ms(lambda: select_topk(logits, cks, cke, TOPK))
-    res["topk_share_of_logits"] = res["chunk_topk_ms"] / res["chunk_logits_ms"]
-    # torch.topk on the same chunk, the selection the Triton select replaced.
-    res["chunk_torch_topk_ms"] = _time_ms(lambda: logits.topk(TOPK, dim=1, sorted=False))
-    res["torch_topk_share_of_logits"] = res["chunk_torch_topk_ms"] / res["chunk_logits_ms"]
-    # Exactness on the chunk: the selected scores equal torch.topk's as multisets.
-    sel = select_topk(logits, cks, cke, TOPK)
-    exact = []
-    for m in range(0, sel.shape[0], max(1, sel.shape[0] // RECALL_ROWS)):
-        row = logits[m, int(cks[m]) : int(cke[m])]
-        got = row[sel[m].long()].sort().values
-        exact.append(bool(torch.equal(got, row.topk(TOPK).values.sort().values)))
-    res["select_exact_rows"] = f"{sum(exact)}/{len(exact)}"
-    n_chunks = -(-S // rows)
-    res["logits_plus_topk_over_logits"] = 1 + res["topk_share_of_logits"]
-    res["n_chunks"] = n_chunks
-    del logits
+    def logits_alone():
+        for r0, r1 in _slices(S, rows):
+            launch_mqa_logits(q[r0:r1], k, k_scale, w[r0:r1], ks[r0:r1], ke[r0:r1], False, 0)
+
+    res["logits_alone_s"] = _median_s(logits_alone)
+    res["logits_alone_tflops"] = flops / res["logits_alone_s"] / 1e12
+    res["indexer_over_logits_alone"] = res["indexer_s"] / res["logits_alone_s"]
+    _progress(res, "logits_alone_s", "logits_alone_tflops", "indexer_over_logits_alone")
+    if deep_gemm is not None:
+        try:
+            def dg_alone():
+                for r0, r1 in _slices(S, rows):
+                    deep_gemm.fp8_mqa_logits(q[r0:r1], (k, k_scale), w[r0:r1], ks[r0:r1], ke[r0:r1],
+                                             clean_logits=False)  # fmt: skip
+
+            res["deepgemm_logits_alone_s"] = _median_s(dg_alone)
+            res["deepgemm_logits_alone_tflops"] = flops / res["deepgemm_logits_alone_s"] / 1e12
+            res["indexer_over_deepgemm_logits_alone"] = res["indexer_s"] / res["deepgemm_logits_alone_s"]
+            _progress(res, "deepgemm_logits_alone_s", "indexer_over_deepgemm_logits_alone")
+        except Exception as e:  # DeepGEMM's own failure must not hide ours
+            res["deepgemm_error"] = f"{type(e).__name__}: {e}"
+
+    def previous():
+        fast.select_in_chunks(q, w, k, k_scale, ks, ke, TOPK, budget, fast._full_logits(q, w, k, k_scale))
+
+    res["previous_s"] = _median_s(previous, reps=1)
+    _progress(res, "previous_s")
+    # The steps of one launch (the whole chunk): sample + thresholds, candidates, select.
+    steps = _launch_steps(fast, q, w, k, k_scale, ks, ke)
+    res.update(steps)
+    _progress(res, *steps)
 
     # Recall against the oracle's canonical top-k on a few rows.
     pick = torch.linspace(0, S - 1, RECALL_ROWS, device="cuda").long()
@@ -213,11 +260,43 @@ def part_indexer() -> dict:
     return res
 
 
+def _launch_steps(fast, q, w, k, k_scale, ks, ke) -> dict:
+    """CUDA-event times of one launch's steps over the whole chunk, candidate counts, redo rows."""
+    from glm_dsa.kernels.mqa_logits import launch_mqa_candidates, launch_mqa_logits
+    from glm_dsa.kernels.topk import CAND_FACTOR, launch_select_candidates, launch_thresholds
+
+    S = q.shape[0]
+    lens = (ke - ks).to(torch.int32)
+    longest = int(lens.max())
+    cand = min(CAND_FACTOR * TOPK, longest)
+    stride = -(-longest // fast.SAMPLE)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    ev[0].record()
+    s_starts = ks.add(stride - 1).floor_divide(stride)
+    s_ends = ke.add(stride - 1).floor_divide(stride)
+    sample = launch_mqa_logits(q, k[::stride].contiguous(), k_scale[::stride].contiguous(), w,
+                               s_starts, s_ends, False, 0)  # fmt: skip
+    thr = launch_thresholds(sample, s_starts, s_ends, lens, TOPK, cand)
+    ev[1].record()
+    counters = torch.zeros((S, 4), dtype=torch.int32, device="cuda")
+    keys, cols = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, cand)
+    ev[2].record()
+    found = counters[:, 0].clone()
+    _, redo, _ = launch_select_candidates(keys, cols, counters, lens, TOPK)
+    ev[3].record()
+    torch.cuda.synchronize()
+    f = found.float()
+    return {"sample_threshold_ms": ev[0].elapsed_time(ev[1]), "candidates_ms": ev[1].elapsed_time(ev[2]),
+            "select_ms": ev[2].elapsed_time(ev[3]), "candidates_mean": float(f.mean()),
+            "candidates_min": int(found.min()), "candidates_max": int(found.max()), "cand_slots": cand,
+            "redo_rows": int(redo.sum())}  # fmt: skip
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--deep-gemm", default=None, help="directory to put on sys.path for deep_gemm")
-    p.add_argument("--parts", default="ceiling,logits,paged,indexer")
+    p.add_argument("--parts", default="ceiling,indexer,logits,paged")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -249,11 +328,12 @@ def main(argv=None) -> int:
     if "ceiling" in parts:
         jobs.append(("ceiling", part_ceiling))
     if "logits" in parts:
-        jobs += [(f"logits_{S}", lambda S=S: part_logits(S, deep_gemm)) for S in (4096, 32768)]
+        jobs += [(f"logits_{S}x{N}_h{h}", lambda S=S, N=N, h=h: part_logits(S, N, h, deep_gemm))
+                 for S, N, h in LOGITS_SHAPES]
     if "paged" in parts:
         jobs += [(f"paged_{S}", lambda S=S: part_paged(S)) for S in (4096, 32768)]
     if "indexer" in parts:
-        jobs.append(("indexer", part_indexer))
+        jobs.append(("indexer", lambda: part_indexer(deep_gemm)))
     for name, job in jobs:
         t0 = time.perf_counter()
         try:
@@ -263,7 +343,9 @@ def main(argv=None) -> int:
                                      "traceback": traceback.format_exc()}  # fmt: skip
         report["parts"][name]["wall_s"] = time.perf_counter() - t0
         torch.cuda.empty_cache()
-        print(f"{name:12s} {json.dumps(report['parts'][name], default=str)[:600]}", flush=True)
+        print(f"{name:12s} {json.dumps(report['parts'][name], default=str)[:1500]}", flush=True)
+        # Written after every part, so that a run stopped by its time limit keeps what it finished.
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
 
     print("\n| part | ms | TFLOP/s | DeepGEMM TFLOP/s | ratio | calc_diff | masks |")
     print("|---|---|---|---|---|---|---|")
@@ -272,12 +354,16 @@ def main(argv=None) -> int:
             print(f"| {name} | {r['triton_ms']:.2f} | {r['triton_tflops']:.0f} | "
                   f"{r.get('deepgemm_tflops', float('nan')):.0f} | {r.get('ratio', float('nan')):.3f} | "
                   f"{r['calc_diff']:.2e} | {r['masks_equal']} |")  # fmt: skip
-    if "indexer" in report["parts"] and "total_s" in report["parts"]["indexer"]:
+    if "indexer" in report["parts"] and "indexer_s" in report["parts"]["indexer"]:
         r = report["parts"]["indexer"]
-        print(f"\nindexer 32K @ 983,040: {r['total_s']:.3f} s total, chunk logits "
-              f"{r['chunk_logits_ms']:.1f} ms, topk {r['chunk_topk_ms']:.1f} ms "
-              f"(share {r['topk_share_of_logits']:.2f}; torch.topk {r['chunk_torch_topk_ms']:.1f} ms, "
-              f"share {r['torch_topk_share_of_logits']:.2f}; exact rows {r['select_exact_rows']}), peak +{r['peak_above_inputs_bytes'] / 2**30:.2f} GiB, "
+        print(f"\nindexer 32K @ 983,040: {r['indexer_s']:.3f} s ({r['indexer_tflops']:.0f} TFLOP/s), "
+              f"logits alone {r['logits_alone_s']:.3f} s in {r['n_slices']} slices "
+              f"(ratio {r['indexer_over_logits_alone']:.2f}; DeepGEMM logits alone "
+              f"{r.get('deepgemm_logits_alone_s', float('nan')):.3f} s), previous {r['previous_s']:.3f} s; "
+              f"steps: sample {r['sample_threshold_ms']:.1f} ms, candidates {r['candidates_ms']:.1f} ms, "
+              f"select {r['select_ms']:.1f} ms; candidates {r['candidates_min']}–{r['candidates_max']} "
+              f"(mean {r['candidates_mean']:.0f}, slots {r['cand_slots']}), redo {r['redo_rows']}; "
+              f"peak +{r['peak_above_inputs_bytes'] / 2**30:.2f} GiB; "
               f"recall mean {r['recall_mean']:.4f} worst {r['recall_worst']:.4f}")  # fmt: skip
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     return 0

@@ -335,3 +335,181 @@ def test_indexer_topk_at_glm_shapes_recall():
     recalls = _assert_same_topk_sets(fast[rows], ref[rows], logits, ks[rows], ke[rows], topk,
                                      slack=slack)  # fmt: skip
     assert sum(recalls) / len(recalls) >= 0.99 and min(recalls) >= 0.95
+
+
+# ------------------------------------------------------------------------- candidate filter
+def _kernel_logits(q, w, k, k_scale, ks, ke):
+    """``[S, N]`` float32: the candidate kernel's own logits inside the windows, ``-inf`` outside.
+
+    At threshold ``-inf`` its epilogue keeps every entry of every window with its column, so
+    its order keys, decoded, are the float32 logits ``indexer_topk``'s selection sees (the same
+    kernel and, with the config pinned, the same tiles). Windows start at key 0 here, as in
+    ``indexer_topk``'s launch over the span from the first row's start."""
+    from glm_dsa.kernels.mqa_logits import launch_mqa_candidates
+
+    S, N = q.shape[0], k.shape[0]
+    width = max(1, int((ke - ks).max()))
+    counters = torch.zeros((S, 4), dtype=torch.int32, device=DEV)
+    thr = torch.full((S,), NEG_INF, device=DEV)
+    keys, cols = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, width)
+    assert torch.equal(counters[:, 0], (ke - ks).to(torch.int32))
+    bits = keys.view(torch.int32)
+    # Invert glm_dsa.kernels.topk.order_keys: flip all bits of negatives, the sign of positives.
+    positive = bits < 0  # top bit set: a non-negative score
+    raw = torch.where(positive, bits ^ torch.iinfo(torch.int32).min, ~bits).view(torch.float32)
+    logits = torch.full((S, N), NEG_INF, device=DEV)
+    for m in range(S):
+        n = int(ke[m] - ks[m])
+        seen = cols[m, :n].long()
+        assert torch.equal(seen.sort().values, torch.arange(n, device=DEV)), m  # each key once
+        logits[m, int(ks[m]) + seen] = raw[m, :n]
+    return logits
+
+
+def _assert_exact_topk_of(out, logits, ks, ke, topk):
+    """``out`` is a top-k of ``logits``' rows: distinct, inside the window, and no unselected
+    entry scores above a selected one (ties at the k-th value may go either way)."""
+    assert out.shape == (logits.shape[0], topk) and out.dtype == torch.int32
+    for m in range(out.shape[0]):
+        s, e = int(ks[m]), int(ke[m])
+        n = e - s
+        if n <= topk:
+            assert out[m].tolist() == list(range(n)) + [-1] * (topk - n), m
+            continue
+        idx = out[m].long()
+        assert len(set(idx.tolist())) == topk and bool(((idx >= 0) & (idx < n)).all()), m
+        row = logits[m, s:e]
+        chosen = torch.zeros(n, dtype=torch.bool, device=row.device)
+        chosen[idx] = True
+        assert row[chosen].min() >= row[~chosen].max(), m
+
+
+def _pin_configs(monkeypatch):
+    """One config for the candidate and logits kernels, so that ``_kernel_logits`` computes
+    the tiles ``indexer_topk`` computes (the head sum's order follows the tile shape)."""
+    from glm_dsa.kernels import mqa_logits
+
+    one = mqa_logits._mqa_candidates_tuned.configs[:1]
+    monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", one)
+    # The rows redone from full logits: the logits kernel with the same tiles.
+    monkeypatch.setattr(mqa_logits._mqa_logits_tuned, "configs", one)
+
+
+def _tied_keys(N, D, levels, seed):
+    """fp8 keys drawn from ``levels`` distinct vectors, scale 1: logits take ≤ ``levels``
+    values per row, so the k-th value is tied with hundreds of keys."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(levels, D, generator=g).to(torch.float8_e4m3fn)
+    k = table[torch.randint(0, levels, (N,), generator=g)]
+    return k.to(DEV), torch.ones(N, device=DEV)
+
+
+# Module constants indexer_topk reads at each call: the sample threshold with a stride > 1
+# (SAMPLE below the longest window), and a threshold aimed too high (fewer than topk
+# candidates: those rows are redone from their full logits).
+CANDIDATE_PATHS = {"sample_stride": {"SAMPLE": 16}, "too_few_candidates": {"SAMPLE": 16, "TARGET_FACTOR": 0.2}}
+
+
+@pytest.mark.parametrize("path", list(CANDIDATE_PATHS))
+@pytest.mark.parametrize("keys", ["random", "tied"])
+def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits(monkeypatch, path, keys):
+    """Windows longer than the candidate buffer (``CAND_FACTOR · topk`` = 48 slots), shorter
+    than it, shorter than topk and empty, from key 0 (causal) and from a later start."""
+    from glm_dsa.kernels import indexer as fast, topk as topk_mod
+
+    _pin_configs(monkeypatch)
+    for name, value in CANDIDATE_PATHS[path].items():
+        monkeypatch.setattr(fast if name == "SAMPLE" else topk_mod, name, value)
+    S, H, D, N, topk = 24, 4, 128, 300, 8
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=41)
+    if keys == "tied":
+        k, k_scale = _tied_keys(N, D, 3, seed=42)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    ke[:6] = torch.tensor([0, 3, 8, 9, 40, 48], dtype=torch.int32)  # empty … at the buffer size
+    ks[20:] = 100  # windows [100, ke)
+    fast_out = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    _assert_exact_topk_of(fast_out, _kernel_logits(q, w, k, k_scale, ks, ke), ks, ke, topk)
+
+
+def test_indexer_topk_redoes_rows_whose_ties_overflow_the_buffer(monkeypatch):
+    """Every key equal: each candidate buffer overflows, every long row is redone from its
+    full logits, and any ``topk`` distinct keys of the window are right."""
+    from glm_dsa.kernels import indexer as fast
+
+    monkeypatch.setattr(fast, "SAMPLE", 16)
+    S, H, D, N, topk = 6, 4, 128, 200, 4
+    q = torch.full((S, H, D), 0.5).to(torch.float8_e4m3fn).to(DEV)
+    k = torch.full((N, D), 0.25).to(torch.float8_e4m3fn).to(DEV)
+    k_scale, w = torch.ones(N, device=DEV), torch.ones(S, H, device=DEV)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.tensor([200, 150, 30, 4, 25, 199], dtype=torch.int32, device=DEV)
+    out = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    logits = torch.full((S, N), 1.0, device=DEV)
+    _assert_exact_topk_of(out, logits, ks, ke, topk)
+
+
+@pytest.mark.parametrize("rows_per_launch", [1, 4])
+def test_indexer_topk_launches_of_few_rows_give_the_same_sets(monkeypatch, rows_per_launch):
+    """A small budget splits the rows into several launches (each with its own span and
+    sample); the sets are those of one launch (exact top-k of the same logits, ties apart)."""
+    from glm_dsa.kernels import indexer as fast
+
+    _pin_configs(monkeypatch)
+    monkeypatch.setattr(fast, "SAMPLE", 16)
+    S, H, D, N, topk = 9, 4, 128, 200, 6
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=43)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    whole = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    monkeypatch.setattr(fast, "candidate_rows", lambda *a: rows_per_launch)
+    split = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    logits = _kernel_logits(q, w, k, k_scale, ks, ke)
+    _assert_exact_topk_of(split, logits, ks, ke, topk)
+    for m in range(S):
+        assert set(whole[m].tolist()) == set(split[m].tolist()), m
+
+
+def test_candidate_rows_stay_within_what_the_logits_budget_holds():
+    from glm_dsa.budget import max_logit_rows
+    from glm_dsa.kernels.indexer import candidate_row_bytes, candidate_rows
+
+    S, N, D, topk, budget = 32_768, 1_015_808, 128, 2048, 6_004_395_212
+    rows = candidate_rows(S, N, D, topk, budget)
+    assert rows == S  # the whole GLM-5.3 chunk in one launch on an H200's budget
+    assert rows * candidate_row_bytes(N, topk) + 8192 * (D + 4) <= 4 * max_logit_rows(S, N, budget) * N
+    small = candidate_rows(S, N, D, topk, 1 << 28)
+    assert 1 <= small < S
+    assert small * candidate_row_bytes(N, topk) <= 1 << 28
+    # SGLang's rule keeps at least one row of logits: 4 · N bytes.
+    assert candidate_rows(S, N, D, topk, 0) * candidate_row_bytes(N, topk) <= 4 * N
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["1m_keys", "ties", "short_rows"])
+def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits_at_glm_shapes(monkeypatch, case):
+    """GLM-5.3's indexer (H 32, D 128, topk 2048) on rows of ~1M keys (the last step of a
+    1M-token prefill), on keys with massive exact ties, and on causal rows around topk and
+    the candidate buffer's size; checked against the kernel's own float32 logits."""
+    _pin_configs(monkeypatch)
+    topk = 2048
+    if case == "1m_keys":
+        S, N = 8, 1_048_576
+        q, k, k_scale, w = _inputs(S, 32, 128, N, seed=51)
+        ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+        ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    elif case == "ties":
+        S, N = 16, 65_536
+        q, _, _, w = _inputs(S, 32, 128, N, seed=52)
+        k, k_scale = _tied_keys(N, 128, 5, seed=53)
+        ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+        ke = torch.linspace(1000, N, S).to(torch.int32).to(DEV)
+    else:
+        S, N = 64, 20_000
+        q, k, k_scale, w = _inputs(S, 32, 128, N, seed=54)
+        ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+        ke = torch.tensor([0, 1, 2047, 2048, 2049, 12287, 12288, 12289] * 8, dtype=torch.int32,
+                          device=DEV)  # fmt: skip
+        ke[8:] = torch.randint(1, N + 1, (S - 8,), generator=torch.Generator().manual_seed(5)).to(DEV).int()
+    out = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**33)
+    _assert_exact_topk_of(out, _kernel_logits(q, w, k, k_scale, ks, ke), ks, ke, topk)

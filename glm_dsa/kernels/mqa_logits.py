@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_dsa.kernels.topk import order_keys
 from glm_dsa.validate import (
     check_compressed_width,
     check_index_vector,
@@ -43,7 +44,8 @@ from glm_dsa.validate import (
     need,
 )
 
-__all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "CONFIGS", "INTERPRET_CONFIGS"]
+__all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "launch_mqa_candidates", "CONFIGS",
+           "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS"]
 
 # Autotune space, tuned for the GLM-5.3 indexer on one H200 (H = 32, D = 128, 4K–32K query rows
 # × 128K–1M keys, causal). BLOCK_Q = BLOCK_M · H is the MMA's N (TileLang uses 128 // H rows);
@@ -62,6 +64,14 @@ CONFIGS = [
     {"BLOCK_Q": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 5},
     {"BLOCK_Q": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 5},
 ]
+# The candidate kernel (``launch_mqa_candidates``) keeps the logits kernel's tiles. On the
+# indexer's 32,768 × 1,015,808 chunk (H200, 2026-12-01, bench/RESULTS.md issue 30): 392 ms,
+# 429 ms, and 519 ms for BLOCK_Q 128 / BLOCK_N 128 / 8 warps, dropped (each config tried costs
+# a few seconds of first-call tuning per shape class at this size).
+CANDIDATE_CONFIGS = [
+    {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+]
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI tests) runs programs one after another
 # in numpy: one config, small tiles so that masking and splits are exercised at small shapes.
 INTERPRET_CONFIGS = [{"BLOCK_Q": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
@@ -75,8 +85,8 @@ MAX_HEADS = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs() -> list[triton.Config]:
-    table = INTERPRET_CONFIGS if _INTERPRET else CONFIGS
+def _configs(table: list[dict] | None = None) -> list[triton.Config]:
+    table = INTERPRET_CONFIGS if _INTERPRET else (CONFIGS if table is None else table)
     return [
         triton.Config(
             {"BLOCK_Q": c["BLOCK_Q"], "BLOCK_N": c["BLOCK_N"]},
@@ -156,15 +166,10 @@ def _split_range(n_tiles, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _mqa_logits_kernel(
-    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
-    S, n_keys, n_out, out_stride, size_class,
-    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
-    # Heaviest row blocks first: causal windows grow with the row.
+def _row_block(q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H: tl.constexpr, D: tl.constexpr,
+               HP: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's row block (heaviest first: causal windows grow with the row): its rows,
+    their windows, its key tiles (split ``[s0, s1)``, computed ``[c0, c1)``), queries and gates."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
@@ -173,15 +178,38 @@ def _mqa_logits_kernel(
     lo, hi = _row_block_window(ks, ke, n_keys)
     s0, s1, c0, c1 = _split_range(tl.cdiv(n_keys, BLOCK_N), lo, hi, BLOCK_N)
     q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
+    return rows, row_ok, ks, ke, s0, s1, c0, c1, q, w
+
+
+@triton.jit
+def _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D: tl.constexpr, DP: tl.constexpr,
+              HP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key tile ``t`` of contiguous keys: its columns, their in-range mask and its logits
+    ``[BLOCK_N, BLOCK_M]``."""
+    cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_keys
     d = tl.arange(0, DP)
+    k = tl.load(k_ptr + cols[:, None].to(tl.int64) * D + d[None, :],
+                mask=_dim_mask(col_ok, d, D, DP), other=0.0)
+    k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
+    return cols, col_ok, _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+
+
+@triton.jit
+def _mqa_logits_kernel(
+    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    S, n_keys, n_out, out_stride, size_class,
+    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    CLEAN: tl.constexpr, COMPRESSED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
+    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
+        q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
     row_off = rows.to(tl.int64) * out_stride
     for t in tl.range(c0, c1):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_keys
-        k = tl.load(k_ptr + cols[:, None].to(tl.int64) * D + d[None, :],
-                    mask=_dim_mask(col_ok, d, D, DP), other=0.0)
-        k_scale = tl.load(k_scale_ptr + cols, mask=col_ok, other=0.0)
-        logits = _tile_logits(k, k_scale, q, w, BLOCK_N, BLOCK_M, HP)
+        cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
+                                         BLOCK_N)
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         if COMPRESSED:
             # Row i's column j holds key ks[i] + j; only its window is written.
@@ -240,9 +268,47 @@ def _paged_mqa_logits_kernel(
         _fill(out_ptr, out_stride, rows, row_ok, c1, s1, n_out, BLOCK_N, BLOCK_M)
 
 
+@triton.jit
+def _mqa_candidates_kernel(
+    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, thr_ptr, cand_key_ptr, cand_idx_ptr,
+    counters_ptr, S, n_keys, size_class, cand,
+    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``_mqa_logits_kernel``'s logits, kept only where they reach the row's threshold.
+
+    Entry ``(i, j)`` of row i's window with ``not (logit < thr[i])`` (NaN included) is appended
+    to row i's candidate buffer of ``cand`` slots (its order key as int32 bits and
+    ``j − ks[i]``) at a slot taken from ``counters[i, 0]`` by an atomic add. Entries past
+    ``cand`` are counted but not written, so the count tells the caller the buffer overflowed.
+    Nothing else is stored: the logits never reach memory.
+    """
+    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
+    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
+        q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
+    thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
+    cand_off = rows.to(tl.int64) * cand
+    count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * 4, (BLOCK_N, BLOCK_M))
+    for t in tl.range(c0, c1):
+        cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
+                                         BLOCK_N)
+        inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        take = inside & ~(logits < thr[None, :])  # [BLOCK_N, BLOCK_M]
+        # One atomic per kept entry, none for the rest: no reduction across warps per tile.
+        slot = tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed")
+        ok = take & (slot < cand)
+        at = cand_off[None, :] + slot
+        tl.store(cand_key_ptr + at, order_keys(logits).to(tl.int32, bitcast=True), mask=ok)
+        tl.store(cand_idx_ptr + at, cols[:, None] - ks[None, :], mask=ok)
+
+
 _KEY = ["HP", "DP", "size_class"]
 _mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY)(_mqa_logits_kernel)
 _paged_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY)(_paged_mqa_logits_kernel)
+# Tuning runs the kernel several times: its slot counters are zeroed before each run.
+_mqa_candidates_tuned = triton.autotune(
+    configs=_configs(CANDIDATE_CONFIGS), key=_KEY, reset_to_zero=["counters_ptr"]
+)(_mqa_candidates_kernel)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -319,6 +385,47 @@ def launch_mqa_logits(
         CLEAN=bool(clean_logits) and not compressed, COMPRESSED=compressed,
     )
     return out
+
+
+def launch_mqa_candidates(
+    q_fp8: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    thresholds: Tensor,
+    counters: Tensor,
+    cand: int,
+) -> tuple[Tensor, Tensor]:
+    """Unchecked launch of the candidate kernel: the logits of ``launch_mqa_logits`` that are
+    not below their row's threshold, appended per row.
+
+    Args:
+        q_fp8, k_fp8, k_scale, weights, ks, ke: as ``launch_mqa_logits`` (int32 windows).
+        thresholds: float32 ``[S]``; ``-inf`` keeps the whole window.
+        counters: int32 ``[S, 4]``, column 0 zero on entry; on return it holds each row's
+            candidate count (all of them, also those past ``cand``).
+        cand: slots per row.
+
+    Returns:
+        ``(keys, columns)``, int32 ``[S, cand]`` each: the candidates' order keys (as int32 bits,
+        ``glm_dsa.kernels.topk``'s key order) and columns relative to ``ks``, in no set order;
+        the first ``min(count, cand)`` slots of a row are written.
+    """
+    S, H, D = q_fp8.shape
+    n_keys = k_fp8.shape[0]
+    keys = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
+    cols = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
+    if S == 0 or n_keys == 0:
+        return keys, cols
+    grid = _grid(lambda bm: triton.cdiv(S, bm), lambda bn: triton.cdiv(n_keys, bn), q_fp8.device)
+    _mqa_candidates_tuned[grid](
+        q_fp8.contiguous(), k_fp8.contiguous(), k_scale.contiguous(), weights.contiguous(),
+        ks, ke, thresholds, keys, cols, counters, S, n_keys, _size_class(S, n_keys), cand,
+        H=H, D=D, HP=_pow2(H), DP=_pow2(max(D, 32)),
+    )  # fmt: skip
+    return keys, cols
 
 
 def fp8_mqa_logits(

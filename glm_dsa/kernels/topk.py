@@ -37,7 +37,9 @@ from torch import Tensor
 
 from glm_dsa.validate import check_index_vector, check_ranges, need
 
-__all__ = ["topk_per_row", "select_rows", "SAMPLE", "TARGET_FACTOR", "CAND_FACTOR", "BLOCK"]
+__all__ = ["topk_per_row", "select_rows", "launch_select", "launch_thresholds",
+           "launch_select_candidates", "order_keys", "key_value", "SAMPLE", "TARGET_FACTOR",
+           "CAND_FACTOR", "BLOCK"]
 
 # Strided sample size per row (keys held by one program across its radix rounds).
 SAMPLE = 8192
@@ -52,11 +54,18 @@ _CANDS, _TIES, _EMITTED, _NANS = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit
-def _order_keys(x):
+def order_keys(x):
     """uint32 keys with the order of the float32 scores ``x`` (``-0.0`` as ``+0.0``)."""
     bits = (x + 0.0).to(tl.uint32, bitcast=True)
     flip = tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
     return bits ^ flip
+
+
+@triton.jit
+def key_value(key):
+    """The float32 score of an order key of ``order_keys`` (its inverse, ``-0.0`` aside)."""
+    flip = tl.where((key >> 31) == 1, 0x80000000, 0xFFFFFFFF).to(tl.uint32)
+    return (key ^ flip).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -66,7 +75,7 @@ def _load_block(src, idx_src, offs, first, end, ncols, stride, FROM_ROW: tl.cons
     Sources: the row (``src`` its column 0, ``stride == 1``; valid columns ``[first, end)``,
     returned relative to ``first``), the row's strided sample (``src`` its first valid column,
     element ``i`` at ``i · stride``, valid ``i < end``), or a candidate buffer (``src`` keys as
-    int32 bits, ``idx_src`` their columns, valid ``i < end``). Row blocks start at multiples of
+    int32 bits, ``idx_src`` their columns, valid ``i < end``; a NaN there is reported too). Row blocks start at multiples of
     the block and are loaded up to ``ncols``, not only inside the window, so that the loads stay
     16-byte vectors; what lies outside ``[first, end)`` is loaded but never used.
     """
@@ -76,13 +85,14 @@ def _load_block(src, idx_src, offs, first, end, ncols, stride, FROM_ROW: tl.cons
             x = tl.load(src + offs, mask=offs < ncols, other=0.0)
         else:
             x = tl.load(src + offs.to(tl.int64) * stride, mask=valid, other=0.0)
-        key = _order_keys(x)
+        key = order_keys(x)
         idx = offs - first
         nan = valid & (x != x)
     else:
         key = tl.load(src + offs, mask=valid, other=0).to(tl.uint32, bitcast=True)
         idx = tl.load(idx_src + offs, mask=valid, other=0)
-        nan = offs < 0
+        x = key_value(key)
+        nan = valid & (x != x)
     return key, idx, valid, nan
 
 
@@ -128,6 +138,14 @@ def _emit(src, idx_src, first, end, ncols, kth, need, counters, out, nans,
 
 
 @triton.jit
+def _store_prefix(out, n, topk, BLOCK: tl.constexpr):
+    """A row that keeps every key: ``0 … n − 1`` then ``-1`` into its ``topk`` slots."""
+    for s in range(0, topk, BLOCK):
+        col = s + tl.arange(0, BLOCK)
+        tl.store(out + col, tl.where(col < n, col, -1), mask=col < topk)
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr, stride_row, ncols, starts_ptr, ends_ptr, out_ptr, cand_key_ptr, cand_idx_ptr,
     counters_ptr, topk, target, CAND: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
@@ -142,9 +160,7 @@ def _topk_kernel(
     nans = tl.zeros((), dtype=tl.int32)
     if n <= topk:
         # Every key is kept: 0 … n − 1 then -1, scores not read.
-        for s in range(0, topk, BLOCK):
-            col = s + tl.arange(0, BLOCK)
-            tl.store(out + col, tl.where(col < n, col, -1), mask=col < topk)
+        _store_prefix(out, n, topk, BLOCK)
     else:
         from_row = n <= CAND
         if not from_row:
@@ -176,6 +192,94 @@ def _topk_kernel(
             kth, need = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK)
             nans = _emit(x, x, start, end, ncols, kth, need, counters, out, nans, True, BLOCK)
     tl.store(counters + _NANS, nans)
+
+
+@triton.jit
+def _threshold_kernel(
+    x_ptr, stride_row, ncols, starts_ptr, ends_ptr, lens_ptr, thr_ptr, target, cand,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row r's threshold from its sample ``x[r, starts[r]:ends[r]]`` of a ``lens[r]``-key
+    window: the sample's ``⌈target · n_sample / len⌉``-th best score, which about ``target``
+    keys of the window reach; ``-inf`` (keep every key) when ``len ≤ cand`` or the sample is
+    empty."""
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.load(starts_ptr + row).to(tl.int32)
+    end = tl.load(ends_ptr + row).to(tl.int32)
+    n = tl.load(lens_ptr + row).to(tl.int32)
+    n_sample = end - start
+    thr = tl.full((), float("-inf"), tl.float32)
+    if (n > cand) & (n_sample > 0):
+        rank = tl.minimum(tl.maximum(tl.cdiv(target * n_sample, n), 1), n_sample)
+        key, _ = _kth_key(x_ptr + row * stride_row, x_ptr, start, end, ncols, 1, rank, True,
+                          BLOCK)
+        thr = key_value(key)
+    tl.store(thr_ptr + row, thr)
+
+
+@triton.jit
+def _select_candidates_kernel(
+    cand_key_ptr, cand_idx_ptr, counters_ptr, lens_ptr, out_ptr, redo_ptr, topk, cand,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Row r's exact top-k from its candidates (``counters[r, 0]`` of them, every key of the
+    row at or above a threshold), or ``redo[r] = 1`` when they cannot hold it: fewer than
+    ``topk`` (the threshold was too high) or more than ``cand`` (the buffer overflowed)."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(lens_ptr + row).to(tl.int32)
+    out = out_ptr + row * topk
+    counters = counters_ptr + row * 4
+    nans = tl.zeros((), dtype=tl.int32)
+    redo = tl.zeros((), dtype=tl.int32)
+    if n <= topk:
+        _store_prefix(out, n, topk, BLOCK)
+    else:
+        found = tl.load(counters + _CANDS)
+        if (found >= topk) & (found <= cand):
+            keys = cand_key_ptr + row * cand
+            cols = cand_idx_ptr + row * cand
+            kth, need = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK)
+            nans = _emit(keys, cols, 0, found, cand, kth, need, counters, out, nans, False, BLOCK)
+        else:
+            redo += 1
+    tl.store(counters + _NANS, nans)
+    tl.store(redo_ptr + row, redo)
+
+
+def launch_thresholds(sample: Tensor, starts: Tensor, ends: Tensor, lens: Tensor, topk: int,
+                      cand: int) -> Tensor:
+    """float32 ``[R]`` candidate thresholds (``_threshold_kernel``) from the float32 sample
+    logits ``[R, n]`` (row r's valid sample ``[starts[r], ends[r])`` of a window of ``lens[r]``
+    keys), aiming at ``TARGET_FACTOR · topk`` keys per row."""
+    R = sample.shape[0]
+    thr = torch.empty(R, dtype=torch.float32, device=sample.device)
+    if R:
+        _threshold_kernel[(R,)](
+            sample, sample.stride(0), sample.shape[1], starts, ends, lens, thr,
+            int(TARGET_FACTOR * topk), cand, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return thr
+
+
+def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens: Tensor,
+                             topk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-k of each row from ``launch_mqa_candidates``' buffers: ``(indices, redo, nans)``.
+
+    ``indices``: int32 ``[R, topk]`` relative to the window start, ``-1`` padded (a row with
+    ``lens ≤ topk`` gives ``0 … len − 1``); valid where ``redo`` (int32 ``[R]``) is 0. ``nans``:
+    int32 ``[R]``, the NaNs among a row's candidates. ``counters``: int32 ``[R, 4]``, column 0
+    the candidate counts, the others zero.
+    """
+    R, cand = keys.shape
+    dev = keys.device
+    out = torch.empty((R, topk), dtype=torch.int32, device=dev)
+    redo = torch.empty(R, dtype=torch.int32, device=dev)
+    if R:
+        _select_candidates_kernel[(R,)](
+            keys, cols, counters, lens, out, redo, topk, cand, BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return out, redo, counters[:, _NANS.value]
 
 
 def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tuple[Tensor, Tensor]:
