@@ -23,8 +23,16 @@ reproduces it). Two tools take the shape out of the rounding:
 The promise holds for one process: same device, same library, same thread count. In the mode,
 row-wise reductions are fixed too: norms and the router's weight sum use ``row_sum`` (a fixed
 tree of elementwise adds), and the sparse attention runs one ``BATCH_TILE`` of rows at a time,
-so its softmax reductions always see the same shape. Elementwise ops are per row by
-construction.
+so its softmax reductions always see the same shape.
+
+Elementwise ops are not all shape-free either. ATen's CPU kernels run a call (or each thread's
+share of it) in SIMD vectors and its last ``numel mod 2·width`` elements through a scalar loop;
+for ``sigmoid`` and ``silu`` (and ``gelu`` in float64) the two paths round 1 ulp apart, so a
+row's result depends on whether the call's size put it in the tail (float32 and float64, ATen's
+AVX-512 and AVX2 kernels; ``exp``, ``log``, ``rsqrt``, ``cos``/``sin`` and the exact ops agree:
+``scripts/probe_gemm_invariance.py``, docs/determinism.md). ``row_wise(fn, x, keys)`` therefore runs a whole row-wise
+function, its GEMMs and its activations together, on the row tiles: the router's
+``sigmoid(x Wᵀ)`` and the MLPs' SwiGLU.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["BATCH_TILE", "ROW_TILE", "batch_invariant", "active", "batch_tiled", "row_tiled",
-           "linear", "row_sum", "row_mean"]
+           "row_wise", "linear", "row_sum", "row_mean"]
 
 # Items per batched GEMM call. More than any thread count splits one GEMM over, few enough that
 # padding a one-row chunk costs little.
@@ -148,14 +156,22 @@ def row_tiled(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor,
     return out[where]
 
 
+def row_wise(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor | None) -> Tensor:
+    """``fn(x)`` for a function that maps each row of ``x [n, ...]`` on its own (GEMMs against
+    fixed weights, elementwise activations); inside ``batch_invariant()`` row-tiled on ``keys``
+    (int ``[n]``, the rows' positions, required there), so every op in ``fn`` sees one tile's
+    shape. Returns ``fn``'s ``[n, ...]``."""
+    if not active():
+        return fn(x)
+    if keys is None:
+        raise ValueError("batch-invariant mode needs each row's key (its position) for a projection")
+    return row_tiled(fn, x, keys)
+
+
 def linear(x: Tensor, weight: Tensor, keys: Tensor | None) -> Tensor:
     """``F.linear(x, weight)`` (``x [n, in]``, ``weight [out, in]``, no bias); inside
     ``batch_invariant()`` row-tiled on ``keys`` (int ``[n]``, required there)."""
-    if not active():
-        return F.linear(x, weight)
-    if keys is None:
-        raise ValueError("batch-invariant mode needs each row's key (its position) for a projection")
-    return row_tiled(lambda t: F.linear(t, weight), x, keys)
+    return row_wise(lambda t: F.linear(t, weight), x, keys)
 
 
 def row_sum(x: Tensor) -> Tensor:

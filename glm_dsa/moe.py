@@ -146,7 +146,9 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
     n, num_experts = x.shape[0], gate_weight.shape[0]
     group_size = num_experts // n_group
     cd = _compute_dtype(x.dtype)
-    scores = torch.sigmoid(invariant.linear(x.to(cd), gate_weight.to(cd), row_keys))  # [n, E]
+    weight = gate_weight.to(cd)
+    # The sigmoid inside the row tiles too: its SIMD and scalar-tail paths round apart.
+    scores = invariant.row_wise(lambda t: torch.sigmoid(F.linear(t, weight)), x.to(cd), row_keys)  # [n, E]
     selection = scores + bias.to(cd)  # [n, E]
     if n_group > 1:
         grouped = selection.view(n, n_group, group_size)
@@ -188,9 +190,13 @@ class MLP(nn.Module):
                 f"{tuple(x.shape)} dtype {x.dtype}; cast the module or the activations"
             )
         cd = _compute_dtype(x.dtype)
-        gate = invariant.linear(x, self.gate_proj.weight, row_keys)
-        h = F.silu(gate.to(cd)) * invariant.linear(x, self.up_proj.weight, row_keys).to(cd)
-        return invariant.linear(h.to(x.dtype), self.down_proj.weight, row_keys)
+
+        def swiglu(t: Tensor) -> Tensor:
+            h = F.silu(F.linear(t, self.gate_proj.weight).to(cd)) * F.linear(t, self.up_proj.weight).to(cd)
+            return F.linear(h.to(t.dtype), self.down_proj.weight)
+
+        # One row-wise function, so the silu runs inside the row tiles as well as the GEMMs.
+        return invariant.row_wise(swiglu, x, row_keys)
 
 
 def _swiglu(gate_up: Tensor, dtype: torch.dtype) -> Tensor:

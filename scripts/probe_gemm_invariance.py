@@ -9,7 +9,9 @@ For the float32 product shapes of the `small` preset and of GLM-5.3, prints:
 * ``bmm``: batch counts in 1..40 for which an item of ``torch.bmm`` differs from the same
   item in a 40-item call;
 * the same for ``glm_dsa.invariant`` (row_tiled on positions, batch_tiled), which must be empty;
-* row-wise reductions (``mean``, ``sum`` over the last dim) against the row count.
+* row-wise reductions (``mean``, ``sum`` over the last dim) against the row count;
+* elementwise ops against the row count (ATen's SIMD loop and its scalar tail may round apart),
+  plain and through ``glm_dsa.invariant.row_wise``.
 
 Run it under each MKL path: ``MKL_ENABLE_INSTRUCTIONS=AVX2 python scripts/probe_gemm_invariance.py``
 and without the variable (the host's best path). ``--json FILE`` writes the raw findings.
@@ -84,6 +86,34 @@ def probe_reductions(g, rows=300):
     return out
 
 
+ELEMENTWISE = {"exp": torch.exp, "log": torch.log, "rsqrt": torch.rsqrt, "cos": torch.cos,
+               "sigmoid": torch.sigmoid, "silu": F.silu, "gelu": F.gelu}
+
+
+def probe_elementwise(g, rows=300):
+    """Row counts for which an op's rows differ from the same rows of a ``rows``-row call,
+    for the router's 16 and 4 columns, an odd width and an MLP width; plain and row-wise
+    (keyed on random positions)."""
+    out = {}
+    counts = range(1, rows + 1)
+    keys = torch.randint(0, 1 << 16, (rows,), generator=g)
+    for name, op in ELEMENTWISE.items():
+        for d in (4, 16, 37, 512):
+            x = torch.randn(rows, d, generator=g) * 3
+            if name in ("log", "rsqrt"):
+                x = x.abs() + 1e-3
+            plain = _differing_counts(op, x, counts)
+            whole = _row_wise(op, x, keys)
+            tiled = [n for n in counts if not torch.equal(_row_wise(op, x[:n], keys[:n]), whole[:n])]
+            out[f"{name}[{d}]"] = {"plain": plain, "row_wise": tiled}
+    return out
+
+
+def _row_wise(op, x, keys):
+    with invariant.batch_invariant():
+        return invariant.row_wise(op, x, keys)
+
+
 def _short(xs, k=8):
     return "none" if not xs else f"{len(xs)}: {', '.join(map(str, xs[:k]))}{' …' if len(xs) > k else ''}"
 
@@ -126,6 +156,10 @@ def main(argv=None):
     for name, counts in found["reductions"].items():
         label = f"row-wise {name} (1..300 rows)"
         print(f"{label:<34} {_short(counts)}")
+    found["elementwise"] = probe_elementwise(g)
+    for name, res in found["elementwise"].items():
+        label = f"elementwise {name} (1..300 rows)"
+        print(f"{label:<34} {_short(res['plain']):<44} {_short(res['row_wise'])}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found, f, indent=1)
