@@ -147,7 +147,15 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
     n, num_experts = x.shape[0], gate_weight.shape[0]
     group_size = num_experts // n_group
     cd = _compute_dtype(x.dtype)
-    scores = torch.sigmoid(invariant.linear(x.to(cd), gate_weight.to(cd), row_keys))  # [n, E]
+    w = gate_weight.to(cd)
+    if invariant.active():
+        if row_keys is None:
+            raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the router")
+        # The sigmoid too: on the CPU its vectorised body and scalar tail round differently, so
+        # a row's bits would follow where the row falls in the call.
+        scores = invariant.row_tiled(lambda t: torch.sigmoid(F.linear(t, w)), x.to(cd), row_keys)
+    else:
+        scores = torch.sigmoid(F.linear(x.to(cd), w))  # [n, E]
     selection = scores + bias.to(cd)  # [n, E]
     if n_group > 1:
         grouped = selection.view(n, n_group, group_size)
@@ -188,9 +196,17 @@ class MLP(nn.Module):
                 f"MLP expects [..., {weight.shape[1]}] {weight.dtype} input, got shape "
                 f"{tuple(x.shape)} dtype {x.dtype}; cast the module or the activations"
             )
-        gate = invariant.linear(x, self.gate_proj.weight, row_keys)
-        up = invariant.linear(x, self.up_proj.weight, row_keys)
-        return invariant.linear(swiglu(gate, up, x.dtype), self.down_proj.weight, row_keys)
+        if invariant.active():
+            if row_keys is None or x.dim() != 2:
+                raise ValueError("batch-invariant mode needs 2-D rows and their positions (row_keys) "
+                                 "for an MLP")
+            # SwiGLU inside the tiles as well: its silu is shape-dependent on the CPU (see route).
+            return invariant.row_tiled(self._swiglu_mlp, x, row_keys)
+        return self._swiglu_mlp(x)
+
+    def _swiglu_mlp(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        return F.linear(swiglu(gate, up, x.dtype), self.down_proj.weight)
 
 
 def _fused(t: Tensor) -> bool:
