@@ -11,6 +11,11 @@ their state dict translates to and from the per-expert checkpoint names.
 "Compute dtype" is ``torch.promote_types(x.dtype, torch.float32)``: float32 for bf16/fp32
 activations (the DeepSeek/HF convention ``x.float() @ gate.weight.float().T``), float64 for
 float64 activations so that float64 tests reach ~1e-12.
+
+A layer's MoE runs in row blocks whose temporaries fit the step's MoE budget
+(``glm_dsa.budget.moe_rows``). On CUDA its SwiGLU and combine are single Triton passes
+(``glm_dsa.kernels.swiglu``, ``moe_combine``) and nothing in it reads the device from the host,
+so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from glm_dsa import invariant
 from glm_dsa.budget import moe_rows
 from glm_dsa.config import DSAConfig
 
-__all__ = ["route", "MLP", "swiglu", "combine_experts", "experts_grouped_mm", "experts_loop", "experts_row_tiled", "Experts",
-           "MoEGate", "MoE"]
+__all__ = ["route", "MLP", "swiglu", "combine_experts", "experts_grouped_mm", "experts_loop",
+           "experts_row_tiled", "Experts", "MoEGate", "MoE"]
 
 # Keeps an all-zero score row from dividing by zero; the value HF and vLLM use.
 _NORM_EPS = 1e-20
@@ -421,15 +426,15 @@ class Experts(nn.Module):
         ``F.grouped_mm`` takes the shapes (rows of ``H`` and ``I`` elements a multiple of 16
         bytes); otherwise ``experts_loop``, or ``experts_row_tiled`` on the tokens' ``row_keys``
         in batch-invariant mode, which read the counts to the host."""
+        if invariant.active() and row_keys is None:
+            raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
         if not invariant.active():
             row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
             if x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes):
                 return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets, rows)
-        elif row_keys is None:
-            raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
         counts = offsets.diff(prepend=offsets.new_zeros(1)).tolist()
         routed = rows[: sum(counts)]
-        if invariant.active():
+        if row_keys is not None and invariant.active():
             out = experts_row_tiled(x[routed], self.gate_up_proj, self.down_proj, counts,
                                     row_keys[routed])
         else:
@@ -579,12 +584,17 @@ class MoE(nn.Module):
     def block_rows(self, n: int, dtype: torch.dtype, device: torch.device | str,
                    budget_bytes: int | None) -> int:
         """Rows per block for ``n`` rows of ``dtype`` activations on ``device``
-        (``glm_dsa.budget.moe_rows`` with this layer's shapes); all ``n`` for no budget."""
+        (``glm_dsa.budget.moe_rows`` with this layer's shapes); all ``n`` for no budget. In
+        batch-invariant mode whole ``invariant.ROW_TILE`` tiles (at least one): every product
+        there runs on such tiles, so a smaller block would only pad them."""
         c = self.config
         fused = torch.device(device).type == "cuda" and dtype in GROUPED_MM_DTYPES
-        return moe_rows(n, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
+        rows = moe_rows(n, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
                         c.n_shared_experts * c.moe_intermediate_size, c.n_routed_experts,
                         dtype, fused, budget_bytes)
+        if invariant.active() and rows < n:
+            rows = max(invariant.ROW_TILE, rows // invariant.ROW_TILE * invariant.ROW_TILE)
+        return rows
 
     def forward(self, x: Tensor, row_mask: Tensor | None = None, row_keys: Tensor | None = None,
                 budget_bytes: int | None = None) -> tuple[Tensor, Tensor]:

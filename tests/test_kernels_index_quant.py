@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from glm_dsa.config import get_config  # noqa: E402
 from glm_dsa.fp8 import act_quant  # noqa: E402
 from glm_dsa.indexer import Indexer  # noqa: E402
-from glm_dsa.kernels.index_quant import rope_hadamard_quant  # noqa: E402
+from glm_dsa.kernels.index_quant import rope_hadamard_quant, rope_hadamard_quant_store  # noqa: E402
 from glm_dsa.kv_format import index_k_store  # noqa: E402
 from glm_dsa.rope import rope_cos_sin  # noqa: E402
 
@@ -64,10 +64,11 @@ def test_fused_quant_writes_the_pages_index_k_store_writes():
     k_fp8, k_scale = _reference(cfg, x, positions)
     index_k_store(want, slots, k_fp8, k_scale[:, 0], page_size)
     got = background.clone()
-    assert rope_hadamard_quant(x, cos, sin, 64, True, cfg.scale_fmt, got, slots, page_size) is None
+    rope_hadamard_quant_store(x, cos, sin, 64, True, cfg.scale_fmt, got, slots, page_size)
     assert torch.equal(got, want)  # the rows' bytes and scales, and nothing else
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy's, inside Triton's interpreter
 def test_fused_quant_refuses_non_finite_input_like_act_quant():
     x, _, cos, sin = _case(GLM, (4, 128), torch.float32, seed=0)
     x[2, 100] = float("nan")
@@ -83,8 +84,13 @@ def test_fused_quant_rejects_bad_input():
         rope_hadamard_quant(x, cos[:, :16], sin, 64, True, None)
     with pytest.raises(ValueError, match="contiguous"):
         rope_hadamard_quant(x.t().contiguous().t(), cos, sin, 64, True, None)
-    with pytest.raises(ValueError, match="together"):
-        rope_hadamard_quant(x, cos, sin, 64, True, None, pages=torch.zeros(1, 64 * 132, dtype=torch.uint8))
+    pages = torch.zeros(2, 64 * 132, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="distinct"):
+        rope_hadamard_quant_store(x, cos, sin, 64, True, None, pages, torch.tensor([1, 2, 1, 3], device=DEV))
+    with pytest.raises(ValueError):  # a slot past the pages
+        rope_hadamard_quant_store(x, cos, sin, 64, True, None, pages, torch.tensor([1, 2, 3, 128], device=DEV))
+    with pytest.raises(ValueError, match="must be \\[n, D\\]"):
+        rope_hadamard_quant_store(x.view(4, 1, 128), cos, sin, 64, True, None, pages, torch.arange(4, device=DEV))
 
 
 @pytest.mark.cuda

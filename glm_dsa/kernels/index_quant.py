@@ -26,7 +26,7 @@ from glm_dsa.kernels.swiglu import _round
 from glm_dsa.kv_format import _check_pages, _check_slots, _check_unique
 from glm_dsa.validate import need
 
-__all__ = ["rope_hadamard_quant"]
+__all__ = ["rope_hadamard_quant", "rope_hadamard_quant_store"]
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 _E4M3_MAX = tl.constexpr(FP8_E4M3_MAX)
@@ -121,60 +121,74 @@ def _rope_hadamard_quant_kernel(
         tl.store(scale_ptr + rows64, scale, mask=live)
 
 
-def rope_hadamard_quant(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool,
-                        scale_fmt: str | None, pages: Tensor | None = None,
-                        slots: Tensor | None = None, page_size: int = 64
-                        ) -> tuple[Tensor, Tensor] | None:
-    """``act_quant(hadamard_transform(rope(x), D**-0.5), D, scale_fmt)`` of the indexer's rows.
-
-    ``x: [n, D]`` or ``[n, H, D]`` bf16 / fp16 / fp32, contiguous, ``D`` a power of two; its
-    first ``rope_dim`` dims are RoPE'd (``interleaved`` pairs ``(2i, 2i+1)``, else ``(i, i +
-    rope_dim/2)``) with ``cos, sin: [n, rope_dim/2]`` float32 (``rope_cos_sin``, one row per
-    token, shared by its heads). Returns ``(x_fp8 float8_e4m3fn like x, scale float32 [n, 1]
-    or [n, H, 1])``; or, with ``pages`` (uint8 index-K pages) and ``slots`` (int64 ``[n]``,
-    distinct) for 2-D ``x``, writes each row's bytes and scale into its slot and returns None.
-    """
+def _check(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, scale_fmt: str | None) -> None:
     need(x.dim() in (2, 3) and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16,
                                                                  torch.float32),
          f"x must be a contiguous bf16/fp16/fp32 [n, D] or [n, H, D], got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape[0], x.shape[-1]
-    heads = 1 if x.dim() == 2 else x.shape[1]
     need(d >= 2 and d & (d - 1) == 0, f"D={d} must be a power of two")
     need(0 < rope_dim <= d and rope_dim % 2 == 0, f"rope_dim={rope_dim} must be even and in (0, {d}]")
     need(cos.shape == sin.shape == (n, rope_dim // 2) and cos.dtype == sin.dtype == torch.float32,
          f"cos and sin must be float32 [{n}, {rope_dim // 2}], got {cos.dtype} {tuple(cos.shape)} "
          f"and {sin.dtype} {tuple(sin.shape)}")
     need(scale_fmt in (None, "ue8m0"), f"scale_fmt={scale_fmt!r} must be None or 'ue8m0'")
-    write = pages is not None
-    need(write == (slots is not None), "give pages and slots together")
-    if write:
-        need(heads == 1, "only keys ([n, D]) are written to pages")
-        _check_pages(pages, page_size, d)  # index_k_store's checks, so bad slots never write
-        need(pages.is_contiguous(), "pages must be contiguous")
-        _check_slots(slots, pages.shape[0] * page_size)
-        need(slots.shape == (n,), f"slots has {slots.shape[0]} entries for {n} tokens of x")
-        _check_unique(slots)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    rows = n * heads
+
+
+def _launch(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool,
+            scale_fmt: str | None, out: Tensor, scale: Tensor, slots: Tensor, pages: Tensor,
+            page_scale: Tensor, page_size: int, write: bool) -> None:
+    heads = 1 if x.dim() == 2 else x.shape[1]
+    rows, d = x.shape[0] * heads, x.shape[-1]
+    if not rows:
+        return
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if write:
-        out = scale = None
-        out_arg, scale_arg, slots_arg, pages_arg, page_scale = bad, bad, slots, pages, pages.view(torch.float32)
-    else:
-        out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
-        out_arg, scale_arg, slots_arg, pages_arg, page_scale = out.view(torch.uint8), scale, bad, bad, bad
-    if rows:
-        _rope_hadamard_quant_kernel[(triton.cdiv(rows, ROWS),)](
-            x, cos, sin, out_arg, scale_arg, slots_arg, pages_arg, page_scale, bad, rows,
-            ROWS_PER_TOKEN=heads, D=d, ROPE=rope_dim, INTERLEAVED=interleaved,
-            UE8M0=scale_fmt == "ue8m0", SCALE=d**-0.5, LOG2_D=d.bit_length() - 1,
-            PAGE_SIZE=page_size, WRITE_PAGES=write, R=ROWS, num_warps=NUM_WARPS,
-            enable_fp_fusion=False,
+    _rope_hadamard_quant_kernel[(triton.cdiv(rows, ROWS),)](
+        x, cos.contiguous(), sin.contiguous(), out, scale, slots, pages, page_scale, bad, rows,
+        ROWS_PER_TOKEN=heads, D=d, ROPE=rope_dim, INTERLEAVED=interleaved,
+        UE8M0=scale_fmt == "ue8m0", SCALE=d**-0.5, LOG2_D=d.bit_length() - 1,
+        PAGE_SIZE=page_size, WRITE_PAGES=write, R=ROWS, num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
+    if int(bad.item()):
+        raise ValueError(
+            "act_quant got NaN or inf input; a non-finite value would give the whole block "
+            "(and the cache page it lands in) a garbage scale: fix the producer of x"
         )
-        if int(bad.item()):
-            raise ValueError(
-                "act_quant got NaN or inf input; a non-finite value would give the whole block "
-                "(and the cache page it lands in) a garbage scale: fix the producer of x"
-            )
-    return None if write else (out, scale)
+
+
+def rope_hadamard_quant(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int, interleaved: bool,
+                        scale_fmt: str | None) -> tuple[Tensor, Tensor]:
+    """``act_quant(hadamard_transform(rope(x), D**-0.5), D, scale_fmt)`` of the indexer's rows.
+
+    ``x: [n, D]`` or ``[n, H, D]`` bf16 / fp16 / fp32, contiguous, ``D`` a power of two; its
+    first ``rope_dim`` dims are RoPE'd (``interleaved`` pairs ``(2i, 2i+1)``, else ``(i, i +
+    rope_dim/2)``) with ``cos, sin: [n, rope_dim/2]`` float32 (``rope_cos_sin``, one row per
+    token, shared by its heads). Returns ``(x_fp8 float8_e4m3fn like x, scale float32 [n, 1]
+    or [n, H, 1])``.
+    """
+    _check(x, cos, sin, rope_dim, scale_fmt)
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    unused = scale  # the page arguments, never read without WRITE_PAGES
+    _launch(x, cos, sin, rope_dim, interleaved, scale_fmt, out.view(torch.uint8), scale, unused,
+            unused, unused, 64, False)
+    return out, scale
+
+
+def rope_hadamard_quant_store(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int,
+                              interleaved: bool, scale_fmt: str | None, pages: Tensor,
+                              slots: Tensor, page_size: int = 64) -> None:
+    """``rope_hadamard_quant`` of keys ``x: [n, D]`` written straight into index-K ``pages``
+    (uint8 ``[num_pages, page_size · (D + 4)]``, contiguous) at ``slots`` (int64 ``[n]``,
+    distinct, in range): ``index_k_store``'s bytes, with its checks; other slots untouched."""
+    _check(x, cos, sin, rope_dim, scale_fmt)
+    need(x.dim() == 2, f"keys must be [n, D], got {tuple(x.shape)}")
+    n, d = x.shape
+    _check_pages(pages, page_size, d)  # index_k_store's checks, so bad slots never write
+    need(pages.is_contiguous(), "pages must be contiguous")
+    _check_slots(slots, pages.shape[0] * page_size)
+    need(slots.shape == (n,), f"slots has {slots.shape[0]} entries for {n} tokens of x")
+    _check_unique(slots)
+    unused = slots  # the separate outputs, never written with WRITE_PAGES
+    _launch(x, cos, sin, rope_dim, interleaved, scale_fmt, unused, unused, slots, pages,
+            pages.view(torch.float32), page_size, True)
