@@ -60,8 +60,23 @@ def _check_rows(x: Tensor, hidden_size: int | None, row_mask: Tensor | None) -> 
 
 def _stable_top(scores: Tensor, k: int) -> Tensor:
     """Column indices of the k largest entries of each row: score descending, index ascending
-    on ties (a stable sort), so the choice never depends on the backend's top-k tie-breaking."""
+    on ties (a stable sort), so the choice never depends on the backend's top-k tie-breaking.
+    float32 rows on CUDA take ``_packed_top``, the same indices from a top-k instead of a sort."""
+    if scores.is_cuda and scores.dtype == torch.float32:
+        return _packed_top(scores, k)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _packed_top(scores: Tensor, k: int) -> Tensor:
+    """``_stable_top`` of float32 ``scores [n, E]`` (no NaN) by ``torch.topk`` over distinct
+    int64 keys: the score's order-preserving int32 image in the high word (``-0.0`` taken as
+    ``+0.0``), ``E - 1 - column`` in the low one, so that ties go to the lower column and the
+    result is unique — a top-k's tie-breaking has nothing to choose."""
+    bits = (scores + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
+    column = torch.arange(scores.shape[-1], device=scores.device)
+    keys = (ordered.to(torch.int64) << 32) | (scores.shape[-1] - 1 - column)
+    return scores.shape[-1] - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
 
 
 def route(
@@ -159,6 +174,11 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
         # The sigmoid too: on the CPU its vectorised body and scalar tail round differently, so
         # a row's bits would follow where the row falls in the call.
         scores = invariant.row_tiled(lambda t: torch.sigmoid(F.linear(t, w)), x.to(cd), row_keys)
+    elif x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_weight.dtype == x.dtype:
+        # The same float32 GEMM of exact products (a bf16·bf16 product fits float32) on the
+        # tensor cores, float32 out, instead of casting x to float32 for cuBLAS's SIMT kernel:
+        # only the float32 summation order differs (as between any two cuBLAS kernels).
+        scores = torch.sigmoid(torch.mm(x, gate_weight.T, out_dtype=torch.float32))  # [n, E]
     else:
         scores = torch.sigmoid(F.linear(x.to(cd), w))  # [n, E]
     selection = scores + bias.to(cd)  # [n, E]
@@ -326,7 +346,14 @@ def experts_grouped_mm(
         raise ValueError(f"rows must be a 1-D int64 tensor, got shape {tuple(rows.shape)} "
                          f"dtype {rows.dtype}")
     # grouped_mm multiplies by mat_b [E, K, N]: the transposed views of the [E, N, K] weights.
-    pairs = x if rows is None else x.index_select(0, rows)  # [P, H]
+    if rows is None:
+        pairs = x
+    elif x.is_cuda:  # one Triton copy at bandwidth (glm_dsa.kernels.gather_rows)
+        from glm_dsa.kernels.gather_rows import gather_rows
+
+        pairs = gather_rows(x, rows)  # [P, H]
+    else:
+        pairs = x.index_select(0, rows)
     gate_up = F.grouped_mm(pairs, gate_up_proj.transpose(1, 2), offs=offsets)  # [P, 2I]
     del pairs
     h = _swiglu(gate_up, x.dtype)  # [P, I]

@@ -151,7 +151,8 @@ def main() -> int:
     cfg = GLM
     moe = _random_moe(cfg)
     weight_bytes = sum(p.numel() * p.element_size() for p in moe.parameters())
-    read_floor = weight_bytes / (ceil["copy_bytes_per_s"] / 2)  # the copy rate counts read + write
+    # The copy rate counts the bytes read and written: reading the weights once moves their bytes.
+    read_floor = weight_bytes / ceil["copy_bytes_per_s"]
     before = _load_before(args.before, cfg, moe) if args.before else None
     f = {op.op: op.flops_per_token for op in op_flops(cfg)}
     try:

@@ -123,3 +123,17 @@ def test_cuda_combine_at_glm_width_is_bitwise_the_torch_combine():
     acc += shared.float()
     acc.masked_fill_(~row_mask[:, None], 0.0)
     assert torch.equal(got, acc.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_rows_is_index_select(dtype):
+    from glm_dsa.kernels.gather_rows import gather_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 2100, generator=g).to(dtype).to(DEV)
+    rows = torch.randint(0, 11, (29,), generator=g).to(DEV)
+    assert torch.equal(gather_rows(x, rows), x.index_select(0, rows))
+    assert torch.equal(gather_rows(x[:, :1000], rows), x[:, :1000].index_select(0, rows))  # strided rows
+    assert gather_rows(x, rows[:0]).shape == (0, 2100)
+    with pytest.raises(ValueError, match="int64"):
+        gather_rows(x, rows.int())

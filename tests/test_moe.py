@@ -750,7 +750,7 @@ def test_cuda_bf16_moe_in_blocks_equals_deepseeks_loop_on_the_same_routing():
     # The expected value: per block (the MoE's own split, so the router GEMM sees the same rows),
     # the router's choice, then DeepSeek's loop over the experts with cuBLAS GEMMs, float32 sums.
     moe, cfg = _glm_like_cuda_moe()
-    n, budget, i = 300, 200 << 20, cfg.moe_intermediate_size
+    n, budget, i = 300, 20 << 20, cfg.moe_intermediate_size  # ~176 KB a row: 3 blocks
     x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
     row_mask = torch.arange(n, device="cuda") % 7 != 3
     rows = moe.block_rows(n, x.dtype, x.device, budget)
@@ -783,7 +783,7 @@ def test_cuda_moe_never_synchronises_and_replays_in_a_cuda_graph():
     moe, cfg = _glm_like_cuda_moe()
     x = torch.randn(512, cfg.hidden_size, device="cuda").bfloat16()
     mask = torch.arange(512, device="cuda") % 9 != 0
-    budget = 100 << 20
+    budget = 40 << 20  # ~176 KB a row: 3 blocks
     assert moe.block_rows(512, x.dtype, x.device, budget) < 512
     with torch.no_grad():
         eager = moe(x, mask, budget_bytes=budget)
@@ -814,3 +814,18 @@ def test_cuda_moe_temporaries_stay_within_the_budget():
             torch.cuda.synchronize()
             transient = torch.cuda.max_memory_allocated() - held - out.numel() * out.element_size()
             assert transient <= budget, (budget, transient)
+
+
+def test_packed_top_equals_the_stable_sort_with_ties_zeros_and_infinities():
+    from glm_dsa.moe import _packed_top
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(64, 48, generator=g)
+    scores[:, ::5] = scores[:, :1]  # ties inside rows
+    scores[3] = 0.0
+    scores[4, ::2] = -0.0  # -0.0 ties +0.0, as in a float comparison
+    scores[5, :40] = float("-inf")  # dropped groups
+    scores[6] = torch.tensor([1e-40, -1e-40, 3e38, -3e38] * 12)  # subnormals and extremes
+    for k in (1, 8, 48):
+        want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(_packed_top(scores, k), want), k
