@@ -22,8 +22,8 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX
-from glm_dsa.kernels.swiglu import _round
-from glm_dsa.kv_format import _check_pages, _check_slots, _check_unique
+from glm_dsa.kernels.numerics import round_rne
+from glm_dsa.kv_format import check_index_k_store
 from glm_dsa.validate import need
 
 __all__ = ["rope_hadamard_quant", "rope_hadamard_quant_store"]
@@ -93,10 +93,10 @@ def _rope_hadamard_quant_kernel(
     s = tl.load(sin_ptr + cs_off, mask=mask & roped[None, :], other=0.0)
     rot = tl.where(first[None, :], x * c - p * s, p * s + x * c)
     y = tl.where(roped[None, :], rot, x)
-    y = _round(y, x_raw.dtype).to(tl.float32)  # apply_rope returns x.dtype
+    y = round_rne(y, x_raw.dtype).to(tl.float32)  # apply_rope returns x.dtype
     for stage in tl.static_range(LOG2_D):
         y = _butterfly(y, R, D, 1 << stage)
-    y = _round(y * SCALE, x_raw.dtype).to(tl.float32)  # hadamard_transform returns x.dtype
+    y = round_rne(y * SCALE, x_raw.dtype).to(tl.float32)  # hadamard_transform returns x.dtype
     # act_quant: one block of D per row.
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), _AMAX_FLOOR)
     scale = amax * (1.0 / _E4M3_MAX)
@@ -184,11 +184,8 @@ def rope_hadamard_quant_store(x: Tensor, cos: Tensor, sin: Tensor, rope_dim: int
     _check(x, cos, sin, rope_dim, scale_fmt)
     need(x.dim() == 2, f"keys must be [n, D], got {tuple(x.shape)}")
     n, d = x.shape
-    _check_pages(pages, page_size, d)  # index_k_store's checks, so bad slots never write
+    check_index_k_store(pages, slots, n, d, page_size)  # so that bad slots never write
     need(pages.is_contiguous(), "pages must be contiguous")
-    _check_slots(slots, pages.shape[0] * page_size)
-    need(slots.shape == (n,), f"slots has {slots.shape[0]} entries for {n} tokens of x")
-    _check_unique(slots)
     unused = slots  # the separate outputs, never written with WRITE_PAGES
     _launch(x, cos, sin, rope_dim, interleaved, scale_fmt, unused, unused, slots, pages,
             pages.view(torch.float32), page_size, True)

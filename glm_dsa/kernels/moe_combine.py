@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.kernels.swiglu import _round
+from glm_dsa.kernels.numerics import round_rne
 from glm_dsa.validate import need
 
 __all__ = ["combine_experts"]
@@ -46,7 +46,7 @@ def _combine_kernel(expert_ptr, position_ptr, weight_ptr, shared_ptr, mask_ptr, 
         if HAS_SHARED:
             s = tl.load(shared_ptr + row * shared_stride + col, mask=inside, other=0.0)
             acc = acc + s.to(tl.float32)
-    tl.store(out_ptr + row * out_stride + col, _round(acc, out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + row * out_stride + col, round_rne(acc, out_ptr.dtype.element_ty), mask=inside)
 
 
 def combine_experts(expert_out: Tensor, position: Tensor, weights: Tensor, shared: Tensor | None,

@@ -10,44 +10,15 @@ numpy's ``exp``, which can differ from torch's CPU ``exp`` in the last bit.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_dsa.kernels.numerics import exp_f32, round_rne
 from glm_dsa.validate import need
 
-__all__ = ["swiglu"]  # and _round, the float32 rounding the Triton MoE kernels share
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-
-    @triton.jit
-    def _exp(x):
-        return tl.exp(x)
-
-    @triton.jit
-    def _round(x, dtype: tl.constexpr):
-        """float32 ``x`` to ``dtype`` to nearest even; the interpreter truncates to bf16, so
-        that rounding is spelled out on the bits (finite ``x``)."""
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return x.to(dtype)
-
-else:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _exp(x):
-        return libdevice.exp(x)
-
-    @triton.jit
-    def _round(x, dtype: tl.constexpr):
-        """float32 ``x`` to ``dtype``, to nearest even (``cvt.rn``)."""
-        return x.to(dtype)
+__all__ = ["swiglu"]
 
 # Columns per program: 4 warps × 32 threads × 8 elements (one 16-byte bf16 vector each).
 BLOCK = 1024
@@ -63,8 +34,8 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n_cols, gate_stride, up_stride, ou
     inside = col < n_cols
     g = tl.load(gate_ptr + row * gate_stride + col, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * up_stride + col, mask=inside, other=0.0).to(tl.float32)
-    silu = tl.math.div_rn(g, 1.0 + _exp(-g))
-    tl.store(out_ptr + row * out_stride + col, _round(silu * u, out_ptr.dtype.element_ty), mask=inside)
+    silu = tl.math.div_rn(g, 1.0 + exp_f32(-g))
+    tl.store(out_ptr + row * out_stride + col, round_rne(silu * u, out_ptr.dtype.element_ty), mask=inside)
 
 
 def swiglu(gate: Tensor, up: Tensor, dtype: torch.dtype) -> Tensor:
