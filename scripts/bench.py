@@ -93,10 +93,10 @@ def ceilings() -> dict:
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": bf16, "fp8_flops_per_s": fp8}
 
 
-def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
+def random_moe(cfg: DSAConfig):
+    """A bf16 ``MoE`` of ``cfg`` on the GPU, every parameter ``N(0, 1/fan_in)`` from seed 0."""
     from glm_dsa.moe import MoE
 
-    cfg = GLM
     with torch.device("meta"):
         moe = MoE(cfg).to(torch.bfloat16)
     moe = moe.to_empty(device="cuda")
@@ -104,6 +104,13 @@ def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_((torch.randn(p.shape, generator=gen, device="cuda") * p.shape[-1] ** -0.5).to(p.dtype))
+    return moe
+
+
+def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
+    cfg = GLM
+    moe = random_moe(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     budget = Budgets.default("cuda").moe_bytes  # as a prefill step runs it
     with torch.no_grad():

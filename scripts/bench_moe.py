@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from bench import _peak, _timed, ceilings  # noqa: E402
+from bench import _peak, _timed, ceilings, random_moe  # noqa: E402
 
 from glm_dsa.budget import Budgets  # noqa: E402
 from glm_dsa.config import PRESETS  # noqa: E402
@@ -41,17 +41,6 @@ from glm_dsa.moe import MoE, combine_experts, swiglu  # noqa: E402
 
 GLM = PRESETS["glm-5.3"]
 GB = 1e9
-
-
-def _random_moe(cfg) -> MoE:
-    with torch.device("meta"):
-        moe = MoE(cfg).to(torch.bfloat16)
-    moe = moe.to_empty(device="cuda")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.copy_((torch.randn(p.shape, generator=gen, device="cuda") * p.shape[-1] ** -0.5).to(p.dtype))
-    return moe
 
 
 def _load_before(path: str, cfg, moe: MoE) -> torch.nn.Module:
@@ -149,7 +138,7 @@ def main() -> int:
     res["ceilings"] = ceil = ceilings()
     print("ceilings", json.dumps(ceil), flush=True)
     cfg = GLM
-    moe = _random_moe(cfg)
+    moe = random_moe(cfg)
     weight_bytes = sum(p.numel() * p.element_size() for p in moe.parameters())
     # The copy rate counts the bytes read and written: reading the weights once moves their bytes.
     read_floor = weight_bytes / ceil["copy_bytes_per_s"]
