@@ -1,14 +1,19 @@
-"""The two memory budgets of a DSA layer step, their defaults and the row counts they give.
+"""The three memory budgets of a DSA layer step, their defaults and the row counts they give.
 
 * **Logits bytes** bound the indexer's float32 ``[rows, S_kv]`` logits at once (SGLang's
   ``mqa_logits_budget`` rule, docs/conventions.md §12): ``max_logit_rows``.
 * **Attention bytes** bound the per-row-chunk temporaries of absorbed sparse attention — the
   queries, their absorbed and output forms and, where the context is gathered, the gathered
   keys, scores and index masks: ``attention_rows``. One rule for every attention path.
+* **MoE bytes** bound the MoE's temporaries — the pairs' gathered rows, their GEMM outputs
+  and SwiGLU, the router's and the shared expert's: ``moe_rows``, the rows of one MoE block.
 
 The indexer's logits are freed before attention runs, so the two never coexist and both
 default to the same reservation: SGLang's rule on CUDA, ``CPU_BUDGET_BYTES`` elsewhere.
-``Budgets.default`` is the one place a run resolves them (the CLI and ``PrefillEngine``).
+The MoE runs after both are freed; its default is the same reservation capped at
+``MOE_BUDGET_BYTES`` (3 GiB: blocks of ~18K tokens at GLM-5.3's shapes, whose grouped GEMMs are
+already compute-bound). ``Budgets.default`` is the one place a run resolves them (the CLI and
+``PrefillEngine``).
 """
 
 from __future__ import annotations
@@ -24,17 +29,23 @@ __all__ = [
     "CPU_BUDGET_BYTES",
     "NO_CHUNK_LOGITS",
     "LOGITS_TOTAL_MEM_CAP",
+    "MOE_BUDGET_BYTES",
     "Budgets",
     "logits_budget_bytes",
     "default_logits_bytes",
     "default_attention_bytes",
     "max_logit_rows",
     "attention_rows",
+    "default_moe_bytes",
+    "moe_rows",
 ]
 
 # The host has no allocator whose free memory the CUDA rule could follow; 256 MiB keeps a CPU
 # run's peak modest while leaving the row chunks large.
 CPU_BUDGET_BYTES = 256 << 20
+# The MoE's cap: rows past ~16K per block no longer speed up its grouped GEMMs at GLM-5.3's
+# shapes (512 pairs per expert at 8 of 256 experts), while its temporaries keep growing.
+MOE_BUDGET_BYTES = 3 << 30
 # SGLang never row-chunks the indexer logits below this many elements (num_q * num_k).
 NO_CHUNK_LOGITS = 8_000_000
 # SGLang caps the static logits budget at this fraction of the device's total memory.
@@ -77,6 +88,12 @@ def default_attention_bytes(device: torch.device | str, mem_fraction_static: flo
     return default_logits_bytes(device, mem_fraction_static)
 
 
+def default_moe_bytes(device: torch.device | str, mem_fraction_static: float = 0.8) -> int:
+    """The MoE budget a run uses unless told otherwise: the logits' reservation
+    (``default_logits_bytes``), free again when the MoE runs, capped at ``MOE_BUDGET_BYTES``."""
+    return min(default_logits_bytes(device, mem_fraction_static), MOE_BUDGET_BYTES)
+
+
 @dataclass(frozen=True)
 class Budgets:
     """The byte budgets of one step.
@@ -84,13 +101,16 @@ class Budgets:
     Attributes:
         logits_bytes: float32 indexer logits at once (``max_logit_rows``).
         attention_bytes: temporaries of one attention row chunk (``attention_rows``).
+        moe_bytes: temporaries of one MoE row block (``moe_rows``); ``MOE_BUDGET_BYTES``
+            unless given (``Budgets.default`` resolves it per device).
     """
 
     logits_bytes: int
     attention_bytes: int
+    moe_bytes: int = MOE_BUDGET_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("logits_bytes", "attention_bytes"):
+        for name in ("logits_bytes", "attention_bytes", "moe_bytes"):
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                  f"{name}={value!r} must be a positive int (bytes)")
@@ -98,11 +118,12 @@ class Budgets:
     @classmethod
     def default(cls, device: torch.device | str, budget_bytes: int | None = None,
                 mem_fraction_static: float = 0.8) -> Budgets:
-        """``budget_bytes`` for both, or each budget's default on ``device``."""
+        """``budget_bytes`` for all three, or each budget's default on ``device``."""
         if budget_bytes is not None:
-            return cls(budget_bytes, budget_bytes)
+            return cls(budget_bytes, budget_bytes, budget_bytes)
         return cls(default_logits_bytes(device, mem_fraction_static),
-                   default_attention_bytes(device, mem_fraction_static))
+                   default_attention_bytes(device, mem_fraction_static),
+                   default_moe_bytes(device, mem_fraction_static))
 
 
 def max_logit_rows(num_q: int, num_k: int, budget_bytes: int) -> int:
@@ -148,3 +169,48 @@ def attention_rows(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
         )
     # Whole batch tiles (``mla._sparse_mla`` pads a chunk to them), at least one.
     return max(BATCH_TILE, budget_bytes // per_row // BATCH_TILE * BATCH_TILE)
+
+
+def moe_rows(num_rows: int, top_k: int, hidden: int, intermediate: int, shared_intermediate: int,
+             num_experts: int, dtype: torch.dtype, fused: bool, budget_bytes: int | None) -> int:
+    """Rows of one MoE block whose temporaries fit ``budget_bytes`` (all, at least 1, for None).
+
+    Per row, with ``b`` the activations' and ``c`` the compute dtype's item size and ``k =
+    top_k``: the shared expert's output ``hidden · b`` and the pairs' indices and routing
+    (``k · (40 + 2c)``, int64 keys, order, rows and positions) held through the block, plus the
+    largest of its phases: the shared expert (``3 · shared_intermediate · b``, and four
+    compute-dtype temporaries of that width unless ``fused``), the router (the row in the compute
+    dtype, its ``num_experts`` scores, selection scores and sort in ``3c + 8`` bytes each), the
+    first grouped GEMM (``k · (hidden + 2 · intermediate) · b``, gathered rows and their
+    gate/up), SwiGLU (``k · 3 · intermediate · b``, and ``k · 4 · intermediate · c`` unless
+    ``fused``), the second GEMM (``k · (intermediate + hidden) · b``) and the combine (nothing
+    more when ``fused``, else ``hidden · (3c + b)``). ``fused``: SwiGLU and the combine run as
+    the single-pass Triton kernels (CUDA). The blocks are then evened out: ``ceil(num_rows /
+    ceil(num_rows / rows))``.
+    """
+    for name, v in (("num_rows", num_rows), ("top_k", top_k), ("hidden", hidden),
+                    ("intermediate", intermediate), ("shared_intermediate", shared_intermediate),
+                    ("num_experts", num_experts)):
+        need(isinstance(v, int) and v >= 0, f"{name}={v!r} must be a non-negative int")
+    if budget_bytes is None:
+        return max(1, num_rows)
+    need(isinstance(budget_bytes, int) and budget_bytes >= 1,
+         f"budget_bytes={budget_bytes!r} must be a positive int (bytes) or None")
+    b = dtype.itemsize
+    c = torch.promote_types(dtype, torch.float32).itemsize
+    k = top_k
+    unfused = 0 if fused else 1
+    phases = (
+        shared_intermediate * (3 * b + 4 * c * unfused),
+        hidden * c + num_experts * (3 * c + 8),
+        k * (hidden + 2 * intermediate) * b,
+        k * intermediate * (3 * b + 4 * c * unfused),
+        k * (intermediate + hidden) * b,
+        hidden * (3 * c + b) * unfused,
+    )
+    per_row = hidden * b + k * (40 + 2 * c) + max(phases)
+    rows = max(1, budget_bytes // per_row)
+    if num_rows <= rows:
+        return max(1, num_rows)
+    blocks = -(-num_rows // rows)
+    return -(-num_rows // blocks)

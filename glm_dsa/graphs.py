@@ -12,9 +12,9 @@ launch overhead a graph removes is a small share of the step.
 ``DecoderLayer.attention_block``) and its FFN half (``ffn_block``). Consecutive stages that can
 be captured form one graph piece; an FFN whose module is in ``SPLIT_MODULES`` runs eagerly
 between two pieces, as vLLM keeps the parts it cannot capture outside its piecewise graphs.
-The MoE is there because it reads its expert counts on the host to size its grouped GEMMs; once
-its CUDA path has no host synchronisation, taking it out of ``SPLIT_MODULES`` makes a
-one-layer step a single graph.
+The MoE's CUDA path keeps its expert counts and offsets on the device (no host
+synchronisation), so no module is split today and a one-layer step is a single graph; a module
+whose CUDA path reads data on the host goes into ``SPLIT_MODULES``.
 
 **What makes a piece capturable.** Captured stages run in ``glm_dsa.syncfree`` mode: their data
 checks stay on the device and are read once after each replay, and the indexer's row-chunk loop
@@ -52,13 +52,13 @@ from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache
 from glm_dsa.layer import DSAModel, StepContext
-from glm_dsa.moe import MoE
 
 __all__ = ["SPLIT_MODULES", "GRAPH_BACKENDS", "MAX_GRAPH_TOKENS", "MAX_GRAPH_CONTEXT", "LINEAR_BUCKET",
            "token_bucket", "max_padding", "unsupported", "StepGraphs"]
 
-# FFN modules run eagerly between graph pieces (host synchronisations on their CUDA path).
-SPLIT_MODULES: tuple[type, ...] = (MoE,)
+# FFN modules run eagerly between graph pieces (host synchronisations on their CUDA path);
+# the MoE's CUDA path has none since its row-block rework.
+SPLIT_MODULES: tuple[type, ...] = ()
 # Backends whose indexer top-k and attention capture (the reference reads windows on the host).
 GRAPH_BACKENDS = ("triton",)
 # Largest step (tokens) and context (rows) run from graphs by default.

@@ -600,8 +600,44 @@ class Indexer(nn.Module):
         return self._key(x, positions)
 
     def _key(self, x: Tensor, positions: Tensor) -> Tensor:
-        return self._rope_then_rotate(self.k_norm(invariant.linear(x, self.wk.weight, positions)),
-                                      positions)
+        return self._rope_then_rotate(self._normed_key(x, positions), positions)
+
+    def _normed_key(self, x: Tensor, positions: Tensor) -> Tensor:
+        return self.k_norm(invariant.linear(x, self.wk.weight, positions))
+
+    def _fused(self, x: Tensor) -> bool:
+        """Whether RoPE, rotation and quantization of ``x`` run as one Triton pass
+        (``glm_dsa.kernels.index_quant``, bitwise the torch form): on CUDA, contiguous rows."""
+        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
+
+    def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.config
+        return rope_cos_sin(positions, self.rope_dim, cfg.rope_theta, cfg.rope_scaling,
+                            dtype=torch.float32)
+
+    def _rotated_fp8(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """``act_quant(_rope_then_rotate(x))`` of ``[n, D]`` or ``[n, H, D]`` rows, one block of
+        ``D`` each: ``(fp8 like x, float32 scale [..., 1])``."""
+        cfg = self.config
+        if self._fused(x):
+            from glm_dsa.kernels.index_quant import rope_hadamard_quant
+
+            return rope_hadamard_quant(x, *self._cos_sin(positions), self.rope_dim,
+                                       cfg.indexer_rope_interleave, cfg.scale_fmt)
+        return act_quant(self._rope_then_rotate(x, positions), self.head_dim, cfg.scale_fmt)
+
+    def _store_keys(self, k_normed: Tensor, positions: Tensor, pages: Tensor, slots: Tensor) -> None:
+        """The normed keys ``[n, D]`` RoPE'd, rotated, quantized and written at ``slots``."""
+        cfg = self.config
+        if self._fused(k_normed):
+            from glm_dsa.kernels.index_quant import rope_hadamard_quant_store
+
+            rope_hadamard_quant_store(k_normed, *self._cos_sin(positions), self.rope_dim,
+                                      cfg.indexer_rope_interleave, cfg.scale_fmt, pages, slots,
+                                      cfg.page_size)
+            return
+        k_fp8, k_scale = self._rotated_fp8(k_normed, positions)
+        index_k_store(pages, slots, k_fp8, k_scale[:, 0], cfg.page_size)
 
     def project_q(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Queries and head gates.
@@ -620,8 +656,7 @@ class Indexer(nn.Module):
     def _query(self, x: Tensor, q_latent: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         q = invariant.linear(q_latent, self.wq_b.weight, positions)
         q = rearrange(q, "n (h d) -> n h d", h=self.n_heads)
-        q = self._rope_then_rotate(q, positions)
-        q_fp8, q_scale = act_quant(q, self.head_dim, self.config.scale_fmt)  # scale [n, H, 1]
+        q_fp8, q_scale = self._rotated_fp8(q, positions)  # scale [n, H, 1]
         dtype = torch.promote_types(x.dtype, torch.float32)
         # weights_proj(x.float()), computed as a float64 GEMM rounded once: immune to TF32 and
         # to how many rows the GEMM is given (CPU GEMMs round a row differently for few rows)
@@ -664,12 +699,13 @@ class Indexer(nn.Module):
         """
         cfg = self.config
         self._check_tokens(x, batch.positions, q_latent)
-        k = self._key(x, batch.positions)
-        out_slots = batch.out_slots
-        if cp_chunk is not None:
-            k, out_slots = cp_chunk.gather(k, INDEX_K_ALLGATHER), cp_chunk.out_slots
-        k_fp8, k_scale = act_quant(k, self.head_dim, cfg.scale_fmt)  # scale [n, 1]
-        index_k_store(index_k_pages, out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
+        if cp_chunk is None:
+            self._store_keys(self._normed_key(x, batch.positions), batch.positions, index_k_pages,
+                             batch.out_slots)
+        else:  # every rank's unquantized keys, gathered, then quantized and stored
+            k = cp_chunk.gather(self._key(x, batch.positions), INDEX_K_ALLGATHER)
+            k_fp8, k_scale = act_quant(k, self.head_dim, cfg.scale_fmt)  # scale [n, 1]
+            index_k_store(index_k_pages, cp_chunk.out_slots, k_fp8, k_scale[:, 0], cfg.page_size)
         ctx_fp8, ctx_scale = index_k_load(
             index_k_pages, batch.kv_slots, self.head_dim, cfg.page_size
         )

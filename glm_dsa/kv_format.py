@@ -106,6 +106,16 @@ def _index_k_views(pages: Tensor, page_size: int, head_dim: int) -> tuple[Tensor
     return payload, scale
 
 
+def check_index_k_store(pages: Tensor, slots: Tensor, n: int, head_dim: int, page_size: int) -> None:
+    """What storing ``n`` tokens' index keys at ``slots`` needs (``index_k_store``'s checks, for
+    every writer of the pages): uint8 pages of this layout, ``n`` distinct in-range int64 slots."""
+    _check_pages(pages, page_size, head_dim)
+    _check_slots(slots, pages.shape[0] * page_size)
+    if slots.shape[0] != n:
+        raise ValueError(f"slots has {slots.shape[0]} entries for {n} tokens of k_fp8")
+    _check_unique(slots)
+
+
 def index_k_store(
     pages: Tensor, slots: Tensor, k_fp8: Tensor, k_scale: Tensor, page_size: int = 64
 ) -> None:
@@ -125,11 +135,7 @@ def index_k_store(
             f"k_scale must be float32 [{n}] (one scale per token), got {k_scale.dtype} of "
             f"shape {tuple(k_scale.shape)}"
         )
-    _check_pages(pages, page_size, head_dim)
-    _check_slots(slots, pages.shape[0] * page_size)
-    if slots.shape[0] != n:
-        raise ValueError(f"slots has {slots.shape[0]} entries for {n} tokens of k_fp8")
-    _check_unique(slots)
+    check_index_k_store(pages, slots, n, head_dim, page_size)
     payload, scale = _index_k_views(pages, page_size, head_dim)
     page, offset = slots // page_size, slots % page_size
     payload[page, offset] = k_fp8.view(torch.uint8)

@@ -149,15 +149,17 @@ class DecoderLayer(nn.Module):
         """The second half of ``forward``: ``h + ffn(post_attention_layernorm(h))`` ``[n, hidden]``."""
         timer = _Timer(step.times, h.device)
         timer.start()
-        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, step.batch.positions)
+        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, step.batch.positions,
+                            step.budgets.moe_bytes)
         timer.stop("moe")
         return out
 
-    def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None,
-             positions: torch.Tensor) -> torch.Tensor:
-        """The MoE or dense MLP; padding rows (``row_mask`` False) give exactly 0."""
+    def _ffn(self, x: torch.Tensor, row_mask: torch.Tensor | None, positions: torch.Tensor,
+             moe_bytes: int) -> torch.Tensor:
+        """The MoE (its temporaries within ``moe_bytes``) or dense MLP; padding rows
+        (``row_mask`` False) give exactly 0."""
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, row_mask, positions)[0]
+            return self.mlp(x, row_mask, positions, moe_bytes)[0]
         out = self.mlp(x, positions)
         return out if row_mask is None else out * row_mask.unsqueeze(-1).to(out.dtype)
 

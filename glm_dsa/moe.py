@@ -11,6 +11,11 @@ their state dict translates to and from the per-expert checkpoint names.
 "Compute dtype" is ``torch.promote_types(x.dtype, torch.float32)``: float32 for bf16/fp32
 activations (the DeepSeek/HF convention ``x.float() @ gate.weight.float().T``), float64 for
 float64 activations so that float64 tests reach ~1e-12.
+
+A layer's MoE runs in row blocks whose temporaries fit the step's MoE budget
+(``glm_dsa.budget.moe_rows``). On CUDA its SwiGLU and combine are single Triton passes
+(``glm_dsa.kernels.swiglu``, ``moe_combine``) and nothing in it reads the device from the host,
+so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glm_dsa import invariant
+from glm_dsa.budget import moe_rows
 from glm_dsa.config import DSAConfig
 
-__all__ = ["route", "MLP", "experts_grouped_mm", "experts_loop", "experts_row_tiled", "Experts",
-           "MoEGate", "MoE"]
+__all__ = ["route", "MLP", "swiglu", "combine_experts", "experts_grouped_mm", "experts_loop",
+           "experts_row_tiled", "Experts", "MoEGate", "MoE"]
 
 # Keeps an all-zero score row from dividing by zero; the value HF and vLLM use.
 _NORM_EPS = 1e-20
@@ -54,8 +60,23 @@ def _check_rows(x: Tensor, hidden_size: int | None, row_mask: Tensor | None) -> 
 
 def _stable_top(scores: Tensor, k: int) -> Tensor:
     """Column indices of the k largest entries of each row: score descending, index ascending
-    on ties (a stable sort), so the choice never depends on the backend's top-k tie-breaking."""
+    on ties (a stable sort), so the choice never depends on the backend's top-k tie-breaking.
+    float32 rows on CUDA take ``_packed_top``, the same indices from a top-k instead of a sort."""
+    if scores.is_cuda and scores.dtype == torch.float32:
+        return _packed_top(scores, k)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def _packed_top(scores: Tensor, k: int) -> Tensor:
+    """``_stable_top`` of float32 ``scores [n, E]`` (no NaN) by ``torch.topk`` over distinct
+    int64 keys: the score's order-preserving int32 image in the high word (``-0.0`` taken as
+    ``+0.0``), ``E - 1 - column`` in the low one, so that ties go to the lower column and the
+    result is unique — a top-k's tie-breaking has nothing to choose."""
+    bits = (scores + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed-int order = float order
+    column = torch.arange(scores.shape[-1], device=scores.device)
+    keys = (ordered.to(torch.int64) << 32) | (scores.shape[-1] - 1 - column)
+    return scores.shape[-1] - 1 - (keys.topk(k, dim=-1).values & 0xFFFFFFFF)
 
 
 def route(
@@ -146,9 +167,17 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
     n, num_experts = x.shape[0], gate_weight.shape[0]
     group_size = num_experts // n_group
     cd = _compute_dtype(x.dtype)
-    weight = gate_weight.to(cd)
-    # The sigmoid inside the row tiles too: its SIMD and scalar-tail paths round apart.
-    scores = invariant.row_wise(lambda t: torch.sigmoid(F.linear(t, weight)), x.to(cd), row_keys)  # [n, E]
+    w = gate_weight.to(cd)
+    if invariant.active():
+        # The sigmoid inside the row tiles too: its SIMD and scalar-tail paths round apart.
+        scores = invariant.row_wise(lambda t: torch.sigmoid(F.linear(t, w)), x.to(cd), row_keys)
+    elif x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_weight.dtype == x.dtype:
+        # The same float32 GEMM of exact products (a bf16·bf16 product fits float32) on the
+        # tensor cores, float32 out, instead of casting x to float32 for cuBLAS's SIMT kernel:
+        # only the float32 summation order differs (as between any two cuBLAS kernels).
+        scores = torch.sigmoid(torch.mm(x, gate_weight.T, out_dtype=torch.float32))  # [n, E]
+    else:
+        scores = torch.sigmoid(F.linear(x.to(cd), w))  # [n, E]
     selection = scores + bias.to(cd)  # [n, E]
     if n_group > 1:
         grouped = selection.view(n, n_group, group_size)
@@ -189,22 +218,68 @@ class MLP(nn.Module):
                 f"MLP expects [..., {weight.shape[1]}] {weight.dtype} input, got shape "
                 f"{tuple(x.shape)} dtype {x.dtype}; cast the module or the activations"
             )
-        cd = _compute_dtype(x.dtype)
-
-        def swiglu(t: Tensor) -> Tensor:
-            h = F.silu(F.linear(t, self.gate_proj.weight).to(cd)) * F.linear(t, self.up_proj.weight).to(cd)
-            return F.linear(h.to(t.dtype), self.down_proj.weight)
-
         # One row-wise function, so the silu runs inside the row tiles as well as the GEMMs.
-        return invariant.row_wise(swiglu, x, row_keys)
+        return invariant.row_wise(self._swiglu_mlp, x, row_keys)
+
+    def _swiglu_mlp(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+        return F.linear(swiglu(gate, up, x.dtype), self.down_proj.weight)
+
+
+def _fused(t: Tensor) -> bool:
+    """Whether ``t``'s small passes run as the Triton kernels (``glm_dsa.kernels.swiglu``,
+    ``moe_combine``): on CUDA, for the dtypes they take. Everything else runs in torch."""
+    return t.is_cuda and t.dtype in GROUPED_MM_DTYPES
+
+
+def swiglu(gate: Tensor, up: Tensor, dtype: torch.dtype) -> Tensor:
+    """``silu(gate) * up`` formed in the compute dtype and rounded once to ``dtype`` (DeepSeek's
+    ``Expert``): ``gate, up: [m, I]`` of one dtype (views with unit column stride are fine) →
+    ``[m, I]`` in ``dtype``. On CUDA one Triton pass (``glm_dsa.kernels.swiglu``, torch's silu
+    formula), else torch."""
+    if _fused(gate) and dtype in GROUPED_MM_DTYPES and gate.stride(-1) == up.stride(-1) == 1:
+        from glm_dsa.kernels.swiglu import swiglu as fused
+
+        return fused(gate, up, dtype)
+    cd = _compute_dtype(dtype)
+    return (F.silu(gate.to(cd)) * up.to(cd)).to(dtype)
 
 
 def _swiglu(gate_up: Tensor, dtype: torch.dtype) -> Tensor:
-    """``gate_up: [m, 2I]`` (gate columns, then up) → ``silu(gate) * up: [m, I]``, formed in the
-    compute dtype and rounded once to ``dtype`` (DeepSeek's ``Expert``, as in ``MLP``)."""
-    cd = _compute_dtype(dtype)
+    """``gate_up: [m, 2I]`` (gate columns, then up) → ``silu(gate) * up: [m, I]`` (``swiglu``)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return (F.silu(gate.to(cd)) * up.to(cd)).to(dtype)
+    return swiglu(gate, up, dtype)
+
+
+def combine_experts(expert_out: Tensor, position: Tensor, weights: Tensor, shared: Tensor | None,
+                    row_mask: Tensor | None, out: Tensor | None = None) -> Tensor:
+    """Each row's routed outputs, weighted and summed, plus its shared expert.
+
+    ``expert_out: [P, H]`` the pairs' expert outputs; ``position: [n, top_k]`` int, row ``t``'s
+    pairs' rows of ``expert_out``; ``weights: [n, top_k]`` in the compute dtype, their routing
+    weights; ``shared: [n, H]`` or None; ``row_mask: [n]`` bool or None. In the compute dtype,
+    ``acc = 0``, then ``acc += expert_out[position[t, j]] * weights[t, j]`` for ``j = 0 ..
+    top_k-1`` (each product rounded, then added: DeepSeek's loop when ``position`` ascends with
+    the expert), then ``acc += shared[t]``; rows with ``row_mask`` False are 0 and their pairs'
+    rows are never used (they may hold anything). Returns ``[n, H]`` in ``expert_out.dtype``,
+    written to ``out`` when given. On CUDA one Triton pass (``glm_dsa.kernels.moe_combine``,
+    bitwise this), else torch.
+    """
+    n, hidden = position.shape[0], expert_out.shape[1]
+    if out is None:
+        out = expert_out.new_empty(n, hidden)
+    if _fused(expert_out) and weights.dtype == torch.float32:
+        from glm_dsa.kernels.moe_combine import combine_experts as fused
+
+        return fused(expert_out, position, weights, shared, row_mask, out)
+    acc = torch.zeros(n, hidden, dtype=weights.dtype, device=expert_out.device)
+    for slot in range(position.shape[1]):
+        acc += expert_out[position[:, slot]].to(acc.dtype) * weights[:, slot, None]
+    if shared is not None:
+        acc += shared.to(acc.dtype)
+    if row_mask is not None:
+        acc.masked_fill_(~row_mask[:, None], 0.0)
+    return out.copy_(acc)
 
 
 def _check_experts(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> None:
@@ -229,18 +304,22 @@ def _check_experts(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor) -> None:
 
 
 def experts_grouped_mm(
-    x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, offsets: Tensor
+    x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, offsets: Tensor, rows: Tensor | None = None
 ) -> Tensor:
     """Every routed expert's SwiGLU on its own rows, as two grouped GEMMs (``F.grouped_mm``).
 
-    ``x: [m, H]`` rows grouped by expert: expert ``e`` owns rows ``offsets[e-1]:offsets[e]``
-    (from 0 for ``e = 0``); ``offsets: [E]`` int32 on ``x``'s device, non-decreasing, ending at
-    ``m`` (it stays on the device: no host synchronisation). ``gate_up_proj: [E, 2I, H]``,
-    ``down_proj: [E, H, I]``, all in ``x.dtype``, which must be one of ``GROUPED_MM_DTYPES``.
+    The pairs' inputs are ``x`` itself (``rows`` None) or its rows ``x[rows]`` (``rows: [P]``
+    int64, gathered here so that the gathered copy is freed after the first GEMM). They are
+    grouped by expert: expert ``e`` owns pairs ``offsets[e-1]:offsets[e]`` (from 0 for ``e =
+    0``); ``offsets: [E]`` int32 on ``x``'s device, non-decreasing, ending at or before the
+    pair count (it stays on the device: no host synchronisation); pairs past ``offsets[-1]`` are
+    not computed and their output rows are unspecified. ``x: [m, H]``,
+    ``gate_up_proj: [E, 2I, H]``, ``down_proj: [E, H, I]``, all in ``x.dtype``, which must be
+    one of ``GROUPED_MM_DTYPES``.
 
-    Row ``r`` of expert ``e`` gets ``down_e · swiglu(gate_up_e · x_r)``: the GEMM outputs in
+    Pair ``r`` of expert ``e`` gets ``down_e · swiglu(gate_up_e · x_r)``: the GEMM outputs in
     ``x.dtype``, ``silu(gate) * up`` in the compute dtype rounded once to ``x.dtype``, exactly
-    ``experts_loop``'s formula. Returns ``[m, H]`` in ``x.dtype``.
+    ``experts_loop``'s formula. Returns ``[P, H]`` in ``x.dtype``.
 
     On CUDA, torch's fused kernel takes bf16 on sm90/sm100 (H100/H200, B200); other dtypes and
     GPUs run torch's fallback, which copies ``offsets`` to the host and loops over the experts.
@@ -255,9 +334,23 @@ def experts_grouped_mm(
             f"offsets must be int32 of shape [{gate_up_proj.shape[0]}] (one end row per "
             f"expert), got shape {tuple(offsets.shape)} dtype {offsets.dtype}"
         )
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
+        raise ValueError(f"rows must be a 1-D int64 tensor, got shape {tuple(rows.shape)} "
+                         f"dtype {rows.dtype}")
     # grouped_mm multiplies by mat_b [E, K, N]: the transposed views of the [E, N, K] weights.
-    gate_up = F.grouped_mm(x, gate_up_proj.transpose(1, 2), offs=offsets)  # [m, 2I]
-    return F.grouped_mm(_swiglu(gate_up, x.dtype), down_proj.transpose(1, 2), offs=offsets)
+    if rows is None:
+        pairs = x
+    elif x.is_cuda:  # one Triton copy at bandwidth (glm_dsa.kernels.gather_rows)
+        from glm_dsa.kernels.gather_rows import gather_rows
+
+        pairs = gather_rows(x, rows)  # [P, H]
+    else:
+        pairs = x.index_select(0, rows)
+    gate_up = F.grouped_mm(pairs, gate_up_proj.transpose(1, 2), offs=offsets)  # [P, 2I]
+    del pairs
+    h = _swiglu(gate_up, x.dtype)  # [P, I]
+    del gate_up
+    return F.grouped_mm(h, down_proj.transpose(1, 2), offs=offsets)
 
 
 def experts_loop(x: Tensor, gate_up_proj: Tensor, down_proj: Tensor, counts: list[int]) -> Tensor:
@@ -341,21 +434,32 @@ class Experts(nn.Module):
         views of the stacked parameters."""
         return _expert_views(self.gate_up_proj, self.down_proj, e)
 
-    def forward(self, x: Tensor, counts: list[int], offsets: Tensor,
+    def forward(self, x: Tensor, rows: Tensor, offsets: Tensor,
                 row_keys: Tensor | None = None) -> Tensor:
-        """``x: [m, H]`` rows grouped by expert, ``counts[e]`` rows for expert ``e`` (host
-        ints) ending at ``offsets[e]`` (int32, on ``x``'s device) → ``[m, H]`` in ``x.dtype``:
-        ``experts_grouped_mm`` for ``GROUPED_MM_DTYPES`` where ``F.grouped_mm`` takes the shapes
-        (rows of ``H`` and ``I`` elements a multiple of 16 bytes), ``experts_loop`` otherwise, and
-        ``experts_row_tiled`` on the rows' ``row_keys`` in batch-invariant mode."""
-        if invariant.active():
-            if row_keys is None:
-                raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
-            return experts_row_tiled(x, self.gate_up_proj, self.down_proj, counts, row_keys)
-        row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
-        if x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes):
-            return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets)
-        return experts_loop(x, self.gate_up_proj, self.down_proj, counts)
+        """The pairs' expert outputs: ``x: [n, H]`` the token rows, ``rows: [P]`` int64 each
+        pair's token row, grouped by expert (expert ``e``'s pairs end at ``offsets[e]``, int32
+        ``[E]`` on ``x``'s device; pairs past ``offsets[-1]`` are not computed and their outputs
+        are unspecified) → ``[P, H]`` in ``x.dtype``.
+
+        ``experts_grouped_mm`` (no host synchronisation) for ``GROUPED_MM_DTYPES`` where
+        ``F.grouped_mm`` takes the shapes (rows of ``H`` and ``I`` elements a multiple of 16
+        bytes); otherwise ``experts_loop``, or ``experts_row_tiled`` on the tokens' ``row_keys``
+        in batch-invariant mode, which read the counts to the host."""
+        if invariant.active() and row_keys is None:
+            raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
+        if not invariant.active():
+            row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
+            if x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes):
+                return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets, rows)
+        counts = offsets.diff(prepend=offsets.new_zeros(1)).tolist()
+        routed = rows[: sum(counts)]
+        if row_keys is not None and invariant.active():
+            out = experts_row_tiled(x[routed], self.gate_up_proj, self.down_proj, counts,
+                                    row_keys[routed])
+        else:
+            out = experts_loop(x[routed], self.gate_up_proj, self.down_proj, counts)
+        # The pairs past the routed ones (masked rows') read zero rows, never uninitialised memory.
+        return torch.cat([out, out.new_zeros(rows.numel() - routed.numel(), out.shape[1])])
 
 
 def _expert_views(gate_up: Tensor, down: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -470,17 +574,17 @@ class MoEGate(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus the shared expert: ``out = sum_j w_j * expert_{id_j}(x) + shared(x)``.
 
-    Routed experts run grouped: the (row, slot) pairs are sorted by expert and ``Experts`` runs
-    the GEMMs of all experts at once on their rows (``experts_grouped_mm``; float64 loops over
-    the experts, ``experts_loop``, with the same formula), in ``x.dtype``. Each row's weighted
-    outputs are summed in the compute dtype in ascending expert order (DeepSeek's loop, so the
-    result is deterministic and backend-independent), the shared expert is added with weight
-    1, and the sum is cast to ``x.dtype``. Memory beyond the weights, with ``P = n * top_k``
-    pairs and ``I = moe_intermediate_size``: the pairs' gathered inputs and expert outputs
-    ``[P, hidden]`` each in ``x.dtype`` (the outputs twice over while masked pairs get their
-    zero rows appended), the gate/up GEMM output ``[P, 2I]`` in ``x.dtype`` and SwiGLU
-    temporaries ``[P, I]`` in the compute dtype (per expert when looping), plus ``[n, hidden]``
-    temporaries.
+    The rows run in blocks of ``glm_dsa.budget.moe_rows`` rows, so that the temporaries stay
+    within a byte budget at any token count. Per block: the shared expert; the router; the
+    (row, slot) pairs sorted by expert, with each expert's end offset found on the device; the
+    routed experts' two grouped GEMMs over the pairs' gathered rows (``Experts``:
+    ``experts_grouped_mm``; float64 loops over the experts, ``experts_loop``, with the same
+    formula), in ``x.dtype``; then each row's weighted outputs summed in the compute dtype in
+    ascending expert order (DeepSeek's loop, so the result is deterministic and
+    backend-independent), the shared expert added with weight 1, and the sum cast to
+    ``x.dtype`` (``combine_experts``). On CUDA with bf16 / fp16 / fp32 experts nothing reads
+    the device from the host (no ``.item()``, ``.tolist()`` or data-dependent shape), so a
+    CUDA graph can capture it; SwiGLU and the combine are one Triton pass each there.
     """
 
     def __init__(self, config: DSAConfig):
@@ -496,15 +600,30 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: Tensor, row_mask: Tensor | None = None,
-                row_keys: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def block_rows(self, n: int, dtype: torch.dtype, device: torch.device | str,
+                   budget_bytes: int | None) -> int:
+        """Rows per block for ``n`` rows of ``dtype`` activations on ``device``
+        (``glm_dsa.budget.moe_rows`` with this layer's shapes); all ``n`` for no budget. In
+        batch-invariant mode whole ``invariant.ROW_TILE`` tiles (at least one): every product
+        there runs on such tiles, so a smaller block would only pad them."""
+        c = self.config
+        fused = torch.device(device).type == "cuda" and dtype in GROUPED_MM_DTYPES
+        rows = moe_rows(n, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
+                        c.n_shared_experts * c.moe_intermediate_size, c.n_routed_experts,
+                        dtype, fused, budget_bytes)
+        if invariant.active() and rows < n:
+            rows = max(invariant.ROW_TILE, rows // invariant.ROW_TILE * invariant.ROW_TILE)
+        return rows
+
+    def forward(self, x: Tensor, row_mask: Tensor | None = None, row_keys: Tensor | None = None,
+                budget_bytes: int | None = None) -> tuple[Tensor, Tensor]:
         """``x: [n, hidden]``, ``row_mask: [n]`` bool or None, ``row_keys: [n]`` int positions
-        (needed in batch-invariant mode, ``glm_dsa.invariant``).
+        (needed in batch-invariant mode, ``glm_dsa.invariant``), ``budget_bytes``: the
+        temporaries' bound (``glm_dsa.budget.moe_rows``; None: one block of all rows).
 
         Returns ``(out [n, hidden] in x.dtype, expert_counts int64 [E])``, the counts being the
         rows routed to each expert. Masked rows (``row_mask`` False; context parallel pads ranks
         with them) are not routed, are absent from the counts, and output exactly 0.
-        Reads the counts to the host once; no per-token or per-expert synchronisation.
         """
         _check_rows(x, self.config.hidden_size, row_mask)
         expert_dtype = self.experts.gate_up_proj.dtype
@@ -512,44 +631,44 @@ class MoE(nn.Module):
             raise ValueError(
                 f"x is {x.dtype} but the experts are {expert_dtype}; cast one to the other"
             )
-        n, hidden = x.shape
+        if row_keys is not None and row_keys.shape != (x.shape[0],):
+            raise ValueError(f"row_keys must be [{x.shape[0]}] (one position per row of x), got "
+                             f"shape {tuple(row_keys.shape)}")
+        n = x.shape[0]
+        block = self.block_rows(n, x.dtype, x.device, budget_bytes)
+        out = torch.empty_like(x)
+        counts = torch.zeros(self.config.n_routed_experts, dtype=torch.int64, device=x.device)
+        for start in range(0, n, block):
+            rows = slice(start, min(n, start + block))
+            counts += self._block(
+                x[rows], None if row_mask is None else row_mask[rows],
+                None if row_keys is None else row_keys[rows], out[rows],
+            )
+        return out, counts
+
+    def _block(self, x: Tensor, row_mask: Tensor | None, row_keys: Tensor | None,
+               out: Tensor) -> Tensor:
+        """One block's MoE written to ``out [n, hidden]``; returns its expert counts ``[E]``."""
+        n = x.shape[0]
         top_k, num_experts = self.config.num_experts_per_tok, self.config.n_routed_experts
+        shared = None if self.shared_experts is None else self.shared_experts(x, row_keys)
         topk_ids, topk_weights = self.gate(x, row_mask, row_keys)  # [n, top_k] each
 
         # Pair p = row * top_k + slot. Masked pairs (id -1) get key E and sort past every expert,
         # so `order` lists the routed pairs grouped by ascending expert, then the masked ones.
         keys = torch.where(topk_ids >= 0, topk_ids, num_experts).reshape(-1)  # [P]
         sorted_keys, order = torch.sort(keys, stable=True)  # [P] each
-        # Counts from the sorted keys rather than bincount, which syncs on CUDA to size its output.
-        experts = torch.arange(num_experts + 1, device=x.device)
-        expert_counts = torch.searchsorted(sorted_keys, experts).diff()  # [E]
-        counts = expert_counts.tolist()  # the one host sync
-        routed = sum(counts)
-        rows = order[:routed] // top_k  # [routed] row of each routed pair, in sorted order
+        # Expert e's pairs end where the keys first exceed e: found on the device, where
+        # bincount would synchronise to size its output.
+        experts = torch.arange(num_experts, device=x.device)
+        offsets = torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)  # [E]
+        del keys, sorted_keys
+        expert_out = self.experts(x, order // top_k, offsets, row_keys)  # [P, hidden], sorted
 
-        if routed:
-            offsets = expert_counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
-            pair_keys = None if row_keys is None else row_keys[rows]
-            expert_out = self.experts(x[rows], counts, offsets, pair_keys)  # [routed, hidden], sorted
-        else:
-            expert_out = x.new_empty(0, hidden)
-        if routed < n * top_k:
-            # Masked pairs read these zero rows (with weight 0), never uninitialised memory.
-            expert_out = torch.cat([expert_out, expert_out.new_zeros(n * top_k - routed, hidden)])
-
-        # Each row's outputs are summed in ascending expert order (DeepSeek's loop order): a
-        # row's positions in the sorted order ascend with its experts.
+        # Row t's pairs in ascending sorted position are its experts in ascending order
+        # (DeepSeek's loop order), with the routing weights gathered alongside.
         pair_index = torch.arange(order.numel(), device=x.device)
         position = torch.empty_like(order).scatter_(0, order, pair_index)  # [P] inverse of order
-        position = position.view(n, top_k).sort(dim=1).values  # [n, top_k]
-        weights = topk_weights.reshape(-1)[order]  # [P], sorted order
-        out = torch.zeros(n, hidden, dtype=_compute_dtype(x.dtype), device=x.device)
-        for slot in range(top_k):
-            p = position[:, slot]
-            out += expert_out[p].to(out.dtype) * weights[p, None]
-
-        if self.shared_experts is not None:
-            out += self.shared_experts(x, row_keys).to(out.dtype)
-        if row_mask is not None:
-            out.masked_fill_(~row_mask[:, None], 0.0)
-        return out.to(x.dtype), expert_counts
+        position, slot = position.view(n, top_k).sort(dim=1)  # [n, top_k] each
+        combine_experts(expert_out, position, topk_weights.gather(1, slot), shared, row_mask, out)
+        return offsets.diff(prepend=offsets.new_zeros(1)).to(torch.int64)

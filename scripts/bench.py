@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from glm_dsa import oracle, peers
 from glm_dsa.config import PRESETS, DSAConfig
-from glm_dsa.budget import default_logits_bytes, max_logit_rows
+from glm_dsa.budget import Budgets, default_logits_bytes, max_logit_rows
 from glm_dsa.indexer import indexer_topk, mqa_logits, topk_per_row
 from glm_dsa.ledger import op_flops, sparse_mla_keys
 from glm_dsa.mla import sparse_mla_fwd
@@ -93,10 +93,10 @@ def ceilings() -> dict:
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": bf16, "fp8_flops_per_s": fp8}
 
 
-def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
+def random_moe(cfg: DSAConfig):
+    """A bf16 ``MoE`` of ``cfg`` on the GPU, every parameter ``N(0, 1/fan_in)`` from seed 0."""
     from glm_dsa.moe import MoE
 
-    cfg = GLM
     with torch.device("meta"):
         moe = MoE(cfg).to(torch.bfloat16)
     moe = moe.to_empty(device="cuda")
@@ -104,15 +104,24 @@ def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_((torch.randn(p.shape, generator=gen, device="cuda") * p.shape[-1] ** -0.5).to(p.dtype))
+    return moe
+
+
+def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
+    cfg = GLM
+    moe = random_moe(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+    budget = Budgets.default("cuda").moe_bytes  # as a prefill step runs it
     with torch.no_grad():
-        t = _timed(lambda: moe(x), warmup=1, reps=3)
-        _, before, peak = _peak(lambda: moe(x))
+        t = _timed(lambda: moe(x, budget_bytes=budget), warmup=1, reps=3)
+        _, before, peak = _peak(lambda: moe(x, budget_bytes=budget))
     f = {op.op: op.flops_per_token for op in op_flops(cfg)}
     flops = tokens * (f["moe_experts"] + f["shared_experts"] + f["router_gate"])
     return {
         "tokens": tokens, "seconds": t, "tflops": flops / t / 1e12,
         "floor_seconds": flops / ceil["bf16_flops_per_s"], "extra_peak_gb": (peak - before) / GB,
+        "moe_budget_bytes": budget,
     }
 
 

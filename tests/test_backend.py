@@ -137,10 +137,13 @@ def test_engine_resolves_auto_once_and_takes_the_budgets_default():
     model = init_weights(DSAForCausalLM(CFG), seed=5).eval()
     eng = PrefillEngine(model, num_pages=8)
     assert eng.backend is REFERENCE  # auto on the CPU
-    assert eng.budgets == Budgets(CPU_BUDGET_BYTES, CPU_BUDGET_BYTES)
-    assert PrefillEngine(model, num_pages=8, budget_bytes=4096).budgets == Budgets(4096, 4096)
+    # On the CPU the MoE's default is the same reservation (under its 3 GiB cap).
+    assert eng.budgets == Budgets(CPU_BUDGET_BYTES, CPU_BUDGET_BYTES, CPU_BUDGET_BYTES)
+    assert PrefillEngine(model, num_pages=8, budget_bytes=4096).budgets == Budgets(4096, 4096, 4096)
     with pytest.raises(ValueError, match="logits_bytes=0 must be a positive int"):
         Budgets(0, 1)
+    with pytest.raises(ValueError, match="moe_bytes=0 must be a positive int"):
+        Budgets(1, 1, 0)
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):

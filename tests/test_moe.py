@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from glm_dsa.config import get_config
-from glm_dsa.moe import MLP, Experts, MoE, experts_grouped_mm, experts_loop, route
+from glm_dsa.moe import (MLP, Experts, MoE, combine_experts, experts_grouped_mm, experts_loop, route,
+                         swiglu)
 
 SCALE = 2.5
 
@@ -660,3 +661,171 @@ def test_cuda_moe_matches_cpu_output_and_counts():
         out_gpu, counts_gpu = moe.cuda()(x.cuda(), row_mask.cuda())
     assert torch.equal(counts, counts_gpu.cpu())
     assert rel_err(out_gpu.cpu().numpy(), out.numpy()) <= 1e-12
+
+
+# ----------------------------------------------------------------- row blocks under a budget
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mask_kind", ["none", "random"])
+def test_moe_in_row_blocks_equals_per_token_loop(dtype, mask_kind):
+    moe = random_moe(GROUPED, 11, dtype=dtype)
+    n = 40
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(n, GROUPED.hidden_size, generator=g, dtype=dtype)
+    row_mask = None if mask_kind == "none" else torch.rand(n, generator=g) < 0.6
+    mask_list = [True] * n if row_mask is None else row_mask.tolist()
+    ref_out, ref_counts, _ = ref_moe(x, moe, mask_list)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    whole = moe.block_rows(n, dtype, "cpu", None)
+    assert whole == n
+    for budget in (1, 20_000, 60_000, 1 << 30):
+        rows = moe.block_rows(n, dtype, "cpu", budget)
+        with torch.no_grad():
+            out, counts = moe(x, row_mask, budget_bytes=budget)
+        assert counts.tolist() == ref_counts, budget
+        assert rel_err(out.numpy(), ref_out) <= tol, (budget, rows)
+        if row_mask is not None:
+            assert not out[~row_mask].any()
+    assert moe.block_rows(n, dtype, "cpu", 1) == 1  # a budget below one row still makes progress
+    assert 1 < moe.block_rows(n, dtype, "cpu", 20_000) < n
+
+
+def test_moe_rows_follow_the_per_row_bytes_and_even_out_the_blocks():
+    from glm_dsa.budget import moe_rows
+
+    args = dict(top_k=8, hidden=6144, intermediate=2048, shared_intermediate=2048, num_experts=256)
+    # GLM-5.3 in bf16 with the fused passes: per row 6144·2 (shared output) + 8·(40 + 2·4) (pair
+    # indices and routing) + 8·(6144 + 2·2048)·2 (gathered rows and gate/up, the largest phase).
+    per_row = 6144 * 2 + 8 * 48 + 8 * (6144 + 2 * 2048) * 2
+    assert moe_rows(1000, dtype=torch.bfloat16, fused=True, budget_bytes=per_row * 1000, **args) == 1000
+    assert moe_rows(1001, dtype=torch.bfloat16, fused=True, budget_bytes=per_row * 1000, **args) == 501
+    assert moe_rows(32768, dtype=torch.bfloat16, fused=True, budget_bytes=3 << 30, **args) == 16384
+    # Unfused (the CPU's torch SwiGLU and combine) holds float32 temporaries too: fewer rows.
+    assert (moe_rows(32768, dtype=torch.bfloat16, fused=False, budget_bytes=3 << 30, **args)
+            < moe_rows(32768, dtype=torch.bfloat16, fused=True, budget_bytes=3 << 30, **args))
+    assert moe_rows(0, dtype=torch.bfloat16, fused=True, budget_bytes=None, **args) == 1
+    assert moe_rows(77, dtype=torch.bfloat16, fused=True, budget_bytes=None, **args) == 77
+    with pytest.raises(ValueError, match="budget_bytes=0"):
+        moe_rows(8, dtype=torch.bfloat16, fused=True, budget_bytes=0, **args)
+    with pytest.raises(ValueError, match="top_k=-1"):
+        moe_rows(8, dtype=torch.bfloat16, fused=True, budget_bytes=1, **{**args, "top_k": -1})
+
+
+def test_moe_rejects_misshapen_row_keys():
+    with pytest.raises(ValueError, match="row_keys must be"):
+        MoE(GROUPED)(torch.zeros(4, 32), None, torch.zeros(3, dtype=torch.int64))
+
+
+def test_swiglu_and_combine_are_the_formulas_they_name():
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(5, 7, generator=g), torch.randn(5, 7, generator=g)
+    want = (gate.double() / (1 + torch.exp(-gate.double())) * up.double())
+    assert rel_err(swiglu(gate.double(), up.double(), torch.float64).numpy(), want.numpy()) <= 1e-15
+    expert_out = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    position = torch.tensor([[0, 3], [1, 2], [4, 5]])
+    weights = torch.rand(3, 2, generator=g, dtype=torch.float64)
+    shared = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    expert_out[4:] = float("nan")  # row 2 is masked: its pairs' rows are never used
+    out = combine_experts(expert_out, position, weights, shared, torch.tensor([True, True, False]))
+    for t in range(2):
+        expected = sum(weights[t, j] * expert_out[position[t, j]] for j in range(2)) + shared[t]
+        assert rel_err(out[t].numpy(), expected.numpy()) <= 1e-15
+    assert not out[2].any()
+
+
+# ----------------------------------------------------------------- CUDA: no host sync, graphs
+def _glm_like_cuda_moe(dtype=torch.bfloat16):
+    """GLM-5.3's expert widths (hidden 6144, experts of 2048, top 8) with 32 experts."""
+    cfg = get_config("glm-5.3").replace(n_routed_experts=32)
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # drawn on the GPU: 4.8 GB of float32 experts
+        moe = MoE(cfg)
+        with torch.no_grad():
+            moe.gate.weight.normal_(0.0, 2.0 / cfg.hidden_size ** 0.5)
+            moe.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+    return moe.to(dtype), cfg
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_moe_in_blocks_equals_deepseeks_loop_on_the_same_routing():
+    # The expected value: per block (the MoE's own split, so the router GEMM sees the same rows),
+    # the router's choice, then DeepSeek's loop over the experts with cuBLAS GEMMs, float32 sums.
+    moe, cfg = _glm_like_cuda_moe()
+    n, budget, i = 300, 20 << 20, cfg.moe_intermediate_size  # ~176 KB a row: 3 blocks
+    x = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    row_mask = torch.arange(n, device="cuda") % 7 != 3
+    rows = moe.block_rows(n, x.dtype, x.device, budget)
+    assert rows < n  # several blocks
+    with torch.no_grad():
+        out, counts = moe(x, row_mask, budget_bytes=budget)
+        y = torch.zeros(n, cfg.hidden_size, device="cuda")
+        want_counts = torch.zeros_like(counts)
+        for start in range(0, n, rows):
+            blk = slice(start, start + rows)
+            ids, weights = moe.gate(x[blk], row_mask[blk])
+            for e in range(cfg.n_routed_experts):
+                r, slot = torch.where(ids == e)
+                want_counts[e] += len(r)
+                if len(r):
+                    gate_up = x[blk][r] @ moe.experts.gate_up_proj[e].T
+                    h = (torch.nn.functional.silu(gate_up[:, :i].float()) * gate_up[:, i:].float()).bfloat16()
+                    y[blk][r] += (h @ moe.experts.down_proj[e].T).float() * weights[r, slot, None]
+        y += moe.shared_experts(x).float()
+        want = y.masked_fill(~row_mask[:, None], 0.0).bfloat16()
+    assert torch.equal(counts, want_counts)
+    # CUTLASS's grouped GEMM sums in another order than cuBLAS: about one bf16 rounding apart.
+    a, b = out.double(), want.double()
+    assert (1 - 2 * (a * b).sum() / (a * a + b * b).sum()).item() < 1e-4
+    assert not out[~row_mask].any()
+
+
+@pytest.mark.cuda
+def test_cuda_moe_never_synchronises_and_replays_in_a_cuda_graph():
+    moe, cfg = _glm_like_cuda_moe()
+    x = torch.randn(512, cfg.hidden_size, device="cuda").bfloat16()
+    mask = torch.arange(512, device="cuda") % 9 != 0
+    budget = 40 << 20  # ~176 KB a row: 3 blocks
+    assert moe.block_rows(512, x.dtype, x.device, budget) < 512
+    with torch.no_grad():
+        eager = moe(x, mask, budget_bytes=budget)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            moe(x, mask, budget_bytes=budget)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = moe(x, mask, budget_bytes=budget)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+
+
+@pytest.mark.cuda
+def test_cuda_moe_temporaries_stay_within_the_budget():
+    moe, cfg = _glm_like_cuda_moe()
+    x = torch.randn(4096, cfg.hidden_size, device="cuda").bfloat16()
+    with torch.no_grad():
+        moe(x, budget_bytes=256 << 20)  # warm-up (kernels, workspaces)
+        for budget in (256 << 20, 1 << 30):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
+            out, _ = moe(x, budget_bytes=budget)
+            torch.cuda.synchronize()
+            transient = torch.cuda.max_memory_allocated() - held - out.numel() * out.element_size()
+            assert transient <= budget, (budget, transient)
+
+
+def test_packed_top_equals_the_stable_sort_with_ties_zeros_and_infinities():
+    from glm_dsa.moe import _packed_top
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(64, 48, generator=g)
+    scores[:, ::5] = scores[:, :1]  # ties inside rows
+    scores[3] = 0.0
+    scores[4, ::2] = -0.0  # -0.0 ties +0.0, as in a float comparison
+    scores[5, :40] = float("-inf")  # dropped groups
+    scores[6] = torch.tensor([1e-40, -1e-40, 3e38, -3e38] * 12)  # subnormals and extremes
+    for k in (1, 8, 48):
+        want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(_packed_top(scores, k), want), k
