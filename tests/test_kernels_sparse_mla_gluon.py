@@ -74,6 +74,21 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len):
     assert info["setmaxnreg"] > 0  # the partitions' register budgets took effect
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's dispatch")
+def test_dispatch_on_the_cpu_runs_the_triton_kernel_and_says_so(caplog):
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 1, 576, dtype=torch.bfloat16)
+    idx = torch.tensor([[[0, 3, -1, 9] * 4]], dtype=torch.int32)
+    sparse_mla._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="glm_dsa.kernels"):
+        out, _, lse = flash_mla_sparse_fwd(q, kv, idx, 0.1)
+    assert [r.getMessage() for r in caplog.records if r.name == "glm_dsa.kernels"] == [
+        "sparse MLA: Triton kernel (the CPU interpreter)"]
+    # All scores 0 over 8 valid entries (rows 0 and 3, four times each): lse = ln 8.
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.allclose(lse, torch.full_like(lse, math.log(8)))
+
+
 @pytest.mark.cuda
 @needs_gluon
 def test_dispatch_picks_gluon_for_glm_shapes_and_triton_otherwise(caplog):
@@ -164,3 +179,42 @@ def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case):
     ours_err, their_err = _errors(got, want, rows), _errors(theirs, want, rows)
     for name, e, t in zip(("out", "max_logits", "lse"), ours_err, their_err):
         assert e <= 2 * t + 1e-6, f"{name}: Gluon error {e:.3g} vs FlashMLA {t:.3g}"
+
+
+@pytest.mark.cuda
+@needs_gluon
+def test_triton_backend_attends_an_fp8_pool_with_gluon_over_the_dequantized_context(
+        caplog, monkeypatch):
+    """With an FP8 pool the triton backend dequantizes the layer's context once per step and
+    runs the Gluon bf16 kernel over it; the rows are bitwise those the FP8 Triton kernel
+    dequantizes in place, so the two paths (same model, same reference top-k) differ only by
+    summation order."""
+    from glm_dsa.backend import REFERENCE, TritonBackend
+    from glm_dsa.config import PRESETS
+    from glm_dsa.layer import DSAForCausalLM
+    from glm_dsa.oracle import calc_diff
+    from glm_dsa.prefill import PrefillEngine
+    from glm_dsa.weights import init_weights
+
+    cfg = PRESETS["tiny"].replace(num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                                  dense_attn_kv_len_threshold=0, num_hidden_layers=2,
+                                  indexer_types=("full", "shared"), index_topk=64)
+    model = init_weights(DSAForCausalLM(cfg), seed=5).to("cuda", torch.bfloat16).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
+
+    def hidden(gluon: bool) -> torch.Tensor:
+        backend = TritonBackend()
+        backend.indexer_topk = REFERENCE.indexer_topk
+        if not gluon:
+            monkeypatch.setattr(backend, "_gluon_over_dequantized", lambda attn, proj: False)
+        eng = PrefillEngine(model, num_pages=8, kv_dtype="fp8", chunked_prefill_size=128,
+                            budget_bytes=1 << 26, backend=backend)
+        rid = eng.add_request(tokens)
+        eng.run()
+        return eng.output_hidden(rid).double()
+
+    with caplog.at_level(logging.INFO, logger="glm_dsa.backend"):
+        over_dequantized = hidden(gluon=True)
+    assert "FP8 KV attention: context dequantized to bf16 per step, Gluon kernel" in [
+        r.getMessage() for r in caplog.records]
+    assert calc_diff(over_dequantized, hidden(gluon=False)) <= 1e-4

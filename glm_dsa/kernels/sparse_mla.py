@@ -45,7 +45,7 @@ from torch import Tensor
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
-__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON"]
+__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON", "gluon_unavailable"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -84,19 +84,28 @@ GLUON_TESTED_TRITON = ("3.6.0",)
 _LOGGED: set[str] = set()
 
 
-def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
-                      fp8: bool) -> str | None:
-    """Why this call cannot take the Gluon kernel (None when it can)."""
+def gluon_unavailable(device: torch.device) -> str | None:
+    """Why the Gluon sm_90 kernel cannot run on ``device`` (None when it can): the CPU
+    interpreter, another device or GPU generation, or an untested Triton."""
     if _INTERPRET:
         return "the CPU interpreter"
-    if q.device.type != "cuda":
-        return f"device {q.device.type}"
-    cap = torch.cuda.get_device_capability(q.device)
+    if device.type != "cuda":
+        return f"device {device.type}"
+    cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"sm_{cap[0]}{cap[1]} (the Gluon kernel is sm_90 only)"
     if triton.__version__ not in GLUON_TESTED_TRITON:
         return (f"triton {triton.__version__} (the Gluon kernel was tested with "
                 f"{', '.join(GLUON_TESTED_TRITON)})")
+    return None
+
+
+def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
+                      fp8: bool) -> str | None:
+    """Why this call cannot take the Gluon kernel (None when it can)."""
+    why = gluon_unavailable(q.device)
+    if why is not None:
+        return why
     if fp8:
         return "FP8 rows (no Gluon FP8 kernel yet)"
     if q.dtype != torch.bfloat16 or kv_rows.dtype != torch.bfloat16:

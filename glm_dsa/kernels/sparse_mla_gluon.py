@@ -9,26 +9,35 @@ topk_length[row]`` skipped (never read), lonely rows ``out = 0``, ``max_logits =
 here on sm_90 with a tested Triton (``sparse_mla.GLUON_TESTED_TRITON``) and runs its Triton kernel otherwise.
 
 Schedule (one CTA per query token and 64-head group; h_q 128 is two neighbouring CTAs that
-gather the same rows, the second from L2):
+gather the same rows, the second from L2), three partitions of one warpgroup each:
 
-- **Gather partition** (4 warps, few registers): 16-byte ``cp.async`` of Q ``[64, 576]`` once,
-  then of each 64-key tile of indexed rows into a 2-stage ring (``k_lat [2, 64, 512]`` and
-  ``k_rope [2, 64, 64]``, 144 KB). An invalid or masked index becomes a zero-filled row (``cp.async``
-  with source size 0: nothing is read). Each thread's copies complete into an mbarrier with a
-  no-increment arrive: ``q_ready`` guards Q, ``ready[s]`` (128 arrivals) guards stage ``s``.
-  Before refilling stage ``s`` it waits on ``empty[s]``.
-- **Attend partition** (the default 8 warps = 2 warpgroups, ``warps_per_cta = [4, 2]``): per
-  tile ``S = Q · Kᵀ`` (``[64 heads, 64 keys]``, the latent and RoPE parts chained into one
-  accumulator; each warpgroup scores 32 of the keys), masked by the indices' validity, online
-  softmax in base 2 with ``sm_scale · log2 e`` folded in. The row max and sum span both
-  warpgroups: Gluon's cross-warp reduction exchanges them through shared memory. P is rounded to
-  bf16 (as FlashMLA does) into a shared ``[64, 64]`` tile, then ``O += P · V`` with V the first
-  512 columns of the same stage; each warpgroup owns 256 of the 512 output columns
-  (``64 x 256`` float32, 128 registers a thread). A partition barrier after the value GEMM
-  makes both warpgroups done with the stage and the P tile before ``empty[s]`` is signalled and
-  the next P is written.
+- **Gather** (4 warps, few registers): 16-byte ``cp.async`` of Q ``[64, 576]`` once, then of
+  each 64-key tile of indexed rows into a 2-stage ring. Q and each stage are held as three
+  column blocks: latent 0-255 (``*_l``), latent 256-511 (``*_r``) and RoPE 512-575 (``*_p``).
+  An invalid or masked index becomes a zero-filled row (``cp.async`` with source size 0:
+  nothing is read). Each thread's copies complete into an mbarrier with a no-increment arrive:
+  ``q_ready`` guards Q; ``ready[s]`` (128 arrivals) stage ``s``'s first latent block and
+  ``ready[STAGES + s]`` the rest, so the scores start on the first block while the rest lands
+  (FlashMLA's half-tile barriers). Before refilling stage ``s`` it waits on ``empty[s]``, which
+  both compute warpgroups signal.  While it waits it asks L2 for the rows ``CONFIG["prefetch"]`` tiles ahead (bulk prefetch,
+  no shared memory), so a refill reads from L2 rather than HBM.
+- **Softmax warpgroup** (the default partition): ``S = Q · Kᵀ`` of the stage (``[64 heads, 64
+  keys]``: the three column blocks chained into one accumulator, a full-width wgmma), masked by
+  the indices' validity, online softmax in base 2 with ``sm_scale · log2 e`` folded in (a row
+  lives in one warp's quad, so max and sum need no shared memory). It owns the running max and
+  sum: no max exchange. P, rounded to bf16 as FlashMLA does, overwrites the stage's RoPE block
+  (nothing reads RoPE after the scores; FlashMLA's overlay), and the rescale factor ``alpha``
+  goes to ``alpha_smem[s]``; ``p_ready[s]`` hands both to the other warpgroup. Then ``O_l =
+  alpha · O_l + P · V_l`` over output columns 0-255, and an arrive on ``empty[s]``.
+- **Value warpgroup** (4 warps): waits ``p_ready[s]``, ``O_r = alpha · O_r + P · V_r`` over
+  columns 256-511, arrives on ``empty[s]``. Its GEMM overlaps the softmax warpgroup's next
+  scores. At the end it waits ``done`` for the denominators the softmax warpgroup leaves in
+  ``denom_smem`` and writes its half of the output.
 
-Shared memory: Q 72 KB + ring 144 KB + P 8 KB = 224 KB of the 227 KB an sm_90 block may take.
+Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: Q 72 KB +
+ring 144 KB + 1 KB of factors = 217 KB of the 227 KB an sm_90 block may take. This is TileLang's
+``sparse_mla_fwd_pipelined`` split (one warpgroup scores, both multiply by V); FlashMLA's
+seesaw (both score alternate tiles, exchanging the max) is the next step.
 """
 
 from __future__ import annotations
@@ -54,56 +63,82 @@ BLOCK_H = 64      # heads per CTA: the wgmma M
 BLOCK_K = 64      # keys per tile
 D_V, D_TAIL = 512, 64
 # The launch configuration, as data (see the module docstring for the schedule).
-CONFIG = {"stages": 2, "num_warps": 8, "gather_warps": 4, "gather_regs": 48}
+CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 48, "value_regs": 192,
+          "prefetch": 1}
 
 
 @gluon.jit
-def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_lat, q_rope, k_lat, k_rope,
+def _prefetch_tile(kv_ptr, idx_row, cols, n_cols, s_kv, stride_kv, ROW_BYTES: gl.constexpr):
+    """Ask L2 for the valid rows among columns ``cols`` of the index row (one bulk prefetch a
+    row, which does not wait for the data)."""
+    t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+    ok = (t >= 0) & (t < s_kv)
+    rows = kv_ptr + gl.where(ok, t, 0).to(gl.int64) * stride_kv
+    size = gl.full(cols.shape, ROW_BYTES, gl.int32, cols.type.layout)
+    gl.inline_asm_elementwise("@$3 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                              "=r,l,r,b", [rows, size, ok], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                       q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
                       stride_is, h_groups,
                       HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                       D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
-                      WARPS: gl.constexpr):
+                      WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
     """Q once, then each tile's indexed rows into ring stage ``i % STAGES`` (cp.async)."""
+    HALF: gl.constexpr = D_V // 2
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
     # 8 threads x 16 bytes cover a 128-byte segment of a row.
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
-    c_lat = gl.arange(0, D_V, layout=gl.SliceLayout(0, lay))
-    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))
+    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
 
     q_rows = q_ptr + qi * stride_qs + (head0 + rows).to(gl.int64)[:, None] * stride_qh
-    async_copy.async_copy_global_to_shared(q_lat, q_rows + c_lat[None, :])
-    async_copy.async_copy_global_to_shared(q_rope, q_rows + D_V + c_rope[None, :])
+    async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
+    async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
+    async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
     async_copy.mbarrier_arrive(q_ready, increment_count=False)
 
     n_cols = topk
     if HAS_LEN:
         n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
     idx_row = idx_ptr + qi * stride_is
+    pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pf_rows = gl.arange(0, BLOCK_K, layout=pf_lay)
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        if PREFETCH > 0:  # rows PREFETCH tiles ahead into L2 while the ring is full
+            _prefetch_tile(kv_ptr, idx_row, (i + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
         cols = i * BLOCK_K + rows
         t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
-        ok = (t >= 0) & (t < s_kv)
-        base = kv_ptr + gl.where(ok, t, 0).to(gl.int64)[:, None] * stride_kv
-        async_copy.async_copy_global_to_shared(k_lat.index(s), base + c_lat[None, :],
-                                               mask=ok[:, None], eviction_policy="evict_last")
-        async_copy.async_copy_global_to_shared(k_rope.index(s), base + D_V + c_rope[None, :],
-                                               mask=ok[:, None], eviction_policy="evict_last")
+        ok = ((t >= 0) & (t < s_kv))[:, None]
+        base = kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(k_l.index(s), base + c_half, mask=ok)
         async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        async_copy.async_copy_global_to_shared(k_r.index(s), base + HALF + c_half, mask=ok)
+        async_copy.async_copy_global_to_shared(k_p.index(s), base + D_V + c_rope, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
 
 
 @gluon.jit
-def _scores(q_lat, q_rope, k_lat_s, k_rope_s, layout: gl.constexpr, BLOCK_H: gl.constexpr,
-            BLOCK_K: gl.constexpr):
-    """``Q · Kᵀ`` of one stage, float32 ``[BLOCK_H, BLOCK_K]``: latent then RoPE part."""
+def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase, layout: gl.constexpr,
+            BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``Q · Kᵀ`` of one stage, float32 ``[BLOCK_H, BLOCK_K]``: the three column blocks, the
+    first as soon as its rows have landed (``ready_l``), the others after ``ready_r``."""
     s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
-    s = warpgroup_mma(q_lat, k_lat_s.permute((1, 0)), s, is_async=True)
-    s = warpgroup_mma(q_rope, k_rope_s.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(ready_l, phase)
+    fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
+    s = warpgroup_mma(q_l, k_l_s.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(ready_r, phase)
+    fence_async_shared()
+    s = warpgroup_mma(q_r, k_r_s.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_p, k_p_s.permute((1, 0)), s, is_async=True)
     return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
 
 
@@ -120,18 +155,38 @@ def _online_softmax(s, valid, m_i, l_i, scale_log2):
 
 
 @gluon.jit
-def _attend_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
-                      q_lat, q_rope, k_lat, k_rope, p_smem, q_ready, ready, empty,
-                      s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh, h_groups,
-                      HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
-                      BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
-    """Scores, online softmax and ``P · V`` per stage; the normalised output at the end."""
+def _pv(p_s, v_s, acc, alpha):
+    """``alpha · acc + P · V`` for one stage (P and V in shared memory)."""
+    acc = acc * alpha[:, None]
+    acc = warpgroup_mma(p_s, v_s, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _store_half(out_ptr, acc, denom, qi, head0, col0, stride_os, stride_oh,
+                layout: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr):
+    """``acc / denom`` as bf16 into output columns ``[col0, col0 + HALF)``."""
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    rows = out_ptr + qi * stride_os + heads.to(gl.int64)[:, None] * stride_oh
+    gl.store(rows + cols[None, :], (acc / denom[:, None]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                       q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
+                       q_ready, ready, empty, p_ready, done,
+                       s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh, h_groups,
+                       HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
+                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
+    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end."""
     LOG2E: gl.constexpr = 1.4426950408889634
     LN2: gl.constexpr = 0.6931471805599453
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, BLOCK_K // 2, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, D_V // 2, 16])
+    HALF: gl.constexpr = D_V // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_K, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     pid = gl.program_id(0)
@@ -145,7 +200,7 @@ def _attend_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
     key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_H, D_V], gl.float32, o_layout)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     mbarrier.wait(q_ready, 0)
     fence_async_shared()
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
@@ -153,35 +208,65 @@ def _attend_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         cols = i * BLOCK_K + key_cols
         t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
         valid = (t >= 0) & (t < s_kv)
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        fence_async_shared()
-        scores = _scores(q_lat, q_rope, k_lat.index(s), k_rope.index(s), s_layout, BLOCK_H,
-                         BLOCK_K)
+        scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
+                         ready.index(s), ready.index(STAGES + s), (i // STAGES) & 1, s_layout,
+                         BLOCK_H, BLOCK_K)
         p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
-        p_smem.store(p.to(gl.bfloat16))
+        # P over the stage's RoPE block (read only by the scores, which are done).
+        k_p.index(s).store(p.to(gl.bfloat16))
+        alpha_smem.index(s).store(alpha)
         fence_async_shared()
-        gl.thread_barrier()  # the whole P tile is written before either warpgroup reads it
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(p_smem, k_lat.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()  # both warpgroups are done with stage s and the P tile
+        gl.thread_barrier()  # every thread's P and alpha are written before the hand-over
+        mbarrier.arrive(p_ready.index(s), count=1)
+        acc = _pv(k_p.index(s), k_l.index(s), acc, gl.convert_layout(alpha, row_o))
         mbarrier.arrive(empty.index(s), count=1)
 
-    heads_s = head0 + gl.arange(0, BLOCK_H, layout=row_s)
+    heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
     m_shift = gl.where(m_i == float("-inf"), 0.0, m_i)
     denom = l_i
     if HAS_SINK:
-        denom += gl.exp2(gl.load(sink_ptr + heads_s) * LOG2E - m_shift)
+        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - m_shift)
     denom = gl.where(denom == 0.0, 1.0, denom)  # lonely row, no sink: out = 0 / 1
-    out = acc / gl.convert_layout(denom, row_o)[:, None]
-    heads_o = head0 + gl.arange(0, BLOCK_H, layout=row_o)
-    cols_o = gl.arange(0, D_V, layout=gl.SliceLayout(0, o_layout))
-    out_rows = out_ptr + qi * stride_os + heads_o.to(gl.int64)[:, None] * stride_oh
-    gl.store(out_rows + cols_o[None, :], out.to(gl.bfloat16))
+    denom_smem.store(denom)
+    gl.thread_barrier()
+    mbarrier.arrive(done, count=1)
+    _store_half(out_ptr, acc, gl.convert_layout(denom, row_o), qi, head0, 0, stride_os,
+                stride_oh, o_layout, BLOCK_H, HALF)
     lonely = l_i == 0.0
     lse = gl.where(lonely, float("inf"), (m_i + gl.log2(gl.where(lonely, 1.0, l_i))) * LN2)
-    gl.store(max_ptr + qi * h_q + heads_s, m_i * LN2)
-    gl.store(lse_ptr + qi * h_q + heads_s, lse)
+    gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
+    gl.store(lse_ptr + qi * h_q + heads, lse)
+
+
+@gluon.jit
+def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
+                     p_ready, done, topk, stride_os, stride_oh, h_groups,
+                     HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                     D_V: gl.constexpr, STAGES: gl.constexpr):
+    """``O_r = alpha · O_r + P · V_r`` per stage; its half of the output at the end."""
+    HALF: gl.constexpr = D_V // 2
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    n_cols = topk
+    if HAS_LEN:
+        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(ready.index(STAGES + s), ph)
+        mbarrier.wait(p_ready.index(s), ph)
+        fence_async_shared()
+        alpha = alpha_smem.index(s).load(row_o)
+        acc = _pv(k_p.index(s), k_r.index(s), acc, alpha)
+        mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.wait(done, 0)
+    _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
+                o_layout, BLOCK_H, HALF)
 
 
 @gluon.jit
@@ -192,31 +277,47 @@ def _sparse_mla_fwd_gluon_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
     STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
+    HALF: gl.constexpr = D_V // 2
     h_groups = h_q // BLOCK_H
     swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    q_lat = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_V], swz)
-    q_rope = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
-    k_lat = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_V], swz)
-    k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_K], swz)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
+    k_l = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, HALF], swz)
+    k_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, HALF], swz)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
+    denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)  # [latent 0-255 | rest]
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     mbarrier.init(q_ready, count=GATHER_WARPS * 32)
+    mbarrier.init(done, count=1)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)  # the softmax and the value warpgroup
+        mbarrier.init(p_ready.index(s), count=1)
     gl.warp_specialize([
-        (_attend_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
-                             q_lat, q_rope, k_lat, k_rope, p_smem, q_ready, ready, empty,
-                             s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
-                             h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
-        (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_lat, q_rope, k_lat, k_rope,
+        (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                              q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
+                              q_ready, ready, empty, p_ready, done,
+                              s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
+        (_value_partition, (len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
+                            p_ready, done, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
+        (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                              q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
                              stride_is, h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL, STAGES,
-                             GATHER_WARPS)),
-    ], [GATHER_WARPS], [GATHER_REGS])
+                             GATHER_WARPS, PREFETCH, (D_V + D_TAIL) * 2)),
+    ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
 def compile_sm90(has_sink: bool, has_len: bool):
@@ -235,7 +336,8 @@ def compile_sm90(has_sink: bool, has_len: bool):
     strides = ["stride_qs", "stride_qh", "stride_kv", "stride_is", "stride_os", "stride_oh"]
     consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, "BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K,
               "D_V": D_V, "D_TAIL": D_TAIL, "STAGES": CONFIG["stages"],
-              "GATHER_WARPS": CONFIG["gather_warps"], "GATHER_REGS": CONFIG["gather_regs"]}
+              "GATHER_WARPS": CONFIG["gather_warps"], "GATHER_REGS": CONFIG["gather_regs"],
+              "VALUE_REGS": CONFIG["value_regs"], "PREFETCH": CONFIG["prefetch"]}
     sig = {**ptrs, "s_kv": "i32", "h_q": "i32", "topk": "i32", "scale_log2": "fp32",
            **{n: "i32" for n in strides}, **{n: "constexpr" for n in consts}}
     order = list(sig)
@@ -251,7 +353,8 @@ def compile_sm90(has_sink: bool, has_len: bool):
 
 def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
                                indices: Tensor, sm_scale: float, attn_sink: Tensor | None,
-                               topk_length: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                               topk_length: Tensor | None, config: dict | None = None
+                               ) -> tuple[Tensor, Tensor, Tensor]:
     """The bare launch over checked inputs (``sparse_mla.flash_mla_sparse_fwd`` checks them).
 
     q: bf16 ``[s_q, h_q, 576]`` (``h_q % 64 == 0``, last dim contiguous); kv_rows: bf16 rows of
@@ -269,7 +372,7 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
     lengths = None if topk_length is None else topk_length.contiguous()
     idx = indices[:, 0, :]
-    cfg = CONFIG
+    cfg = CONFIG if config is None else {**CONFIG, **config}
     _sparse_mla_fwd_gluon_kernel[(s_q * (h_q // BLOCK_H),)](
         q, kv_rows, idx, out, max_logits, lse,
         sink if sink is not None else max_logits, lengths if lengths is not None else idx,
@@ -278,6 +381,6 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
         HAS_SINK=sink is not None, HAS_LEN=lengths is not None,
         BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, D_V=D_V, D_TAIL=D_TAIL,
         STAGES=cfg["stages"], GATHER_WARPS=cfg["gather_warps"], GATHER_REGS=cfg["gather_regs"],
-        num_warps=cfg["num_warps"],
+        VALUE_REGS=cfg["value_regs"], PREFETCH=cfg["prefetch"], num_warps=cfg["num_warps"],
     )
     return out, max_logits, lse
