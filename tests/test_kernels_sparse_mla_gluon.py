@@ -22,7 +22,11 @@ triton = pytest.importorskip("triton")
 
 from glm_dsa import oracle, peers, testing  # noqa: E402
 from glm_dsa.kernels import sparse_mla  # noqa: E402
-from glm_dsa.kernels.sparse_mla import GLUON_TESTED_TRITON, flash_mla_sparse_fwd  # noqa: E402
+from glm_dsa.kernels.sparse_mla import (  # noqa: E402
+    GLUON_TESTED_TRITON,
+    flash_mla_sparse_fwd,
+    sparse_mla_fwd_fp8,
+)
 from glm_dsa.testing.cases import invalid_indices  # noqa: E402
 from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
 
@@ -51,7 +55,7 @@ def _triton_only(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=
 _AOT = """
 import json, sys
 from glm_dsa.kernels.sparse_mla_gluon import compile_sm90
-c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1")
+c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1", fp8=sys.argv[3] == "1")
 ptx = c.asm["ptx"]
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
@@ -60,11 +64,13 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
-@pytest.mark.parametrize("has_sink,has_len", [(False, False), (True, True)])
-def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len):
+@pytest.mark.parametrize("has_sink,has_len,fp8", [(False, False, False), (True, True, False),
+                                                 (True, True, True)])
+def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, fp8):
     # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _AOT, str(int(has_sink)), str(int(has_len))],
+    args = [str(int(x)) for x in (has_sink, has_len, fp8)]
+    done = subprocess.run([sys.executable, "-c", _AOT, *args],
                           env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,14 +103,15 @@ def test_dispatch_picks_gluon_for_glm_shapes_and_triton_otherwise(caplog):
     idx = torch.zeros(2, 1, 64, dtype=torch.int32, device="cuda")
     assert sparse_mla._gluon_unsuitable(q, kv, kv.stride(0), idx, 512, False) is None
     assert "h_q 16" in sparse_mla._gluon_unsuitable(q[:, :16], kv, 576, idx, 512, False)
-    assert "FP8" in sparse_mla._gluon_unsuitable(q, kv, 576, idx, 512, True)
+    rows = torch.zeros(100, 656, dtype=torch.uint8, device="cuda")  # FP8 rows: 656 bytes
+    assert sparse_mla._gluon_unsuitable(q, rows, 656, idx, 512, True) is None
     assert "float32" in sparse_mla._gluon_unsuitable(q.float(), kv.float(), 576, idx, 512, False)
     sparse_mla._LOGGED.clear()
     with caplog.at_level(logging.INFO, logger="glm_dsa.kernels"):
         flash_mla_sparse_fwd(q, kv, idx, 0.1)
         flash_mla_sparse_fwd(q, kv, idx, 0.1)
     lines = [r.getMessage() for r in caplog.records if r.name == "glm_dsa.kernels"]
-    assert lines == [f"sparse MLA: Gluon sm_90 kernel (triton {triton.__version__})"]
+    assert lines == [f"sparse MLA: Gluon sm_90 kernel, bf16 rows (triton {triton.__version__})"]
 
 
 @pytest.mark.cuda
@@ -157,14 +164,30 @@ def _errors(got, want, rows):
     return errs
 
 
+def _fp8_rows(kv):
+    """The FP8 pool rows ``[s_kv, 656]`` of bf16 ``kv [s_kv, 1, 576]`` (pages of 64 rows, the
+    last one padded), and the rows they dequantize to, ``[s_kv, 1, 576]`` bf16."""
+    s_kv = kv.shape[0]
+    pad = torch.zeros((-s_kv) % 64, 1, 576, dtype=kv.dtype, device=kv.device)
+    pages = oracle.quantize_k_cache(torch.cat([kv, pad]).view(-1, 64, 1, 576))
+    deq = oracle.dequantize_k_cache(pages).view(-1, 1, 576)[:s_kv]
+    return pages.view(-1, 656)[:s_kv], deq
+
+
 @pytest.mark.cuda
 @needs_gluon
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("case", range(12))
-def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case):
+def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8):
     g = torch.Generator(device="cuda").manual_seed(1000 + case)
     dq, dkv, didx, dkw = _stress_case(g, case)
     sm_scale = 1 / math.sqrt(192)
-    got = _gluon_only(dq, dkv, didx, sm_scale, 512, **dkw)
+    if fp8:
+        rows, dkv = _fp8_rows(dkv)
+        assert sparse_mla._gluon_unsuitable(dq, rows, rows.stride(0), didx, 512, True) is None
+        got = sparse_mla_fwd_fp8(dq, rows, didx, sm_scale, 512, **dkw)
+    else:
+        got = _gluon_only(dq, dkv, didx, sm_scale, 512, **dkw)
     rows = torch.unique(torch.linspace(0, dq.shape[0] - 1, 48, device="cuda").long())
     want = oracle.flash_mla_sparse_fwd(
         dq[rows].double(), dkv.double(), didx[rows], sm_scale, 512,

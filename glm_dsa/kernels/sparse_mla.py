@@ -24,11 +24,11 @@ Outputs follow the newest FlashMLA (``glm_dsa.oracle.flash_mla_sparse_fwd``): na
 ``>= topk_length[row]`` are skipped (never read); a row with no valid index gives ``out = 0``,
 ``max_logits = -inf``, ``lse = +inf``; ``attn_sink`` enters only the final normalisation.
 
-On an sm_90 GPU with a Triton whose Gluon API was tested (``sparse_mla_gluon.TESTED_TRITON``),
-bf16 calls at GLM-5.3's shape (``h_q`` a multiple of 64, ``d_qk`` 576, ``d_v`` 512, 16-aligned
-strides) run the warp-specialized Gluon kernel of ``glm_dsa.kernels.sparse_mla_gluon``; every
-other call (other GPUs, other Triton versions, the CPU interpreter, FP8 rows, small configs)
-runs the Triton kernel here. The choice is logged once per reason (logger ``glm_dsa.kernels``).
+On an sm_90 GPU with a Triton whose Gluon API was tested (``GLUON_TESTED_TRITON``), calls
+with bf16 queries at GLM-5.3's shape (``h_q`` a multiple of 64, ``d_qk`` 576, ``d_v`` 512,
+16-aligned strides), over bf16 or FP8 rows, run the warp-specialized Gluon kernels of
+``glm_dsa.kernels.sparse_mla_gluon``; every other call (other GPUs, other Triton versions, the
+CPU interpreter, float32, small configs) runs the Triton kernel here. The choice is logged once per reason (logger ``glm_dsa.kernels``).
 """
 
 from __future__ import annotations
@@ -106,13 +106,12 @@ def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tenso
     why = gluon_unavailable(q.device)
     if why is not None:
         return why
-    if fp8:
-        return "FP8 rows (no Gluon FP8 kernel yet)"
-    if q.dtype != torch.bfloat16 or kv_rows.dtype != torch.bfloat16:
-        return f"{q.dtype} (the Gluon kernel is bf16)"
+    if q.dtype != torch.bfloat16 or (not fp8 and kv_rows.dtype != torch.bfloat16):
+        return f"{q.dtype} activations, {kv_rows.dtype} rows (the Gluon kernel is bf16)"
     h_q, d_qk = q.shape[1], q.shape[2]
     if h_q % 64 or d_qk != 576 or d_v != 512:
         return f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
+    # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
     strides = (q.stride(0), q.stride(1), stride_kv)
     if any(st % 16 for st in strides) or any(t.data_ptr() % 16 for t in (q, kv_rows)):
         return f"strides {strides} or base pointers not 16-aligned"
@@ -300,9 +299,10 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
     if why_not is None:
         from glm_dsa.kernels.sparse_mla_gluon import flash_mla_sparse_fwd_gluon
 
-        _log_once(f"sparse MLA: Gluon sm_90 kernel (triton {triton.__version__})")
+        _log_once(f"sparse MLA: Gluon sm_90 kernel, {'FP8' if fp8 else 'bf16'} rows "
+                  f"(triton {triton.__version__})")
         return flash_mla_sparse_fwd_gluon(q, kv_rows, stride_kv, s_kv, indices, sm_scale,
-                                          attn_sink, topk_length)
+                                          attn_sink, topk_length, fp8=fp8)
     _log_once(f"sparse MLA: Triton kernel ({why_not})")
     return _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink,
                           topk_length, fp8)

@@ -63,7 +63,7 @@ BLOCK_H = 64      # heads per CTA: the wgmma M
 BLOCK_K = 64      # keys per tile
 D_V, D_TAIL = 512, 64
 # The launch configuration, as data (see the module docstring for the schedule).
-CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 48, "value_regs": 192,
+CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 1}
 
 
@@ -127,15 +127,130 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
 
 
 @gluon.jit
-def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase, layout: gl.constexpr,
-            BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+def _gather_fp8_issue(kv_ptr, idx_row, i, n_cols, s_kv, stride_kv, r8_s, rs_s,
+                      BLOCK_K: gl.constexpr, D_V: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of tile ``i``'s e4m3 bytes and float32 tile scales (zero-filled where the index
+    is invalid) into ring stage ``r8_s`` / ``rs_s``."""
+    lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    rows = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay8))
+    t = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
+    ok = ((t >= 0) & (t < s_kv))[:, None]
+    base = kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+    async_copy.async_copy_global_to_shared(
+        r8_s, base + gl.arange(0, D_V, layout=gl.SliceLayout(0, lay8))[None, :], mask=ok)
+    # Scales tile-major, element tile * BLOCK_K + key: the dequantization reads one tile's
+    # scale for every key (4-byte copies).
+    e = gl.arange(0, (D_V // 128) * BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    keys = i * BLOCK_K + e % BLOCK_K
+    ts = gl.load(idx_row + keys, mask=keys < n_cols, other=-1)
+    oks = (ts >= 0) & (ts < s_kv)
+    scales = (kv_ptr + gl.where(oks, ts, 0).to(gl.int64) * stride_kv
+              + D_V).to(gl.pointer_type(gl.float32)) + e // BLOCK_K
+    async_copy.async_copy_global_to_shared(rs_s, scales, mask=oks)
+
+
+@gluon.jit
+def _gather_fp8_rope(kv_ptr, idx_row, i, n_cols, s_kv, stride_kv, k_p_s,
+                     BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+                     WARPS: gl.constexpr):
+    """cp.async of tile ``i``'s bf16 RoPE values (after the e4m3 bytes and the scales)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rows = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+    t = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
+    ok = ((t >= 0) & (t < s_kv))[:, None]
+    rope = (kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+            + D_V + 4 * (D_V // 128)).to(gl.pointer_type(gl.bfloat16))
+    async_copy.async_copy_global_to_shared(
+        k_p_s, rope + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :], mask=ok)
+
+
+@gluon.jit
+def _dequantize(r8_s, rs_s, w_l, w_r, D_V: gl.constexpr, BLOCK_K: gl.constexpr,
+                WARPS: gl.constexpr):
+    """``e4m3 * tile scale`` in float32, rounded once to bf16, from ring stage ``r8_s`` (its
+    scales ``rs_s``, tile-major) into the working tile ``w_l | w_r``, 64 columns at a time."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
+    HALF: gl.constexpr = D_V // 2
+    for c in gl.static_range(D_V // 64):
+        raw = r8_s.slice(c * 64, 64, dim=1).load(lay)
+        scale = rs_s.slice(c * 64 // 128 * BLOCK_K, BLOCK_K).load(gl.SliceLayout(1, lay))
+        k = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None])
+        if c * 64 < HALF:
+            w_l.slice(c * 64, 64, dim=1).store(k.to(gl.bfloat16))
+        else:
+            w_r.slice(c * 64 - HALF, 64, dim=1).store(k.to(gl.bfloat16))
+
+
+@gluon.jit
+def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, k_p, w_l, w_r,
+                          q_ready, ready, empty, work, s_kv, topk, stride_qs, stride_qh,
+                          stride_kv, stride_is, h_groups,
+                          HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                          D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
+                          WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """FP8 rows: Q once; per tile the e4m3 bytes and scales into ring stage ``s`` (as soon as
+    the previous use of that stage is dequantized), the RoPE values into ``k_p[s]`` (once both
+    warpgroups freed it), then the dequantization into the working tile when it is free."""
+    HALF: gl.constexpr = D_V // 2
+    TILES: gl.constexpr = D_V // 128  # scale tiles a row
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
+    q_rows = q_ptr + qi * stride_qs + (head0 + rows).to(gl.int64)[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
+    async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
+    async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    n_cols = topk
+    if HAS_LEN:
+        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    idx_row = idx_ptr + qi * stride_is
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    if n_tiles > 0:
+        _gather_fp8_issue(kv_ptr, idx_row, 0, n_cols, s_kv, stride_kv, r8.index(0),
+                          rs.index(0), BLOCK_K, D_V, WARPS)
+        _gather_fp8_rope(kv_ptr, idx_row, 0, n_cols, s_kv, stride_kv, k_p.index(0), BLOCK_K, D_V,
+                         D_TAIL, WARPS)
+        async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
+    for i in range(n_tiles):
+        s = i % STAGES
+        nxt = (i + 1) % STAGES
+        if PREFETCH > 0:
+            _prefetch_tile(kv_ptr, idx_row, (i + 1 + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
+        if i + 1 < n_tiles:  # stage nxt's bytes were dequantized last iteration
+            _gather_fp8_issue(kv_ptr, idx_row, i + 1, n_cols, s_kv, stride_kv, r8.index(nxt),
+                              rs.index(nxt), BLOCK_K, D_V, WARPS)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(work.index(1), (i & 1) ^ 1)
+        _dequantize(r8.index(s), rs.index(s), w_l, w_r, D_V, BLOCK_K, WARPS)
+        fence_async_shared()
+        gl.thread_barrier()  # the whole tile is written (and stage s read) before the hand-over
+        mbarrier.arrive(work.index(0), count=1)
+        if i + 1 < n_tiles:
+            mbarrier.wait(empty.index(nxt), (((i + 1) // STAGES) & 1) ^ 1)
+            _gather_fp8_rope(kv_ptr, idx_row, i + 1, n_cols, s_kv, stride_kv, k_p.index(nxt),
+                             BLOCK_K, D_V, D_TAIL, WARPS)
+            async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
+
+
+@gluon.jit
+def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, phase_l, ready_r, phase_r,
+            layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
     """``Q · Kᵀ`` of one stage, float32 ``[BLOCK_H, BLOCK_K]``: the three column blocks, the
-    first as soon as its rows have landed (``ready_l``), the others after ``ready_r``."""
+    first as soon as ``ready_l`` completes its phase ``phase_l``, the others after
+    ``ready_r``."""
     s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
-    mbarrier.wait(ready_l, phase)
+    mbarrier.wait(ready_l, phase_l)
     fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
     s = warpgroup_mma(q_l, k_l_s.permute((1, 0)), s, is_async=True)
-    mbarrier.wait(ready_r, phase)
+    mbarrier.wait(ready_r, phase_r)
     fence_async_shared()
     s = warpgroup_mma(q_r, k_r_s.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma(q_p, k_p_s.permute((1, 0)), s, is_async=True)
@@ -175,11 +290,14 @@ def _store_half(out_ptr, acc, denom, qi, head0, col0, stride_os, stride_oh,
 @gluon.jit
 def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                        q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
-                       q_ready, ready, empty, p_ready, done,
+                       q_ready, ready, empty, p_ready, done, work,
                        s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh, h_groups,
                        HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
-                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
-    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end."""
+                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
+                       KV_FP8: gl.constexpr):
+    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end.
+    bf16 rows: latent blocks ``k_l[s]``, ``k_r[s]``. FP8 rows: ``k_l``, ``k_r`` are the one
+    dequantized working tile, guarded by ``work[0]`` (ready) and ``work[1]`` (free)."""
     LOG2E: gl.constexpr = 1.4426950408889634
     LN2: gl.constexpr = 0.6931471805599453
     HALF: gl.constexpr = D_V // 2
@@ -208,9 +326,16 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         cols = i * BLOCK_K + key_cols
         t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
         valid = (t >= 0) & (t < s_kv)
-        scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
-                         ready.index(s), ready.index(STAGES + s), (i // STAGES) & 1, s_layout,
-                         BLOCK_H, BLOCK_K)
+        ph = (i // STAGES) & 1
+        if KV_FP8:
+            v_l = k_l
+            scores = _scores(q_l, q_r, q_p, k_l, k_r, k_p.index(s), work.index(0), i & 1,
+                             ready.index(s), ph, s_layout, BLOCK_H, BLOCK_K)
+        else:
+            v_l = k_l.index(s)
+            scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
+                             ready.index(s), ph, ready.index(STAGES + s), ph, s_layout,
+                             BLOCK_H, BLOCK_K)
         p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
         # P over the stage's RoPE block (read only by the scores, which are done).
         k_p.index(s).store(p.to(gl.bfloat16))
@@ -218,7 +343,9 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         fence_async_shared()
         gl.thread_barrier()  # every thread's P and alpha are written before the hand-over
         mbarrier.arrive(p_ready.index(s), count=1)
-        acc = _pv(k_p.index(s), k_l.index(s), acc, gl.convert_layout(alpha, row_o))
+        acc = _pv(k_p.index(s), v_l, acc, gl.convert_layout(alpha, row_o))
+        if KV_FP8:
+            mbarrier.arrive(work.index(1), count=1)
         mbarrier.arrive(empty.index(s), count=1)
 
     heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
@@ -240,10 +367,11 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
 
 @gluon.jit
 def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
-                     p_ready, done, topk, stride_os, stride_oh, h_groups,
+                     p_ready, done, work, topk, stride_os, stride_oh, h_groups,
                      HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-                     D_V: gl.constexpr, STAGES: gl.constexpr):
-    """``O_r = alpha · O_r + P · V_r`` per stage; its half of the output at the end."""
+                     D_V: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
+    """``O_r = alpha · O_r + P · V_r`` per stage; its half of the output at the end (``k_r``
+    as in ``_softmax_partition``)."""
     HALF: gl.constexpr = D_V // 2
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
@@ -258,11 +386,18 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
         ph = (i // STAGES) & 1
-        mbarrier.wait(ready.index(STAGES + s), ph)
+        if KV_FP8:
+            mbarrier.wait(work.index(0), i & 1)
+            v_r = k_r
+        else:
+            mbarrier.wait(ready.index(STAGES + s), ph)
+            v_r = k_r.index(s)
         mbarrier.wait(p_ready.index(s), ph)
         fence_async_shared()
         alpha = alpha_smem.index(s).load(row_o)
-        acc = _pv(k_p.index(s), k_r.index(s), acc, alpha)
+        acc = _pv(k_p.index(s), v_r, acc, alpha)
+        if KV_FP8:
+            mbarrier.arrive(work.index(1), count=1)
         mbarrier.arrive(empty.index(s), count=1)
     mbarrier.wait(done, 0)
     _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
@@ -307,12 +442,12 @@ def _sparse_mla_fwd_gluon_kernel(
     gl.warp_specialize([
         (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                               q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
-                              q_ready, ready, empty, p_ready, done,
+                              q_ready, ready, empty, p_ready, done, empty,
                               s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
-                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
         (_value_partition, (len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
-                            p_ready, done, topk, stride_os, stride_oh, h_groups,
-                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
+                            p_ready, done, empty, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
         (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                              q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
                              stride_is, h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL, STAGES,
@@ -320,30 +455,90 @@ def _sparse_mla_fwd_gluon_kernel(
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
-def compile_sm90(has_sink: bool, has_len: bool):
-    """Compile the kernel for sm_90 ahead of time, no GPU needed (for offline checks of shared
-    memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``). Pointers and strides are
-    marked 16-divisible, as the JIT marks GLM-5.3's on the GPU. Returns Triton's compiled
-    kernel. Must run without ``TRITON_INTERPRET`` (the interpreter replaces ``gl`` builtins).
+@gluon.jit
+def _sparse_mla_fwd_fp8_gluon_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
+    s_kv, h_q, topk, scale_log2,
+    stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+    STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    """The FP8-row form: a ring of raw rows (e4m3 bytes, scales, RoPE) and one dequantized
+    bf16 working tile that both compute warpgroups read (``_gather_fp8_partition``)."""
+    HALF: gl.constexpr = D_V // 2
+    h_groups = h_q // BLOCK_H
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    bytes_swz: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8,
+                                                       order=[1, 0])
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
+    r8 = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_K, D_V], bytes_swz)
+    rs = gl.allocate_shared_memory(gl.float32, [STAGES, (D_V // 128) * BLOCK_K], flat)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
+    w_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
+    w_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
+    denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    work = gl.allocate_shared_memory(gl.int64, [2, 1], bar)  # [tile ready, tile free]
+    mbarrier.init(q_ready, count=GATHER_WARPS * 32)
+    mbarrier.init(done, count=1)
+    mbarrier.init(work.index(0), count=1)
+    mbarrier.init(work.index(1), count=2)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(p_ready.index(s), count=1)
+    gl.warp_specialize([
+        (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                              q_l, q_r, q_p, w_l, w_r, k_p, alpha_smem, denom_smem,
+                              q_ready, ready, empty, p_ready, done, work,
+                              s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, True)),
+        (_value_partition, (len_ptr, out_ptr, w_r, k_p, alpha_smem, denom_smem, ready, empty,
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, True)),
+        (_gather_fp8_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, k_p,
+                                 w_l, w_r, q_ready, ready, empty, work, s_kv, topk, stride_qs,
+                                 stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
+                                 BLOCK_K, D_V, D_TAIL, STAGES, GATHER_WARPS, PREFETCH,
+                                 D_V + 4 * (D_V // 128) + 2 * D_TAIL)),
+    ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
+
+
+def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False):
+    """Compile the kernel (the FP8-row form with ``fp8``) for sm_90 ahead of time, no GPU
+    needed (for offline checks of shared memory, registers and spills: ``ptxas -v`` on
+    ``.asm["ptx"]``). Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's
+    on the GPU. Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the
+    interpreter replaces ``gl`` builtins).
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = _sparse_mla_fwd_gluon_kernel
-    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "out_ptr": "*bf16",
-            "max_ptr": "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32", "len_ptr": "*i32"}
+    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
+            "out_ptr": "*bf16", "max_ptr": "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
+            "len_ptr": "*i32"}
     strides = ["stride_qs", "stride_qh", "stride_kv", "stride_is", "stride_os", "stride_oh"]
-    consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, "BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K,
-              "D_V": D_V, "D_TAIL": D_TAIL, "STAGES": CONFIG["stages"],
-              "GATHER_WARPS": CONFIG["gather_warps"], "GATHER_REGS": CONFIG["gather_regs"],
-              "VALUE_REGS": CONFIG["value_regs"], "PREFETCH": CONFIG["prefetch"]}
+    consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, **_constexprs(CONFIG)}
     sig = {**ptrs, "s_kv": "i32", "h_q": "i32", "topk": "i32", "scale_log2": "fp32",
            **{n: "i32" for n in strides}, **{n: "constexpr" for n in consts}}
     order = list(sig)
     if order != list(kernel.arg_names):
         raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
                            f"{list(kernel.arg_names)}")
+    # The FP8 row stride (656 bytes) is a multiple of 16, not of 16 elements of 16 bits.
     aligned = [order.index(n) for n in [*ptrs, *strides]]
     src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -351,15 +546,25 @@ def compile_sm90(has_sink: bool, has_len: bool):
                           options={"num_warps": CONFIG["num_warps"]})
 
 
+def _constexprs(cfg: dict) -> dict:
+    return {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V, "D_TAIL": D_TAIL,
+            "STAGES": cfg["stages"], "GATHER_WARPS": cfg["gather_warps"],
+            "GATHER_REGS": cfg["gather_regs"], "VALUE_REGS": cfg["value_regs"],
+            "PREFETCH": cfg["prefetch"]}
+
+
 def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
                                indices: Tensor, sm_scale: float, attn_sink: Tensor | None,
-                               topk_length: Tensor | None, config: dict | None = None
-                               ) -> tuple[Tensor, Tensor, Tensor]:
-    """The bare launch over checked inputs (``sparse_mla.flash_mla_sparse_fwd`` checks them).
+                               topk_length: Tensor | None, config: dict | None = None,
+                               fp8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The bare launch over checked inputs (``sparse_mla.flash_mla_sparse_fwd`` and
+    ``sparse_mla_fwd_fp8`` check them).
 
-    q: bf16 ``[s_q, h_q, 576]`` (``h_q % 64 == 0``, last dim contiguous); kv_rows: bf16 rows of
-    576 at row stride ``stride_kv`` elements, ``s_kv`` of them; indices: int32 ``[s_q, 1,
-    topk]``; attn_sink float ``[h_q]`` or None; topk_length int32 ``[s_q]`` or None.
+    q: bf16 ``[s_q, h_q, 576]`` (``h_q % 64 == 0``, last dim contiguous); kv_rows: bf16 rows
+    of 576 at row stride ``stride_kv`` elements, or with ``fp8`` uint8 656-byte rows
+    (``kv_format``'s FP8 layout) at ``stride_kv`` bytes (a multiple of 16); ``s_kv`` rows;
+    indices: int32 ``[s_q, 1, topk]``; attn_sink float ``[h_q]`` or None; topk_length int32
+    ``[s_q]`` or None; config: entries overriding ``CONFIG`` (for measurements).
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
     s_q, h_q, _ = q.shape
@@ -373,14 +578,13 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     lengths = None if topk_length is None else topk_length.contiguous()
     idx = indices[:, 0, :]
     cfg = CONFIG if config is None else {**CONFIG, **config}
-    _sparse_mla_fwd_gluon_kernel[(s_q * (h_q // BLOCK_H),)](
+    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    kernel[(s_q * (h_q // BLOCK_H),)](
         q, kv_rows, idx, out, max_logits, lse,
         sink if sink is not None else max_logits, lengths if lengths is not None else idx,
         s_kv, h_q, topk, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
-        HAS_SINK=sink is not None, HAS_LEN=lengths is not None,
-        BLOCK_H=BLOCK_H, BLOCK_K=BLOCK_K, D_V=D_V, D_TAIL=D_TAIL,
-        STAGES=cfg["stages"], GATHER_WARPS=cfg["gather_warps"], GATHER_REGS=cfg["gather_regs"],
-        VALUE_REGS=cfg["value_regs"], PREFETCH=cfg["prefetch"], num_warps=cfg["num_warps"],
+        HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **_constexprs(cfg),
+        num_warps=cfg["num_warps"],
     )
     return out, max_logits, lse
