@@ -64,7 +64,7 @@ BLOCK_K = 64      # keys per tile
 D_V, D_TAIL = 512, 64
 # The launch configuration, as data (see the module docstring for the schedule).
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
-          "prefetch": 1}
+          "prefetch": 0}
 
 
 @gluon.jit
@@ -109,13 +109,16 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
     idx_row = idx_ptr + qi * stride_is
     pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     pf_rows = gl.arange(0, BLOCK_K, layout=pf_lay)
+    # Each tile's indices are loaded one tile ahead, so their latency hides behind a wait.
+    t_next = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
         if PREFETCH > 0:  # rows PREFETCH tiles ahead into L2 while the ring is full
             _prefetch_tile(kv_ptr, idx_row, (i + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
                            stride_kv, ROW_BYTES)
-        cols = i * BLOCK_K + rows
-        t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+        t = t_next
+        cols = (i + 1) * BLOCK_K + rows
+        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
         ok = ((t >= 0) & (t < s_kv))[:, None]
         base = kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -127,22 +130,34 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
 
 
 @gluon.jit
-def _gather_fp8_issue(kv_ptr, idx_row, i, n_cols, s_kv, stride_kv, r8_s, rs_s,
-                      BLOCK_K: gl.constexpr, D_V: gl.constexpr, WARPS: gl.constexpr):
-    """cp.async of tile ``i``'s e4m3 bytes and float32 tile scales (zero-filled where the index
-    is invalid) into ring stage ``r8_s`` / ``rs_s``."""
+def _fp8_tile_indices(idx_row, i, n_cols, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """Tile ``i``'s indices (-1 past ``n_cols``) in the three layouts its copies use: e4m3
+    bytes, scales (tile-major, one per tile and key), RoPE values."""
     lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
-    rows = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay8))
-    t = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
-    ok = ((t >= 0) & (t < s_kv))[:, None]
-    base = kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    lays: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    c8 = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay8))
+    cs = i * BLOCK_K + gl.arange(0, (D_V // 128) * BLOCK_K, layout=lays) % BLOCK_K
+    cr = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+    return (gl.load(idx_row + c8, mask=c8 < n_cols, other=-1),
+            gl.load(idx_row + cs, mask=cs < n_cols, other=-1),
+            gl.load(idx_row + cr, mask=cr < n_cols, other=-1))
+
+
+@gluon.jit
+def _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8_s, rs_s,
+                      BLOCK_K: gl.constexpr, D_V: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of a tile's e4m3 bytes and float32 tile scales (rows ``t8`` / ``ts``,
+    zero-filled where the index is invalid) into ring stage ``r8_s`` / ``rs_s``."""
+    lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    ok = ((t8 >= 0) & (t8 < s_kv))[:, None]
+    base = kv_ptr + gl.where(ok, t8[:, None], 0).to(gl.int64) * stride_kv
     async_copy.async_copy_global_to_shared(
         r8_s, base + gl.arange(0, D_V, layout=gl.SliceLayout(0, lay8))[None, :], mask=ok)
     # Scales tile-major, element tile * BLOCK_K + key: the dequantization reads one tile's
     # scale for every key (4-byte copies).
     e = gl.arange(0, (D_V // 128) * BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    keys = i * BLOCK_K + e % BLOCK_K
-    ts = gl.load(idx_row + keys, mask=keys < n_cols, other=-1)
     oks = (ts >= 0) & (ts < s_kv)
     scales = (kv_ptr + gl.where(oks, ts, 0).to(gl.int64) * stride_kv
               + D_V).to(gl.pointer_type(gl.float32)) + e // BLOCK_K
@@ -150,15 +165,12 @@ def _gather_fp8_issue(kv_ptr, idx_row, i, n_cols, s_kv, stride_kv, r8_s, rs_s,
 
 
 @gluon.jit
-def _gather_fp8_rope(kv_ptr, idx_row, i, n_cols, s_kv, stride_kv, k_p_s,
-                     BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
-                     WARPS: gl.constexpr):
-    """cp.async of tile ``i``'s bf16 RoPE values (after the e4m3 bytes and the scales)."""
+def _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p_s, D_V: gl.constexpr,
+                     D_TAIL: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of a tile's bf16 RoPE values (rows ``tr``; after the bytes and the scales)."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    rows = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
-    t = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
-    ok = ((t >= 0) & (t < s_kv))[:, None]
-    rope = (kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+    ok = ((tr >= 0) & (tr < s_kv))[:, None]
+    rope = (kv_ptr + gl.where(ok, tr[:, None], 0).to(gl.int64) * stride_kv
             + D_V + 4 * (D_V // 128)).to(gl.pointer_type(gl.bfloat16))
     async_copy.async_copy_global_to_shared(
         k_p_s, rope + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :], mask=ok)
@@ -213,11 +225,13 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     if n_tiles > 0:
-        _gather_fp8_issue(kv_ptr, idx_row, 0, n_cols, s_kv, stride_kv, r8.index(0),
-                          rs.index(0), BLOCK_K, D_V, WARPS)
-        _gather_fp8_rope(kv_ptr, idx_row, 0, n_cols, s_kv, stride_kv, k_p.index(0), BLOCK_K, D_V,
-                         D_TAIL, WARPS)
+        t8, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS)
+        _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(0), rs.index(0), BLOCK_K,
+                          D_V, WARPS)
+        _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
         async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
+    # The next tile's indices, loaded an iteration ahead so their latency hides behind waits.
+    t8, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS)
     for i in range(n_tiles):
         s = i % STAGES
         nxt = (i + 1) % STAGES
@@ -225,8 +239,9 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
             _prefetch_tile(kv_ptr, idx_row, (i + 1 + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
                            stride_kv, ROW_BYTES)
         if i + 1 < n_tiles:  # stage nxt's bytes were dequantized last iteration
-            _gather_fp8_issue(kv_ptr, idx_row, i + 1, n_cols, s_kv, stride_kv, r8.index(nxt),
-                              rs.index(nxt), BLOCK_K, D_V, WARPS)
+            _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(nxt), rs.index(nxt),
+                              BLOCK_K, D_V, WARPS)
+        t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         mbarrier.wait(work.index(1), (i & 1) ^ 1)
         _dequantize(r8.index(s), rs.index(s), w_l, w_r, D_V, BLOCK_K, WARPS)
@@ -235,9 +250,9 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
         mbarrier.arrive(work.index(0), count=1)
         if i + 1 < n_tiles:
             mbarrier.wait(empty.index(nxt), (((i + 1) // STAGES) & 1) ^ 1)
-            _gather_fp8_rope(kv_ptr, idx_row, i + 1, n_cols, s_kv, stride_kv, k_p.index(nxt),
-                             BLOCK_K, D_V, D_TAIL, WARPS)
+            _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(nxt), D_V, D_TAIL, WARPS)
             async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
+        t8, ts, tr = t8_2, ts_2, tr_2
 
 
 @gluon.jit
@@ -321,11 +336,12 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     mbarrier.wait(q_ready, 0)
     fence_async_shared()
+    t_next = gl.load(idx_row + key_cols, mask=key_cols < n_cols, other=-1)
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
-        cols = i * BLOCK_K + key_cols
-        t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
-        valid = (t >= 0) & (t < s_kv)
+        valid = (t_next >= 0) & (t_next < s_kv)
+        cols = (i + 1) * BLOCK_K + key_cols  # the next tile's, a tile ahead
+        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
         ph = (i // STAGES) & 1
         if KV_FP8:
             v_l = k_l
