@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--s-kv", type=int, default=131_072, help="keys in the context")
     parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
     parser.add_argument("--reps", type=int, default=5, help="timed runs per form (median)")
+    parser.add_argument("--gluon-variants", nargs="*", default=[], metavar="JSON",
+                        help="also time the Gluon bf16 kernel with these CONFIG overrides, "
+                             'e.g. \'{"prefetch": 1}\' (recorded as gluon_variants: config -> ms)')
     args = parser.parse_args()
     forms, s_kv = set(args.forms), args.s_kv
 
@@ -164,6 +167,10 @@ def main() -> None:
             if "triton_fp8" in forms:
                 runs["triton_fp8"] = lambda: sparse_mla._launch_triton(
                     q, fp8_rows, fp8_rows.stride(0), s_kv, idx, SM_SCALE, D_V, None, None, True)
+            for text in args.gluon_variants if gluon_ok else ():
+                _guard(row.setdefault("gluon_variants", {}), text, lambda: time_it(
+                    lambda: flash_mla_sparse_fwd_gluon(q, kv, kv.stride(0), s_kv, idx, SM_SCALE,
+                                                       None, None, json.loads(text))) * 1e3)
             for form, fn in runs.items():
                 t0 = time.time()
                 if form.startswith("triton"):
@@ -196,9 +203,10 @@ def main() -> None:
                     row[name] = row[num] / row[den]
             report["rows"].append(row)
             print(_line(row), flush=True)
-            for form in ("triton_variants", "triton_fp8_variants"):
+            for form in ("gluon_variants", "triton_variants", "triton_fp8_variants"):
                 for cfg, ms in row.get(form, {}).items():
-                    print(f"    {form[:-9]:10s} {ms:8.3f} ms  {cfg}", flush=True)
+                    shown = f"{ms:8.3f} ms" if isinstance(ms, float) else f"error {ms}"
+                    print(f"    {form[:-9]:10s} {shown}  {cfg}", flush=True)
             for key, val in row.items():
                 if isinstance(val, dict) and "error" in val:
                     print(f"    {key}: {val['error']}", flush=True)

@@ -1,43 +1,55 @@
-"""Sparse MLA prefill forward for sm_90 in Gluon: a warp-specialized ``flash_mla_sparse_fwd``.
+"""Sparse MLA prefill forward for sm_90 in Gluon: warp-specialized ``flash_mla_sparse_fwd``.
 
 Same contract as ``glm_dsa.kernels.sparse_mla`` (and ``glm_dsa.oracle.flash_mla_sparse_fwd``):
 natural-log ``max_logits`` / ``lse``, indices ``< 0`` or ``>= s_kv`` and columns ``>=
-topk_length[row]`` skipped (never read), lonely rows ``out = 0``, ``max_logits = -inf``, ``lse =
-+inf``, ``attn_sink`` only in the final normalisation. Shapes it runs: bf16 q ``[s_q, h_q,
-576]`` with ``h_q`` a multiple of 64, bf16 rows ``[s_kv, 576]`` (``d_v`` 512) at any row stride
-(a paged pool read in place through slot numbers), any ``topk``. ``sparse_mla.py`` dispatches
-here on sm_90 with a tested Triton (``sparse_mla.GLUON_TESTED_TRITON``) and runs its Triton kernel otherwise.
+topk_length[row]`` skipped (never read), lonely rows ``out = 0``, ``max_logits = -inf``,
+``lse = +inf``, ``attn_sink`` only in the final normalisation. It runs bf16 queries ``[s_q,
+h_q, 576]`` with ``h_q`` a multiple of 64, any ``topk``, over bf16 rows ``[s_kv, 576]`` or the
+FP8 pool's 656-byte rows (``kv_format``: 512 e4m3 bytes, 4 float32 tile scales, 64 bf16 RoPE
+values), at any 16-aligned row stride: a paged pool is read in place through slot numbers.
+``sparse_mla.py`` dispatches here on sm_90 with a tested Triton (``GLUON_TESTED_TRITON``).
 
-Schedule (one CTA per query token and 64-head group; h_q 128 is two neighbouring CTAs that
-gather the same rows, the second from L2), three partitions of one warpgroup each:
+Schedule: one CTA per query token and 64-head group (h_q 128 is two neighbouring CTAs that
+gather the same rows, the second mostly from L2), three partitions of one warpgroup each.
 
-- **Gather** (4 warps, few registers): 16-byte ``cp.async`` of Q ``[64, 576]`` once, then of
-  each 64-key tile of indexed rows into a 2-stage ring. Q and each stage are held as three
-  column blocks: latent 0-255 (``*_l``), latent 256-511 (``*_r``) and RoPE 512-575 (``*_p``).
-  An invalid or masked index becomes a zero-filled row (``cp.async`` with source size 0:
-  nothing is read). Each thread's copies complete into an mbarrier with a no-increment arrive:
-  ``q_ready`` guards Q; ``ready[s]`` (128 arrivals) stage ``s``'s first latent block and
-  ``ready[STAGES + s]`` the rest, so the scores start on the first block while the rest lands
-  (FlashMLA's half-tile barriers). Before refilling stage ``s`` it waits on ``empty[s]``, which
-  both compute warpgroups signal.  While it waits it asks L2 for the rows ``CONFIG["prefetch"]`` tiles ahead (bulk prefetch,
-  no shared memory), so a refill reads from L2 rather than HBM.
-- **Softmax warpgroup** (the default partition): ``S = Q · Kᵀ`` of the stage (``[64 heads, 64
-  keys]``: the three column blocks chained into one accumulator, a full-width wgmma), masked by
-  the indices' validity, online softmax in base 2 with ``sm_scale · log2 e`` folded in (a row
-  lives in one warp's quad, so max and sum need no shared memory). It owns the running max and
-  sum: no max exchange. P, rounded to bf16 as FlashMLA does, overwrites the stage's RoPE block
-  (nothing reads RoPE after the scores; FlashMLA's overlay), and the rescale factor ``alpha``
-  goes to ``alpha_smem[s]``; ``p_ready[s]`` hands both to the other warpgroup. Then ``O_l =
-  alpha · O_l + P · V_l`` over output columns 0-255, and an arrive on ``empty[s]``.
-- **Value warpgroup** (4 warps): waits ``p_ready[s]``, ``O_r = alpha · O_r + P · V_r`` over
-  columns 256-511, arrives on ``empty[s]``. Its GEMM overlaps the softmax warpgroup's next
-  scores. At the end it waits ``done`` for the denominators the softmax warpgroup leaves in
-  ``denom_smem`` and writes its half of the output.
+- **Gather** (4 warps, 72 registers). 16-byte ``cp.async`` of Q ``[64, 576]`` once, then of
+  each 64-key tile of indexed rows into a 2-stage ring; Q and a stage are three column
+  blocks: latent 0-255 (``*_l``), latent 256-511 (``*_r``), RoPE 512-575 (``*_p``). An
+  invalid or masked index becomes a zero-filled row (source size 0: nothing is read). Each
+  thread's copies complete into an mbarrier by a no-increment arrive (128 arrivals):
+  ``q_ready`` guards Q, ``ready[s]`` stage ``s``'s first latent block and ``ready[STAGES +
+  s]`` the rest, so the scores start on the first block while the rest lands (FlashMLA's
+  half-tile barriers). Before refilling stage ``s`` it waits on ``empty[s]`` (2 arrivals, one
+  per compute warpgroup). Indices are loaded a tile ahead, so their latency hides behind
+  that wait.
+- **Softmax warpgroup** (the default partition). ``S = Q · Kᵀ`` of the stage (``[64 heads,
+  64 keys]``, one full-width wgmma chain over the three blocks), masked by the indices'
+  validity, online softmax in base 2 with ``sm_scale · log2 e`` folded in. A row lives in one
+  warp's quad, so its max and sum need no shared memory; this warpgroup owns the running max
+  and sum, so no max is exchanged. P, rounded to bf16 as FlashMLA does, overwrites the
+  stage's RoPE block (read only by the scores, which are done: FlashMLA's overlay) and the
+  rescale factor goes to ``alpha_smem[s]``; a partition barrier, then ``p_ready[s]`` hands
+  both over. Then ``O_l = alpha · O_l + P · V_l`` (output columns 0-255) and an arrive on
+  ``empty[s]``. At the end it writes the denominators to ``denom_smem`` (``done``), its half of
+  the output, ``max_logits`` and ``lse``.
+- **Value warpgroup** (4 warps, 168 registers). Waits ``p_ready[s]``, ``O_r = alpha · O_r +
+  P · V_r`` (columns 256-511; its GEMM overlaps the softmax warpgroup's next scores), arrives
+  on ``empty[s]``; after ``done``, writes its half of the output.
 
-Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: Q 72 KB +
-ring 144 KB + 1 KB of factors = 217 KB of the 227 KB an sm_90 block may take. This is TileLang's
-``sparse_mla_fwd_pipelined`` split (one warpgroup scores, both multiply by V); FlashMLA's
-seesaw (both score alternate tiles, exchanging the max) is the next step.
+FP8 rows (``_sparse_mla_fwd_fp8_gluon_kernel``): the ring holds the raw rows (e4m3 bytes,
+scales tile-major, and the bf16 RoPE block in ``k_p[s]``, where P later goes), 40 KB a
+stage; the gather warpgroup dequantizes a stage (``e4m3 · scale`` in float32, rounded once to
+bf16: bitwise ``oracle.dequantize_k_cache``) into one bf16 working tile ``w_l | w_r`` that both
+compute warpgroups read, guarded by ``work[0]`` (written, 1 arrival) and ``work[1]`` (free, 2
+arrivals). A stage's bytes are refilled right after their dequantization, its RoPE block
+once ``empty[s]`` frees it.
+
+Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
+217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64), of the
+227 KB an sm_90 block may take. The split (one warpgroup scores, both multiply by V) is
+TileLang's ``sparse_mla_fwd_pipelined``; FlashMLA's seesaw (both warpgroups score alternate
+tiles and exchange the max) is the known next step. ``CONFIG`` is the launch configuration;
+``MEASURED`` records what its choices were measured at.
 """
 
 from __future__ import annotations
@@ -56,15 +68,30 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG"]
+__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG", "MEASURED"]
 
 _LOG2E = math.log2(math.e)
 BLOCK_H = 64      # heads per CTA: the wgmma M
 BLOCK_K = 64      # keys per tile
 D_V, D_TAIL = 512, 64
-# The launch configuration, as data (see the module docstring for the schedule).
+# The launch configuration (see the module docstring). "prefetch": tiles ahead whose rows the
+# gather warpgroup asks L2 for while it waits (0: none). Registers: 4 warps of 72 (gather) and
+# 168 (value) leave the softmax warpgroup 256; 8 gather warps do not fit (the wgmma accumulator
+# needs > 128 registers a thread at 512 threads). Compiled offline for sm_90 (compile_sm90 +
+# ptxas -v): no spills in either form; the FP8 gather spilled 44 bytes at 48 registers.
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0}
+# Measurements behind CONFIG: one H200 (nvidia-h200, torch 2.11, triton 3.6.0), 2026-12-01,
+# 16,384 queries x top-2048 of 131,072 keys, bf16 rows, FlashMLA 9241ae3 in the same run
+# (bench/logs/2026-12-01-h200-G-r1.log: scripts/bench_sparse_mla.py's inputs and timer).
+MEASURED = (
+    {"kernel": "v2, L2 prefetch 1 tile ahead", "h_q": 64, "tflops": 396, "flashmla": 539},
+    {"kernel": "v2, L2 prefetch 2 tiles ahead", "h_q": 64, "tflops": 385, "flashmla": 539},
+    {"kernel": "v2, no L2 prefetch", "h_q": 64, "tflops": 499, "flashmla": 539},
+    {"kernel": "v2, no L2 prefetch", "h_q": 128, "tflops": 493, "flashmla": 558},
+    {"kernel": "v1: both warpgroups score each tile (32 keys each), exchange max and sum",
+     "h_q": 64, "tflops": 422, "flashmla": 537},
+)
 
 
 @gluon.jit
@@ -97,7 +124,8 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
     c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
 
-    q_rows = q_ptr + qi * stride_qs + (head0 + rows).to(gl.int64)[:, None] * stride_qh
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
+    q_rows = q_ptr + qi * stride_qs + heads.to(gl.int64)[:, None] * stride_qh
     async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
     async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
     async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
@@ -212,7 +240,8 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
     c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
-    q_rows = q_ptr + qi * stride_qs + (head0 + rows).to(gl.int64)[:, None] * stride_qh
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
+    q_rows = q_ptr + qi * stride_qs + heads.to(gl.int64)[:, None] * stride_qh
     async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
     async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
     async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
