@@ -41,8 +41,8 @@ scales tile-major, and the bf16 RoPE block in ``k_p[s]``, where P later goes), 4
 stage; the gather warpgroup dequantizes a stage (``e4m3 · scale`` in float32, rounded once to
 bf16: bitwise ``oracle.dequantize_k_cache``) into one bf16 working tile ``w_l | w_r`` that both
 compute warpgroups read, guarded by ``work[0]`` (written, 1 arrival) and ``work[1]`` (free, 2
-arrivals). A stage's bytes are refilled right after their dequantization, its RoPE block
-once ``empty[s]`` frees it.
+arrivals). A stage's bytes are refilled right after their dequantization (``ready[s]``), its
+RoPE block once ``empty[s]`` frees it (``ready[STAGES + s]``, which only the scores wait for).
 
 Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
 217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64), of the
@@ -257,8 +257,9 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
         t8, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS)
         _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(0), rs.index(0), BLOCK_K,
                           D_V, WARPS)
-        _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
         async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
+        _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
+        async_copy.mbarrier_arrive(ready.index(STAGES), increment_count=False)
     # The next tile's indices, loaded an iteration ahead so their latency hides behind waits.
     t8, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS)
     for i in range(n_tiles):
@@ -270,6 +271,7 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
         if i + 1 < n_tiles:  # stage nxt's bytes were dequantized last iteration
             _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(nxt), rs.index(nxt),
                               BLOCK_K, D_V, WARPS)
+            async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
         t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         mbarrier.wait(work.index(1), (i & 1) ^ 1)
@@ -280,7 +282,7 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
         if i + 1 < n_tiles:
             mbarrier.wait(empty.index(nxt), (((i + 1) // STAGES) & 1) ^ 1)
             _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(nxt), D_V, D_TAIL, WARPS)
-            async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
+            async_copy.mbarrier_arrive(ready.index(STAGES + nxt), increment_count=False)
         t8, ts, tr = t8_2, ts_2, tr_2
 
 
@@ -375,7 +377,7 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         if KV_FP8:
             v_l = k_l
             scores = _scores(q_l, q_r, q_p, k_l, k_r, k_p.index(s), work.index(0), i & 1,
-                             ready.index(s), ph, s_layout, BLOCK_H, BLOCK_K)
+                             ready.index(STAGES + s), ph, s_layout, BLOCK_H, BLOCK_K)
         else:
             v_l = k_l.index(s)
             scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
@@ -531,16 +533,17 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     done = gl.allocate_shared_memory(gl.int64, [1], bar)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     work = gl.allocate_shared_memory(gl.int64, [2, 1], bar)  # [tile ready, tile free]
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)  # [bytes | RoPE]
     mbarrier.init(q_ready, count=GATHER_WARPS * 32)
     mbarrier.init(done, count=1)
     mbarrier.init(work.index(0), count=1)
     mbarrier.init(work.index(1), count=2)
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
+        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
         mbarrier.init(empty.index(s), count=2)
         mbarrier.init(p_ready.index(s), count=1)
     gl.warp_specialize([
