@@ -308,19 +308,29 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
                           topk_length, fp8)
 
 
+def launch_buffers(q: Tensor, d_v: int, indices: Tensor, attn_sink: Tensor | None,
+                   topk_length: Tensor | None):
+    """What both kernels' launches take: empty ``out [s_q, h_q, d_v]`` (q's dtype),
+    ``max_logits`` and ``lse [s_q, h_q]`` float32, the float32 sink (or None), contiguous
+    lengths (or None) and the indices as ``[s_q, topk]``."""
+    s_q, h_q, _ = q.shape
+    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
+    max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
+    lengths = None if topk_length is None else topk_length.contiguous()
+    return out, max_logits, lse, sink, lengths, indices[:, 0, :]
+
+
 def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk_length,
                    fp8):
     s_q, h_q, d_qk = q.shape
     topk = indices.shape[2]
     d_tail = d_qk - d_v
-    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
-    max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    out, max_logits, lse, sink, lengths, idx = launch_buffers(q, d_v, indices, attn_sink,
+                                                              topk_length)
     if s_q == 0:
         return out, max_logits, lse
-    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
-    lengths = None if topk_length is None else topk_length.contiguous()
-    idx = indices[:, 0, :]
     grid = lambda meta: (s_q * triton.cdiv(h_q, meta["BLOCK_H"]),)  # noqa: E731
     _sparse_mla_fwd_kernel[grid](
         q, kv_rows, idx, out, max_logits, lse,

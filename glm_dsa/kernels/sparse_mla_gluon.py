@@ -107,6 +107,32 @@ def _prefetch_tile(kv_ptr, idx_row, cols, n_cols, s_kv, stride_kv, ROW_BYTES: gl
 
 
 @gluon.jit
+def _row_length(len_ptr, qi, topk, HAS_LEN: gl.constexpr):
+    """How many of the row's ``topk`` columns count: ``min(topk_length[qi], topk)``."""
+    n_cols = topk
+    if HAS_LEN:
+        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    return n_cols
+
+
+@gluon.jit
+def _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready,
+            BLOCK_H: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of query ``qi``'s heads ``head0 ...`` into ``q_l | q_r | q_p``, completing
+    ``q_ready`` (a no-increment arrive per thread)."""
+    HALF: gl.constexpr = D_V // 2
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
+    q_rows = q_ptr + qi * stride_qs + heads.to(gl.int64)[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
+    async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
+    async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+
+@gluon.jit
 def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                       q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
                       stride_is, h_groups,
@@ -123,17 +149,9 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
     rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
     c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
-
-    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
-    q_rows = q_ptr + qi * stride_qs + heads.to(gl.int64)[:, None] * stride_qh
-    async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
-    async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
-    async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
-    async_copy.mbarrier_arrive(q_ready, increment_count=False)
-
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
+            D_TAIL, WARPS)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     pf_rows = gl.arange(0, BLOCK_K, layout=pf_lay)
@@ -231,25 +249,12 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     """FP8 rows: Q once; per tile the e4m3 bytes and scales into ring stage ``s`` (as soon as
     the previous use of that stage is dequantized), the RoPE values into ``k_p[s]`` (once both
     warpgroups freed it), then the dequantization into the working tile when it is free."""
-    HALF: gl.constexpr = D_V // 2
-    TILES: gl.constexpr = D_V // 128  # scale tiles a row
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
-    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
-    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
-    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
-    q_rows = q_ptr + qi * stride_qs + heads.to(gl.int64)[:, None] * stride_qh
-    async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
-    async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
-    async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
-    async_copy.mbarrier_arrive(q_ready, increment_count=False)
-
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
+            D_TAIL, WARPS)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
@@ -357,9 +362,7 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
 
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
@@ -426,9 +429,7 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
@@ -449,6 +450,30 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
     mbarrier.wait(done, 0)
     _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
                 o_layout, BLOCK_H, HALF)
+
+
+@gluon.jit
+def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
+    """The mbarriers of both forms (see the module docstring), initialised: ``q_ready``,
+    ``done``, ``ready [2 * STAGES]`` (a stage's two parts), ``empty``, ``p_ready``, ``work [2]``
+    (the FP8 form's working tile: written, free)."""
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    work = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    mbarrier.init(q_ready, count=GATHER_WARPS * 32)  # a no-increment arrive per gather thread
+    mbarrier.init(done, count=1)
+    mbarrier.init(work.index(0), count=1)
+    mbarrier.init(work.index(1), count=2)  # the softmax and the value warpgroup
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
+        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(p_ready.index(s), count=1)
+    return q_ready, done, ready, empty, p_ready, work
 
 
 @gluon.jit
@@ -473,27 +498,15 @@ def _sparse_mla_fwd_gluon_kernel(
     k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
     denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    done = gl.allocate_shared_memory(gl.int64, [1], bar)
-    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)  # [latent 0-255 | rest]
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    mbarrier.init(q_ready, count=GATHER_WARPS * 32)
-    mbarrier.init(done, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
-        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=2)  # the softmax and the value warpgroup
-        mbarrier.init(p_ready.index(s), count=1)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
     gl.warp_specialize([
         (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                               q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
-                              q_ready, ready, empty, p_ready, done, empty,
+                              q_ready, ready, empty, p_ready, done, work,
                               s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
                               h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
         (_value_partition, (len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
-                            p_ready, done, empty, topk, stride_os, stride_oh, h_groups,
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
                             HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
         (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                              q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
@@ -530,22 +543,7 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     w_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
     denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    done = gl.allocate_shared_memory(gl.int64, [1], bar)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    work = gl.allocate_shared_memory(gl.int64, [2, 1], bar)  # [tile ready, tile free]
-    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)  # [bytes | RoPE]
-    mbarrier.init(q_ready, count=GATHER_WARPS * 32)
-    mbarrier.init(done, count=1)
-    mbarrier.init(work.index(0), count=1)
-    mbarrier.init(work.index(1), count=2)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
-        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=2)
-        mbarrier.init(p_ready.index(s), count=1)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
     gl.warp_specialize([
         (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                               q_l, q_r, q_p, w_l, w_r, k_p, alpha_smem, denom_smem,
@@ -615,16 +613,14 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     ``[s_q]`` or None; config: entries overriding ``CONFIG`` (for measurements).
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
+    from glm_dsa.kernels.sparse_mla import launch_buffers
+
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
-    out = torch.empty((s_q, h_q, D_V), dtype=torch.bfloat16, device=q.device)
-    max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
+    out, max_logits, lse, sink, lengths, idx = launch_buffers(q, D_V, indices, attn_sink,
+                                                              topk_length)
     if s_q == 0:
         return out, max_logits, lse
-    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
-    lengths = None if topk_length is None else topk_length.contiguous()
-    idx = indices[:, 0, :]
     cfg = CONFIG if config is None else {**CONFIG, **config}
     kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
     kernel[(s_q * (h_q // BLOCK_H),)](
