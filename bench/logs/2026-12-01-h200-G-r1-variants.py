@@ -1,3 +1,7 @@
+# The timing driver of helper G's rounds R1 and R1b (run from a scratch/ folder of the tree, as
+# bench/logs/2026-12-01-h200-G-r*.log show). Its variant modules were the Gluon module at these
+# commits: _v1_scratch = d756123 (both warpgroups score each tile), _v2r1 = faf940f (R1's v2),
+# _v2k32 = a3c3eef with BLOCK_K 32, 4 stages and P reinterpreted over the RoPE block.
 """R1 scratch (not committed): Gluon v2 (main module) and v1 (scratch) correctness + timing beside FlashMLA."""
 import importlib.util, sys, time, json, os, traceback
 import torch

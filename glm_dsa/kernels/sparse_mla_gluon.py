@@ -82,15 +82,27 @@ D_V, D_TAIL = 512, 64
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0}
 # Measurements behind CONFIG: one H200 (nvidia-h200, torch 2.11, triton 3.6.0), 2026-12-01,
-# 16,384 queries x top-2048 of 131,072 keys, bf16 rows, FlashMLA 9241ae3 in the same run
-# (bench/logs/2026-12-01-h200-G-r1.log: scripts/bench_sparse_mla.py's inputs and timer).
+# 16,384 queries x top-2048 of 131,072 keys, bf16 rows, TFLOP/s beside FlashMLA 9241ae3 in the
+# same run (bench/logs/2026-12-01-h200-G-r1*.log, driver ...-G-r1-variants.py: the inputs, timer
+# and oracle check of scripts/bench_sparse_mla.py).
 MEASURED = (
-    {"kernel": "v2, L2 prefetch 1 tile ahead", "h_q": 64, "tflops": 396, "flashmla": 539},
-    {"kernel": "v2, L2 prefetch 2 tiles ahead", "h_q": 64, "tflops": 385, "flashmla": 539},
-    {"kernel": "v2, no L2 prefetch", "h_q": 64, "tflops": 499, "flashmla": 539},
-    {"kernel": "v2, no L2 prefetch", "h_q": 128, "tflops": 493, "flashmla": 558},
-    {"kernel": "v1: both warpgroups score each tile (32 keys each), exchange max and sum",
-     "h_q": 64, "tflops": 422, "flashmla": 537},
+    {"run": "R1", "kernel": "v2, L2 prefetch 1 tile ahead", "h_q": 64, "tflops": 396,
+     "flashmla": 539},
+    {"run": "R1", "kernel": "v2, L2 prefetch 2 tiles ahead", "h_q": 64, "tflops": 385,
+     "flashmla": 539},
+    {"run": "R1", "kernel": "v2, no L2 prefetch", "h_q": 64, "tflops": 499, "flashmla": 539},
+    {"run": "R1", "kernel": "v2, no L2 prefetch", "h_q": 128, "tflops": 493, "flashmla": 558},
+    {"run": "R1", "kernel": "v1: both warpgroups score each tile (32 keys each), exchange max "
+     "and sum", "h_q": 64, "tflops": 422, "flashmla": 537},
+    {"run": "R1b", "kernel": "v2, indices a tile ahead (CONFIG)", "h_q": 64, "tflops": 478,
+     "flashmla": 522},
+    {"run": "R1b", "kernel": "v2 as in R1", "h_q": 64, "tflops": 477, "flashmla": 522},
+    {"run": "R1b", "kernel": "v2, indices a tile ahead (CONFIG)", "h_q": 128, "tflops": 468,
+     "flashmla": 521},
+    {"run": "R1b", "kernel": "v2 as in R1", "h_q": 128, "tflops": 454, "flashmla": 521},
+    {"run": "R1b", "kernel": "32-key tiles, 4 stages", "h_q": 64, "tflops": 405, "flashmla": 522},
+    {"run": "R1b", "kernel": "FP8 rows, one barrier for bytes and RoPE", "h_q": 64,
+     "tflops": 309, "flashmla": 522},
 )
 
 
