@@ -16,7 +16,7 @@ its causal limit (queries are the last s_q tokens of the s_kv). Every part is gu
 failure is recorded and the rest still run.
 
     python scripts/bench_sparse_mla.py --out bench/sparse_mla.json
-    python scripts/bench_sparse_mla.py --queries 16384 --heads 64 --s-kv 1048576 --forms gluon flashmla
+    python scripts/bench_sparse_mla.py --queries 16384 --s-kv 1048576 --forms gluon flashmla
 """
 
 from __future__ import annotations
@@ -229,8 +229,8 @@ def _line(row: dict) -> str:
 
     parts = [f"s_q {row['s_q']:6d} h {row['h_q']:3d}"]
     for form in ("gluon", "gluon_fp8", "flashmla", "triton", "triton_fp8"):
-        parts.append(f"{form} {fmt(f'{form}_tflops', ' TF/s')} {fmt(f'{form}_gather_tbps', ' TB/s', 5)}"
-                     f" [{ok(form)}]")
+        rate, gather = fmt(f"{form}_tflops", " TF/s"), fmt(f"{form}_gather_tbps", " TB/s", 5)
+        parts.append(f"{form} {rate} {gather} [{ok(form)}]")
     parts.append(f"gluon/flashmla {fmt('gluon_vs_flashmla', '', 5)}")
     parts.append(f"triton/flashmla {fmt('triton_vs_flashmla', '', 5)}")
     parts.append(f"gluon fp8/bf16 time {fmt('gluon_fp8_over_bf16', '', 5)}")

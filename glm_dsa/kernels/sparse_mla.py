@@ -28,7 +28,8 @@ On an sm_90 GPU with a Triton whose Gluon API was tested (``GLUON_TESTED_TRITON`
 with bf16 queries at GLM-5.3's shape (``h_q`` a multiple of 64, ``d_qk`` 576, ``d_v`` 512,
 16-aligned strides), over bf16 or FP8 rows, run the warp-specialized Gluon kernels of
 ``glm_dsa.kernels.sparse_mla_gluon``; every other call (other GPUs, other Triton versions, the
-CPU interpreter, float32, small configs) runs the Triton kernel here. The choice is logged once per reason (logger ``glm_dsa.kernels``).
+CPU interpreter, float32, small configs) runs the Triton kernel here. The choice is logged
+once per reason (logger ``glm_dsa.kernels``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ from torch import Tensor
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
-__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON", "gluon_unavailable"]
+__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
+           "gluon_unavailable", "launch_buffers"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
