@@ -12,7 +12,11 @@ class here (or anywhere: ``PrefillEngine`` takes a ``Backend`` object as well as
   checked with DeepGEMM's ``calc_diff``) in the same budgeted row chunks and a radix select
   whose order inside a row is free (set semantics); absorbed sparse attention reading the
   selected rows straight from the paged pool (FP8 656-byte rows dequantized in the kernel, or
-  bf16 / fp32 rows); queries and absorption GEMMs in the activation dtype.
+  bf16 / fp32 rows); queries and absorption GEMMs in the activation dtype. On sm_90 with a
+  tested Triton, bf16 attention runs the Gluon kernel (``kernels.sparse_mla_gluon``, bf16 rows
+  only): a bf16 pool is read in place, and an FP8 pool's context is dequantized to bf16 once
+  per layer step (bitwise the rows the FP8 kernel dequantizes; 1152 bytes per context token)
+  and attended by it, as the peers backend does for FlashMLA. Elsewhere the Triton kernels run.
 * ``peers`` — the production kernels (``glm_dsa.peers``): DeepGEMM ``fp8_mqa_logits`` in the
   same budgeted row chunks with the triton backend's radix select, and FlashMLA's SM90 sparse
   prefill. FlashMLA reads bf16 rows only: a bf16 pool is read in place through slot numbers;
@@ -27,6 +31,7 @@ result, so the reference's MHA one-shot form (float32, expanded per head) is not
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Protocol
 
@@ -42,6 +47,7 @@ __all__ = ["BACKENDS", "Backend", "ReferenceBackend", "TritonBackend", "PeersBac
            "REFERENCE", "get_backend"]
 
 BACKENDS = ("auto", "reference", "triton", "peers")
+_log = logging.getLogger(__name__)
 
 
 class Backend(Protocol):
@@ -103,6 +109,7 @@ class TritonBackend:
         from glm_dsa import kernels
 
         self._kernels = kernels
+        self._logged: set[str] = set()
 
     def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
         pass
@@ -111,8 +118,42 @@ class TritonBackend:
         return self._kernels.indexer_topk(*args)
 
     def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes) -> Tensor:
+        if cache.kv_dtype == "fp8" and self._gluon_over_dequantized(attn, proj):
+            return _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices,
+                                       budget_bytes, self._kernels.flash_mla_sparse_fwd)
         return attn.forward_paged(proj, cache.mla[layer_idx], batch, topk_indices,
                                   _triton_paged_sparse_mla, budget_bytes)
+
+    def _gluon_over_dequantized(self, attn: MLA, proj: MLAProjection) -> bool:
+        """Whether an FP8 pool's attention should run the Gluon bf16 kernel over the context
+        dequantized once (it is ~2.5x the FP8 Triton kernel's rate), logged once either way."""
+        cfg = attn.config
+        why = self._kernels.sparse_mla.gluon_unavailable(proj.q_latent.device)
+        if why is None and proj.q_latent.dtype != torch.bfloat16:
+            why = f"{proj.q_latent.dtype} activations (the Gluon kernel is bf16)"
+        if why is None and (cfg.num_attention_heads % 64 or cfg.kv_lora_rank != 512
+                            or cfg.qk_rope_head_dim != 64):
+            why = "heads or latent dims outside the Gluon kernel's (h % 64, 512 + 64)"
+        message = "FP8 KV attention: " + ("context dequantized to bf16 per step, Gluon kernel"
+                                          if why is None else f"FP8 Triton kernel in place ({why})")
+        if message not in self._logged:
+            self._logged.add(message)
+            _log.info(message)
+        return why is None
+
+
+def _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes,
+                        sparse_fwd) -> Tensor:
+    """Absorbed sparse attention over this layer's context read from the cache as bf16 rows
+    (``[S_kv, 1, 576]``, FP8 rows dequantized once) by ``sparse_fwd`` (the FlashMLA contract)."""
+    kv = cache.read_mla(layer_idx, batch.kv_slots, torch.bfloat16)[:, None, :]
+    scale, d_v = attn.config.softmax_scale, attn.config.kv_lora_rank
+
+    def attend_rows(query: Tensor, rows: Tensor) -> Tensor:
+        return sparse_fwd(query, kv, rows[:, None, :], scale, d_v)[0]
+
+    return attn.forward_sparse(proj, batch, topk_indices, attend_rows, torch.bfloat16,
+                               budget_bytes)
 
 
 class PeersBackend:
@@ -140,14 +181,8 @@ class PeersBackend:
         if cache.kv_dtype == "bf16":
             return attn.forward_paged(proj, cache.mla[layer_idx], batch, topk_indices,
                                       self._peers.paged_sparse_mla, budget_bytes)
-        kv = cache.read_mla(layer_idx, batch.kv_slots, torch.bfloat16)[:, None, :]  # [S_kv, 1, 576]
-        scale, d_v = attn.config.softmax_scale, attn.config.kv_lora_rank
-
-        def attend_rows(query: Tensor, rows: Tensor) -> Tensor:
-            return self._peers.flash_mla_sparse_fwd(query, kv, rows[:, None, :], scale, d_v)[0]
-
-        return attn.forward_sparse(proj, batch, topk_indices, attend_rows, torch.bfloat16,
-                                   budget_bytes)
+        return _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices,
+                                   budget_bytes, self._peers.flash_mla_sparse_fwd)
 
 
 def _triton_importable() -> bool:

@@ -1,17 +1,22 @@
-"""Benchmark the Triton sparse MLA kernels on one GPU (issue 19's attention rows).
+"""Benchmark the sparse MLA kernels on one GPU (issues 19 and 29's attention rows).
 
-For each shape (queries, heads): top-2048 over 131,072 keys, d_qk 576, d_v 512, bf16:
-the Triton kernel's time and TFLOP/s (FLOPs = 2 * s_q * topk * h_q * (576 + 512)), FlashMLA's
-(``flash_mla_sparse_sm90.sparse_prefill_fwd``) when it imports, their ratio, the FP8 paged form
-(656-byte rows) and its ratio to bf16, and a correctness check against the oracle on a few
-hundred rows. At 32,768 queries and 64 heads also the reference ``glm_dsa.mla.sparse_mla_fwd``.
-Each form's autotune timings (one per kernel variant in ``_GPU_CONFIGS``) are recorded as
-``*_variants``: config -> milliseconds at that shape (each row re-tunes).
+For each shape (queries, heads): top-2048 over ``--s-kv`` keys (131,072), d_qk 576, d_v 512,
+bf16, in one run on the same inputs: the Gluon sm_90 kernel (``kernels.sparse_mla_gluon``, what
+the triton backend dispatches to on sm_90), the Triton kernel (``kernels.sparse_mla``'s own,
+what runs elsewhere), FlashMLA (``flash_mla_sparse_sm90.sparse_prefill_fwd``) when it imports,
+both kernels over the FP8 pool's 656-byte rows (``gluon_fp8``, ``triton_fp8``; FlashMLA has no
+FP8 prefill), and at 32,768 queries and 64 heads the reference
+``glm_dsa.mla.sparse_mla_fwd``. Per form: time, TFLOP/s (FLOPs = 2 * s_q * topk * h_q * (576 +
+512)) and the effective gather rate, TB/s = bytes the CTAs gather (s_q * h_q / 64 * topk * 1,152
+for bf16 rows, * 656 for FP8: each 64-head CTA reads every selected row once) / time; time
+ratios to FlashMLA; a correctness check against the oracle on a few hundred rows. The Triton
+forms' autotune timings are recorded as ``*_variants`` (config -> ms; each row re-tunes).
 Inputs as FlashMLA's tests: q and kv ``randn / 10``; each query attends 2,048 distinct rows below
-its causal limit (queries are the last s_q tokens of the 131,072). Every part is guarded: one
-failure is recorded and the rest still run. Autotune runs on first use (a few configs).
+its causal limit (queries are the last s_q tokens of the s_kv). Every part is guarded: one
+failure is recorded and the rest still run.
 
     python scripts/bench_sparse_mla.py --out bench/sparse_mla.json
+    python scripts/bench_sparse_mla.py --queries 16384 --s-kv 1048576 --forms gluon flashmla
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch
 from glm_dsa import mla, oracle
 from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL
 
-S_KV, TOPK, D_QK, D_V = 131_072, 2048, 576, 512
+TOPK, D_QK, D_V = 2048, 576, 512
+FORMS = ("gluon", "gluon_fp8", "triton", "triton_fp8", "flashmla", "reference")
 SM_SCALE = 1 / 16  # GLM-5.3: qk_head_dim ** -0.5
 CHECK_ROWS = 256
 REF_BUDGET_BYTES = 8 << 30  # the reference's row-chunk temporaries (it gathers [rows, 2048, 576])
@@ -51,16 +57,21 @@ def _time(fn, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _indices(s_q: int, gen: torch.Generator) -> torch.Tensor:
-    """int32 [s_q, 1, TOPK]: query i (token S_KV - s_q + i) takes TOPK distinct rows below it."""
-    limit = torch.arange(S_KV - s_q + 1, S_KV + 1, device="cuda")           # rows [0, limit)
-    # Distinct draws without a per-row randperm: the top-TOPK of random keys over [0, S_KV),
+def _gather_tbps(s_q: int, h: int, row_bytes: int, seconds: float) -> float:
+    return s_q * (h // 64) * TOPK * row_bytes / seconds / 1e12
+
+
+def _indices(s_q: int, s_kv: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 [s_q, 1, TOPK]: query i (token s_kv - s_q + i) takes TOPK distinct rows below it."""
+    limit = torch.arange(s_kv - s_q + 1, s_kv + 1, device="cuda")           # rows [0, limit)
+    # Distinct draws without a per-row randperm: the top-TOPK of random keys over [0, s_kv),
     # with rows at or past the limit pushed to the bottom (limit > TOPK for every query here).
-    cols = torch.arange(S_KV, device="cuda")
+    cols = torch.arange(s_kv, device="cuda")
     out = torch.empty(s_q, TOPK, dtype=torch.int32, device="cuda")
-    for r0 in range(0, s_q, 1024):
-        r1 = min(s_q, r0 + 1024)
-        keys = torch.rand(r1 - r0, S_KV, device="cuda", generator=gen)
+    step = max(1, (1 << 28) // s_kv)  # rows of random keys per draw (1 GB of float32)
+    for r0 in range(0, s_q, step):
+        r1 = min(s_q, r0 + step)
+        keys = torch.rand(r1 - r0, s_kv, device="cuda", generator=gen)
         keys.masked_fill_(cols[None, :] >= limit[r0:r1, None], -1.0)
         out[r0:r1] = keys.topk(TOPK, dim=-1).indices.to(torch.int32)
     return out.view(s_q, 1, TOPK)
@@ -100,66 +111,105 @@ def _guard(record: dict, key: str, fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="sparse_mla_bench.json")
-    parser.add_argument("--queries", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--queries", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--heads", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--s-kv", type=int, default=131_072, help="keys in the context")
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per form (median)")
+    parser.add_argument("--gluon-variants", nargs="*", default=[], metavar="JSON",
+                        help="also time the Gluon bf16 kernel with these CONFIG overrides, "
+                             'e.g. \'{"prefetch": 1}\' (recorded as gluon_variants: config -> ms)')
     args = parser.parse_args()
+    forms, s_kv = set(args.forms), args.s_kv
 
-    from glm_dsa.kernels import flash_mla_sparse_fwd, sparse_mla_fwd_fp8
+    import triton
+
+    from glm_dsa.kernels import sparse_mla
     from glm_dsa.kernels.sparse_mla import _sparse_mla_fwd_kernel as tuner
     try:
         import flash_mla_sparse_sm90
     except ImportError:
         flash_mla_sparse_sm90 = None
+    gluon_ok = (torch.cuda.get_device_capability() == (9, 0)
+                and triton.__version__ in sparse_mla.GLUON_TESTED_TRITON)
+    if gluon_ok:
+        from glm_dsa.kernels.sparse_mla_gluon import CONFIG as GLUON_CONFIG
+        from glm_dsa.kernels.sparse_mla_gluon import flash_mla_sparse_fwd_gluon
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    kv = (torch.randn(S_KV, 1, D_QK, device="cuda", generator=gen) / 10).to(torch.bfloat16)
-    fp8_rows = oracle.quantize_k_cache(kv.view(-1, 64, 1, D_QK)).view(-1, oracle.MLA_ROW_BYTES)
-    kv_fp8_deq = oracle.dequantize_k_cache(fp8_rows.view(-1, 64, 1, oracle.MLA_ROW_BYTES))
+    kv = (torch.randn(s_kv, 1, D_QK, device="cuda", generator=gen) / 10).to(torch.bfloat16)
+    if forms & {"gluon_fp8", "triton_fp8"}:
+        fp8_rows = oracle.quantize_k_cache(kv.view(-1, 64, 1, D_QK)).view(-1, oracle.MLA_ROW_BYTES)
+        kv_fp8_deq = oracle.dequantize_k_cache(fp8_rows.view(-1, 64, 1, oracle.MLA_ROW_BYTES))
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "s_kv": S_KV, "topk": TOPK, "rows": []}
+              "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "s_kv": s_kv,
+              "topk": TOPK, "gluon_config": GLUON_CONFIG if gluon_ok else None, "rows": []}
     for s_q in args.queries:
-        idx = _indices(s_q, gen)
+        idx = _indices(s_q, s_kv, gen)
         for h in args.heads:
             q = (torch.randn(s_q, h, D_QK, device="cuda", generator=gen) / 10).to(torch.bfloat16)
             row = {"s_q": s_q, "h_q": h, "gflop": _flops(s_q, h) / 1e9}
             rows = torch.linspace(0, s_q - 1, CHECK_ROWS, device="cuda").long()
-            t0 = time.time()
-            _retune(tuner)
-            _guard(row, "triton_s", lambda: _time(
-                lambda: flash_mla_sparse_fwd(q, kv, idx, SM_SCALE, D_V)))
-            row["first_call_incl_autotune_s"] = time.time() - t0
-            row["triton_variants"] = _variants(tuner)
-            _guard(row, "triton_check", lambda: _check(
-                flash_mla_sparse_fwd(q, kv, idx, SM_SCALE, D_V), q, kv, idx, rows))
-            _retune(tuner)
-            _guard(row, "fp8_s", lambda: _time(
-                lambda: sparse_mla_fwd_fp8(q, fp8_rows, idx, SM_SCALE, D_V)))
-            row["fp8_variants"] = _variants(tuner)
-            _guard(row, "fp8_check", lambda: _check(
-                sparse_mla_fwd_fp8(q, fp8_rows, idx, SM_SCALE, D_V),
-                q, kv_fp8_deq.view(-1, 1, D_QK), idx, rows))
-            if flash_mla_sparse_sm90 is not None:
-                _guard(row, "flashmla_s", lambda: _time(
-                    lambda: flash_mla_sparse_sm90.sparse_prefill_fwd(
-                        q, kv, idx, SM_SCALE, D_V, None, None)))
-            if s_q == 32768 and h == 64:
+            time_it = lambda fn: _time(fn, args.reps)  # noqa: E731
+            runs = {}
+            if "gluon" in forms and gluon_ok:
+                runs["gluon"] = lambda: flash_mla_sparse_fwd_gluon(
+                    q, kv, kv.stride(0), s_kv, idx, SM_SCALE, None, None)
+            if "flashmla" in forms and flash_mla_sparse_sm90 is not None:
+                runs["flashmla"] = lambda: flash_mla_sparse_sm90.sparse_prefill_fwd(
+                    q, kv, idx, SM_SCALE, D_V, None, None)
+            if "gluon_fp8" in forms and gluon_ok:
+                runs["gluon_fp8"] = lambda: flash_mla_sparse_fwd_gluon(
+                    q, fp8_rows, fp8_rows.stride(0), s_kv, idx, SM_SCALE, None, None, fp8=True)
+            if "triton" in forms:
+                runs["triton"] = lambda: sparse_mla._launch_triton(
+                    q, kv, kv.stride(0), s_kv, idx, SM_SCALE, D_V, None, None, False)
+            if "triton_fp8" in forms:
+                runs["triton_fp8"] = lambda: sparse_mla._launch_triton(
+                    q, fp8_rows, fp8_rows.stride(0), s_kv, idx, SM_SCALE, D_V, None, None, True)
+            for text in args.gluon_variants if gluon_ok else ():
+                _guard(row.setdefault("gluon_variants", {}), text, lambda: time_it(
+                    lambda: flash_mla_sparse_fwd_gluon(q, kv, kv.stride(0), s_kv, idx, SM_SCALE,
+                                                       None, None, json.loads(text))) * 1e3)
+            for form, fn in runs.items():
+                t0 = time.time()
+                if form.startswith("triton"):
+                    _retune(tuner)
+                _guard(row, f"{form}_s", lambda: time_it(fn))
+                row[f"{form}_first_call_s"] = time.time() - t0
+                if form.startswith("triton"):
+                    row[f"{form}_variants"] = _variants(tuner)
+                rows_kv = kv_fp8_deq.view(-1, 1, D_QK) if form.endswith("fp8") else kv
+                _guard(row, f"{form}_check", lambda: _check(fn(), q, rows_kv, idx, rows))
+            if "reference" in forms and s_q == 32768 and h == 64:
                 _guard(row, "reference_s", lambda: _time(
                     lambda: mla.sparse_mla_fwd(q, kv, idx, SM_SCALE, D_V,
                                                budget_bytes=REF_BUDGET_BYTES), reps=1))
-            for key in ("triton_s", "fp8_s", "flashmla_s", "reference_s"):
-                if isinstance(row.get(key), float):
-                    row[key.replace("_s", "_tflops")] = _flops(s_q, h) / row[key] / 1e12
-            # Time ratios: triton_vs_flashmla >= 0.9 and fp8_over_bf16 <= 1.2 are the targets.
-            for num, den, name in (("flashmla_s", "triton_s", "triton_vs_flashmla"),
-                                   ("fp8_s", "triton_s", "fp8_over_bf16"),
-                                   ("reference_s", "triton_s", "reference_over_triton")):
+            for form in FORMS:
+                sec = row.get(f"{form}_s")
+                if isinstance(sec, float):
+                    row[f"{form}_tflops"] = _flops(s_q, h) / sec / 1e12
+                    row[f"{form}_gather_tbps"] = _gather_tbps(
+                        s_q, h, oracle.MLA_ROW_BYTES if form.endswith("fp8") else 2 * D_QK, sec)
+            # Time ratios: gluon_vs_flashmla >= 0.9 and gluon_fp8_over_bf16 <= 1.1 are the
+            # targets (rates: FlashMLA's time over ours).
+            for num, den, name in (("flashmla_s", "gluon_s", "gluon_vs_flashmla"),
+                                   ("flashmla_s", "triton_s", "triton_vs_flashmla"),
+                                   ("triton_s", "gluon_s", "triton_over_gluon"),
+                                   ("gluon_fp8_s", "gluon_s", "gluon_fp8_over_bf16"),
+                                   ("triton_fp8_s", "triton_s", "triton_fp8_over_bf16"),
+                                   ("reference_s", "gluon_s", "reference_over_gluon")):
                 if isinstance(row.get(num), float) and isinstance(row.get(den), float):
                     row[name] = row[num] / row[den]
             report["rows"].append(row)
             print(_line(row), flush=True)
-            for form in ("triton_variants", "fp8_variants"):
-                for cfg, ms in row[form].items():
-                    print(f"    {form[:-9]:6s} {ms:8.3f} ms  {cfg}", flush=True)
+            for form in ("gluon_variants", "triton_variants", "triton_fp8_variants"):
+                for cfg, ms in row.get(form, {}).items():
+                    shown = f"{ms:8.3f} ms" if isinstance(ms, float) else f"error {ms}"
+                    print(f"    {form[:-9]:10s} {shown}  {cfg}", flush=True)
+            for key, val in row.items():
+                if isinstance(val, dict) and "error" in val:
+                    print(f"    {key}: {val['error']}", flush=True)
             del q
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
@@ -167,18 +217,24 @@ def main() -> None:
 
 
 def _line(row: dict) -> str:
-    def fmt(key, unit):
+    def fmt(key, unit, width=7):
         v = row.get(key)
-        return f"{v:8.2f}{unit}" if isinstance(v, float) else f"{'n/a':>8}{unit}"
+        return f"{v:{width}.2f}{unit}" if isinstance(v, float) else f"{'n/a':>{width}}{unit}"
 
-    ok = lambda key: ("ok" if isinstance(row.get(key), dict) and  # noqa: E731
-                      all(v.get("passed") for v in row[key].values() if isinstance(v, dict))
-                      else "FAIL")
-    return (f"s_q {row['s_q']:6d} h {row['h_q']:3d} | triton {fmt('triton_tflops', ' TF/s')} "
-            f"[{ok('triton_check')}] | flashmla {fmt('flashmla_tflops', ' TF/s')} "
-            f"ratio {fmt('triton_vs_flashmla', '')} | fp8 {fmt('fp8_tflops', ' TF/s')} "
-            f"[{ok('fp8_check')}] fp8/bf16 {fmt('fp8_over_bf16', '')} | "
-            f"ref/triton {fmt('reference_over_triton', '')}")
+    def ok(form):
+        res = row.get(f"{form}_check")
+        if not isinstance(res, dict):
+            return "--"
+        return "ok" if all(v.get("passed") for v in res.values() if isinstance(v, dict)) else "FAIL"
+
+    parts = [f"s_q {row['s_q']:6d} h {row['h_q']:3d}"]
+    for form in ("gluon", "gluon_fp8", "flashmla", "triton", "triton_fp8"):
+        rate, gather = fmt(f"{form}_tflops", " TF/s"), fmt(f"{form}_gather_tbps", " TB/s", 5)
+        parts.append(f"{form} {rate} {gather} [{ok(form)}]")
+    parts.append(f"gluon/flashmla {fmt('gluon_vs_flashmla', '', 5)}")
+    parts.append(f"triton/flashmla {fmt('triton_vs_flashmla', '', 5)}")
+    parts.append(f"gluon fp8/bf16 time {fmt('gluon_fp8_over_bf16', '', 5)}")
+    return " | ".join(parts)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,18 @@ Outputs follow the newest FlashMLA (``glm_dsa.oracle.flash_mla_sparse_fwd``): na
 ``max_logits`` and ``lse``; indices ``< 0`` or ``>= s_kv`` (slots) and columns
 ``>= topk_length[row]`` are skipped (never read); a row with no valid index gives ``out = 0``,
 ``max_logits = -inf``, ``lse = +inf``; ``attn_sink`` enters only the final normalisation.
+
+On an sm_90 GPU with a Triton whose Gluon API was tested (``GLUON_TESTED_TRITON``), calls
+with bf16 queries at GLM-5.3's shape (``h_q`` a multiple of 64, ``d_qk`` 576, ``d_v`` 512,
+16-aligned strides), over bf16 or FP8 rows, run the warp-specialized Gluon kernels of
+``glm_dsa.kernels.sparse_mla_gluon``; every other call (other GPUs, other Triton versions, the
+CPU interpreter, float32, small configs) runs the Triton kernel here. The choice is logged
+once per reason (logger ``glm_dsa.kernels``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -38,7 +46,8 @@ from torch import Tensor
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
-__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8"]
+__all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
+           "gluon_unavailable", "launch_buffers"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -69,6 +78,52 @@ _INTERPRET_CONFIGS = [
     triton.Config({"BLOCK_H": 16, "BLOCK_K": 16, "D_CHUNK": 64}, num_warps=4, num_stages=1)
 ]
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_log = logging.getLogger("glm_dsa.kernels")
+# Triton versions whose Gluon API the sm_90 kernel was compiled and run with (the H200's). Gluon
+# is experimental and its signatures move between releases (warp_specialize's did), so any
+# other version takes the Triton kernel until the Gluon one is tested there.
+GLUON_TESTED_TRITON = ("3.6.0",)
+_LOGGED: set[str] = set()
+
+
+def gluon_unavailable(device: torch.device) -> str | None:
+    """Why the Gluon sm_90 kernel cannot run on ``device`` (None when it can): the CPU
+    interpreter, another device or GPU generation, or an untested Triton."""
+    if _INTERPRET:
+        return "the CPU interpreter"
+    if device.type != "cuda":
+        return f"device {device.type}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"sm_{cap[0]}{cap[1]} (the Gluon kernel is sm_90 only)"
+    if triton.__version__ not in GLUON_TESTED_TRITON:
+        return (f"triton {triton.__version__} (the Gluon kernel was tested with "
+                f"{', '.join(GLUON_TESTED_TRITON)})")
+    return None
+
+
+def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
+                      fp8: bool) -> str | None:
+    """Why this call cannot take the Gluon kernel (None when it can)."""
+    why = gluon_unavailable(q.device)
+    if why is not None:
+        return why
+    if q.dtype != torch.bfloat16 or (not fp8 and kv_rows.dtype != torch.bfloat16):
+        return f"{q.dtype} activations, {kv_rows.dtype} rows (the Gluon kernel is bf16)"
+    h_q, d_qk = q.shape[1], q.shape[2]
+    if h_q % 64 or d_qk != 576 or d_v != 512:
+        return f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
+    # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
+    strides = (q.stride(0), q.stride(1), stride_kv)
+    if any(st % 16 for st in strides) or any(t.data_ptr() % 16 for t in (q, kv_rows)):
+        return f"strides {strides} or base pointers not 16-aligned"
+    return None
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        _log.info(message)
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -242,17 +297,42 @@ def _check_kernel_inputs(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float
 
 
 def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk_length, fp8):
-    s_q, h_q, d_qk = q.shape
-    topk = indices.shape[2]
-    d_tail = d_qk - d_v
+    why_not = _gluon_unsuitable(q, kv_rows, stride_kv, indices, d_v, fp8)
+    if why_not is None:
+        from glm_dsa.kernels.sparse_mla_gluon import flash_mla_sparse_fwd_gluon
+
+        _log_once(f"sparse MLA: Gluon sm_90 kernel, {'FP8' if fp8 else 'bf16'} rows "
+                  f"(triton {triton.__version__})")
+        return flash_mla_sparse_fwd_gluon(q, kv_rows, stride_kv, s_kv, indices, sm_scale,
+                                          attn_sink, topk_length, fp8=fp8)
+    _log_once(f"sparse MLA: Triton kernel ({why_not})")
+    return _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink,
+                          topk_length, fp8)
+
+
+def launch_buffers(q: Tensor, d_v: int, indices: Tensor, attn_sink: Tensor | None,
+                   topk_length: Tensor | None):
+    """What both kernels' launches take: empty ``out [s_q, h_q, d_v]`` (q's dtype),
+    ``max_logits`` and ``lse [s_q, h_q]`` float32, the float32 sink (or None), contiguous
+    lengths (or None) and the indices as ``[s_q, topk]``."""
+    s_q, h_q, _ = q.shape
     out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
     max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
     lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    if s_q == 0:
-        return out, max_logits, lse
     sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
     lengths = None if topk_length is None else topk_length.contiguous()
-    idx = indices[:, 0, :]
+    return out, max_logits, lse, sink, lengths, indices[:, 0, :]
+
+
+def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk_length,
+                   fp8):
+    s_q, h_q, d_qk = q.shape
+    topk = indices.shape[2]
+    d_tail = d_qk - d_v
+    out, max_logits, lse, sink, lengths, idx = launch_buffers(q, d_v, indices, attn_sink,
+                                                              topk_length)
+    if s_q == 0:
+        return out, max_logits, lse
     row_bytes = kv_rows.shape[-1] * kv_rows.element_size()
     grid = lambda meta: (s_q * triton.cdiv(h_q, meta["BLOCK_H"]),)  # noqa: E731
     _sparse_mla_fwd_kernel[grid](

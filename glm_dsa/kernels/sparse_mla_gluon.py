@@ -1,0 +1,646 @@
+"""Sparse MLA prefill forward for sm_90 in Gluon: warp-specialized ``flash_mla_sparse_fwd``.
+
+Same contract as ``glm_dsa.kernels.sparse_mla`` (and ``glm_dsa.oracle.flash_mla_sparse_fwd``):
+natural-log ``max_logits`` / ``lse``, indices ``< 0`` or ``>= s_kv`` and columns ``>=
+topk_length[row]`` skipped (never read), lonely rows ``out = 0``, ``max_logits = -inf``,
+``lse = +inf``, ``attn_sink`` only in the final normalisation. It runs bf16 queries ``[s_q,
+h_q, 576]`` with ``h_q`` a multiple of 64, any ``topk``, over bf16 rows ``[s_kv, 576]`` or the
+FP8 pool's 656-byte rows (``kv_format``: 512 e4m3 bytes, 4 float32 tile scales, 64 bf16 RoPE
+values), at any 16-aligned row stride: a paged pool is read in place through slot numbers.
+``sparse_mla.py`` dispatches here on sm_90 with a tested Triton (``GLUON_TESTED_TRITON``).
+
+Schedule: one CTA per query token and 64-head group (h_q 128 is two neighbouring CTAs that
+gather the same rows, the second mostly from L2), three partitions of one warpgroup each.
+
+- **Gather** (4 warps, 72 registers). 16-byte ``cp.async`` of Q ``[64, 576]`` once, then of
+  each 64-key tile of indexed rows into a 2-stage ring; Q and a stage are three column
+  blocks: latent 0-255 (``*_l``), latent 256-511 (``*_r``), RoPE 512-575 (``*_p``). An
+  invalid or masked index becomes a zero-filled row (source size 0: nothing is read). Each
+  thread's copies complete into an mbarrier by a no-increment arrive (128 arrivals):
+  ``q_ready`` guards Q, ``ready[s]`` stage ``s``'s first latent block and ``ready[STAGES +
+  s]`` the rest, so the scores start on the first block while the rest lands (FlashMLA's
+  half-tile barriers). Before refilling stage ``s`` it waits on ``empty[s]`` (2 arrivals, one
+  per compute warpgroup). Indices are loaded a tile ahead, so their latency hides behind
+  that wait.
+- **Softmax warpgroup** (the default partition). ``S = Q · Kᵀ`` of the stage (``[64 heads,
+  64 keys]``, one full-width wgmma chain over the three blocks), masked by the indices'
+  validity, online softmax in base 2 with ``sm_scale · log2 e`` folded in. A row lives in one
+  warp's quad, so its max and sum need no shared memory; this warpgroup owns the running max
+  and sum, so no max is exchanged. P, rounded to bf16 as FlashMLA does, overwrites the
+  stage's RoPE block (read only by the scores, which are done: FlashMLA's overlay) and the
+  rescale factor goes to ``alpha_smem[s]``; a partition barrier, then ``p_ready[s]`` hands
+  both over. Then ``O_l = alpha · O_l + P · V_l`` (output columns 0-255) and an arrive on
+  ``empty[s]``. At the end it writes the denominators to ``denom_smem`` (``done``), its half of
+  the output, ``max_logits`` and ``lse``.
+- **Value warpgroup** (4 warps, 168 registers). Waits ``p_ready[s]``, ``O_r = alpha · O_r +
+  P · V_r`` (columns 256-511; its GEMM overlaps the softmax warpgroup's next scores), arrives
+  on ``empty[s]``; after ``done``, writes its half of the output.
+
+FP8 rows (``_sparse_mla_fwd_fp8_gluon_kernel``): the ring holds the raw rows (e4m3 bytes,
+scales tile-major, and the bf16 RoPE block in ``k_p[s]``, where P later goes), 40 KB a
+stage; the gather warpgroup dequantizes a stage (``e4m3 · scale`` in float32, rounded once to
+bf16: bitwise ``oracle.dequantize_k_cache``) into one bf16 working tile ``w_l | w_r`` that both
+compute warpgroups read, guarded by ``work[0]`` (written, 1 arrival) and ``work[1]`` (free, 2
+arrivals). A stage's bytes are refilled right after their dequantization (``ready[s]``), its
+RoPE block once ``empty[s]`` frees it (``ready[STAGES + s]``, which only the scores wait for).
+
+Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
+217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64), of the
+227 KB an sm_90 block may take. The split (one warpgroup scores, both multiply by V) is
+TileLang's ``sparse_mla_fwd_pipelined``; FlashMLA's seesaw (both warpgroups score alternate
+tiles and exchange the max) is the known next step. ``CONFIG`` is the launch configuration;
+``MEASURED`` records what its choices were measured at.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG", "MEASURED"]
+
+_LOG2E = math.log2(math.e)
+BLOCK_H = 64      # heads per CTA: the wgmma M
+BLOCK_K = 64      # keys per tile
+D_V, D_TAIL = 512, 64
+# The launch configuration (see the module docstring). "prefetch": tiles ahead whose rows the
+# gather warpgroup asks L2 for while it waits (0: none). Registers: 4 warps of 72 (gather) and
+# 168 (value) leave the softmax warpgroup 256; 8 gather warps do not fit (the wgmma accumulator
+# needs > 128 registers a thread at 512 threads). Compiled offline for sm_90 (compile_sm90 +
+# ptxas -v): no spills in either form; the FP8 gather spilled 44 bytes at 48 registers.
+CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
+          "prefetch": 0}
+# Measurements behind CONFIG: one H200 (nvidia-h200, torch 2.11, triton 3.6.0), 2026-12-01,
+# 16,384 queries x top-2048 of 131,072 keys, bf16 rows, TFLOP/s beside FlashMLA 9241ae3 in the
+# same run (bench/logs/2026-12-01-h200-G-r1*.log, driver ...-G-r1-variants.py: the inputs, timer
+# and oracle check of scripts/bench_sparse_mla.py).
+MEASURED = (
+    {"run": "R1", "kernel": "v2, L2 prefetch 1 tile ahead", "h_q": 64, "tflops": 396,
+     "flashmla": 539},
+    {"run": "R1", "kernel": "v2, L2 prefetch 2 tiles ahead", "h_q": 64, "tflops": 385,
+     "flashmla": 539},
+    {"run": "R1", "kernel": "v2, no L2 prefetch", "h_q": 64, "tflops": 499, "flashmla": 539},
+    {"run": "R1", "kernel": "v2, no L2 prefetch", "h_q": 128, "tflops": 493, "flashmla": 558},
+    {"run": "R1", "kernel": "v1: both warpgroups score each tile (32 keys each), exchange max "
+     "and sum", "h_q": 64, "tflops": 422, "flashmla": 537},
+    {"run": "R1b", "kernel": "v2, indices a tile ahead (CONFIG)", "h_q": 64, "tflops": 478,
+     "flashmla": 522},
+    {"run": "R1b", "kernel": "v2 as in R1", "h_q": 64, "tflops": 477, "flashmla": 522},
+    {"run": "R1b", "kernel": "v2, indices a tile ahead (CONFIG)", "h_q": 128, "tflops": 468,
+     "flashmla": 521},
+    {"run": "R1b", "kernel": "v2 as in R1", "h_q": 128, "tflops": 454, "flashmla": 521},
+    {"run": "R1b", "kernel": "32-key tiles, 4 stages", "h_q": 64, "tflops": 405, "flashmla": 522},
+    {"run": "R1b", "kernel": "FP8 rows, one barrier for bytes and RoPE", "h_q": 64,
+     "tflops": 309, "flashmla": 522},
+)
+
+
+@gluon.jit
+def _prefetch_tile(kv_ptr, idx_row, cols, n_cols, s_kv, stride_kv, ROW_BYTES: gl.constexpr):
+    """Ask L2 for the valid rows among columns ``cols`` of the index row (one bulk prefetch a
+    row, which does not wait for the data)."""
+    t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+    ok = (t >= 0) & (t < s_kv)
+    rows = kv_ptr + gl.where(ok, t, 0).to(gl.int64) * stride_kv
+    size = gl.full(cols.shape, ROW_BYTES, gl.int32, cols.type.layout)
+    gl.inline_asm_elementwise("@$3 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
+                              "=r,l,r,b", [rows, size, ok], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _row_length(len_ptr, qi, topk, HAS_LEN: gl.constexpr):
+    """How many of the row's ``topk`` columns count: ``min(topk_length[qi], topk)``."""
+    n_cols = topk
+    if HAS_LEN:
+        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
+    return n_cols
+
+
+@gluon.jit
+def _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready,
+            BLOCK_H: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of query ``qi``'s heads ``head0 ...`` into ``q_l | q_r | q_p``, completing
+    ``q_ready`` (a no-increment arrive per thread)."""
+    HALF: gl.constexpr = D_V // 2
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, lay))
+    q_rows = q_ptr + qi * stride_qs + heads.to(gl.int64)[:, None] * stride_qh
+    async_copy.async_copy_global_to_shared(q_l, q_rows + c_half)
+    async_copy.async_copy_global_to_shared(q_r, q_rows + HALF + c_half)
+    async_copy.async_copy_global_to_shared(q_p, q_rows + D_V + c_rope)
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+
+@gluon.jit
+def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
+                      q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
+                      stride_is, h_groups,
+                      HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                      D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
+                      WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """Q once, then each tile's indexed rows into ring stage ``i % STAGES`` (cp.async)."""
+    HALF: gl.constexpr = D_V // 2
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    # 8 threads x 16 bytes cover a 128-byte segment of a row.
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
+    _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
+            D_TAIL, WARPS)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    idx_row = idx_ptr + qi * stride_is
+    pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    pf_rows = gl.arange(0, BLOCK_K, layout=pf_lay)
+    # Each tile's indices are loaded one tile ahead, so their latency hides behind a wait.
+    t_next = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
+    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+        s = i % STAGES
+        if PREFETCH > 0:  # rows PREFETCH tiles ahead into L2 while the ring is full
+            _prefetch_tile(kv_ptr, idx_row, (i + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
+        t = t_next
+        cols = (i + 1) * BLOCK_K + rows
+        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+        ok = ((t >= 0) & (t < s_kv))[:, None]
+        base = kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        async_copy.async_copy_global_to_shared(k_l.index(s), base + c_half, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        async_copy.async_copy_global_to_shared(k_r.index(s), base + HALF + c_half, mask=ok)
+        async_copy.async_copy_global_to_shared(k_p.index(s), base + D_V + c_rope, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
+
+
+@gluon.jit
+def _fp8_tile_indices(idx_row, i, n_cols, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                      WARPS: gl.constexpr):
+    """Tile ``i``'s indices (-1 past ``n_cols``) in the three layouts its copies use: e4m3
+    bytes, scales (tile-major, one per tile and key), RoPE values."""
+    lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    lays: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    c8 = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay8))
+    cs = i * BLOCK_K + gl.arange(0, (D_V // 128) * BLOCK_K, layout=lays) % BLOCK_K
+    cr = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+    return (gl.load(idx_row + c8, mask=c8 < n_cols, other=-1),
+            gl.load(idx_row + cs, mask=cs < n_cols, other=-1),
+            gl.load(idx_row + cr, mask=cr < n_cols, other=-1))
+
+
+@gluon.jit
+def _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8_s, rs_s,
+                      BLOCK_K: gl.constexpr, D_V: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of a tile's e4m3 bytes and float32 tile scales (rows ``t8`` / ``ts``,
+    zero-filled where the index is invalid) into ring stage ``r8_s`` / ``rs_s``."""
+    lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    ok = ((t8 >= 0) & (t8 < s_kv))[:, None]
+    base = kv_ptr + gl.where(ok, t8[:, None], 0).to(gl.int64) * stride_kv
+    async_copy.async_copy_global_to_shared(
+        r8_s, base + gl.arange(0, D_V, layout=gl.SliceLayout(0, lay8))[None, :], mask=ok)
+    # Scales tile-major, element tile * BLOCK_K + key: the dequantization reads one tile's
+    # scale for every key (4-byte copies).
+    e = gl.arange(0, (D_V // 128) * BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    oks = (ts >= 0) & (ts < s_kv)
+    scales = (kv_ptr + gl.where(oks, ts, 0).to(gl.int64) * stride_kv
+              + D_V).to(gl.pointer_type(gl.float32)) + e // BLOCK_K
+    async_copy.async_copy_global_to_shared(rs_s, scales, mask=oks)
+
+
+@gluon.jit
+def _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p_s, D_V: gl.constexpr,
+                     D_TAIL: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of a tile's bf16 RoPE values (rows ``tr``; after the bytes and the scales)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    ok = ((tr >= 0) & (tr < s_kv))[:, None]
+    rope = (kv_ptr + gl.where(ok, tr[:, None], 0).to(gl.int64) * stride_kv
+            + D_V + 4 * (D_V // 128)).to(gl.pointer_type(gl.bfloat16))
+    async_copy.async_copy_global_to_shared(
+        k_p_s, rope + gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :], mask=ok)
+
+
+@gluon.jit
+def _dequantize(r8_s, rs_s, w_l, w_r, D_V: gl.constexpr, BLOCK_K: gl.constexpr,
+                WARPS: gl.constexpr):
+    """``e4m3 * tile scale`` in float32, rounded once to bf16, from ring stage ``r8_s`` (its
+    scales ``rs_s``, tile-major) into the working tile ``w_l | w_r``, 64 columns at a time."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
+    HALF: gl.constexpr = D_V // 2
+    for c in gl.static_range(D_V // 64):
+        raw = r8_s.slice(c * 64, 64, dim=1).load(lay)
+        scale = rs_s.slice(c * 64 // 128 * BLOCK_K, BLOCK_K).load(gl.SliceLayout(1, lay))
+        k = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None])
+        if c * 64 < HALF:
+            w_l.slice(c * 64, 64, dim=1).store(k.to(gl.bfloat16))
+        else:
+            w_r.slice(c * 64 - HALF, 64, dim=1).store(k.to(gl.bfloat16))
+
+
+@gluon.jit
+def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, k_p, w_l, w_r,
+                          q_ready, ready, empty, work, s_kv, topk, stride_qs, stride_qh,
+                          stride_kv, stride_is, h_groups,
+                          HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                          D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
+                          WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """FP8 rows: Q once; per tile the e4m3 bytes and scales into ring stage ``s`` (as soon as
+    the previous use of that stage is dequantized), the RoPE values into ``k_p[s]`` (once both
+    warpgroups freed it), then the dequantization into the working tile when it is free."""
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
+            D_TAIL, WARPS)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    idx_row = idx_ptr + qi * stride_is
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    if n_tiles > 0:
+        t8, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS)
+        _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(0), rs.index(0), BLOCK_K,
+                          D_V, WARPS)
+        async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
+        _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
+        async_copy.mbarrier_arrive(ready.index(STAGES), increment_count=False)
+    # The next tile's indices, loaded an iteration ahead so their latency hides behind waits.
+    t8, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS)
+    for i in range(n_tiles):
+        s = i % STAGES
+        nxt = (i + 1) % STAGES
+        if PREFETCH > 0:
+            _prefetch_tile(kv_ptr, idx_row, (i + 1 + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
+        if i + 1 < n_tiles:  # stage nxt's bytes were dequantized last iteration
+            _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(nxt), rs.index(nxt),
+                              BLOCK_K, D_V, WARPS)
+            async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
+        t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS)
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(work.index(1), (i & 1) ^ 1)
+        _dequantize(r8.index(s), rs.index(s), w_l, w_r, D_V, BLOCK_K, WARPS)
+        fence_async_shared()
+        gl.thread_barrier()  # the whole tile is written (and stage s read) before the hand-over
+        mbarrier.arrive(work.index(0), count=1)
+        if i + 1 < n_tiles:
+            mbarrier.wait(empty.index(nxt), (((i + 1) // STAGES) & 1) ^ 1)
+            _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(nxt), D_V, D_TAIL, WARPS)
+            async_copy.mbarrier_arrive(ready.index(STAGES + nxt), increment_count=False)
+        t8, ts, tr = t8_2, ts_2, tr_2
+
+
+@gluon.jit
+def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, phase_l, ready_r, phase_r,
+            layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``Q · Kᵀ`` of one stage, float32 ``[BLOCK_H, BLOCK_K]``: the three column blocks, the
+    first as soon as ``ready_l`` completes its phase ``phase_l``, the others after
+    ``ready_r``."""
+    s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
+    mbarrier.wait(ready_l, phase_l)
+    fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
+    s = warpgroup_mma(q_l, k_l_s.permute((1, 0)), s, is_async=True)
+    mbarrier.wait(ready_r, phase_r)
+    fence_async_shared()
+    s = warpgroup_mma(q_r, k_r_s.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_p, k_p_s.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
+def _online_softmax(s, valid, m_i, l_i, scale_log2):
+    """One tile's step of the base-2 online softmax: ``(p, alpha, m_new, l_new)``."""
+    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_shift[:, None])
+    alpha = gl.exp2(m_i - m_shift)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _pv(p_s, v_s, acc, alpha):
+    """``alpha · acc + P · V`` for one stage (P and V in shared memory)."""
+    acc = acc * alpha[:, None]
+    acc = warpgroup_mma(p_s, v_s, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _store_half(out_ptr, acc, denom, qi, head0, col0, stride_os, stride_oh,
+                layout: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr):
+    """``acc / denom`` as bf16 into output columns ``[col0, col0 + HALF)``."""
+    heads = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    rows = out_ptr + qi * stride_os + heads.to(gl.int64)[:, None] * stride_oh
+    gl.store(rows + cols[None, :], (acc / denom[:, None]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                       q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
+                       q_ready, ready, empty, p_ready, done, work,
+                       s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh, h_groups,
+                       HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
+                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
+                       KV_FP8: gl.constexpr):
+    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end.
+    bf16 rows: latent blocks ``k_l[s]``, ``k_r[s]``. FP8 rows: ``k_l``, ``k_r`` are the one
+    dequantized working tile, guarded by ``work[0]`` (ready) and ``work[1]`` (free)."""
+    LOG2E: gl.constexpr = 1.4426950408889634
+    LN2: gl.constexpr = 0.6931471805599453
+    HALF: gl.constexpr = D_V // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_K, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    idx_row = idx_ptr + qi * stride_is
+    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    mbarrier.wait(q_ready, 0)
+    fence_async_shared()
+    t_next = gl.load(idx_row + key_cols, mask=key_cols < n_cols, other=-1)
+    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+        s = i % STAGES
+        valid = (t_next >= 0) & (t_next < s_kv)
+        cols = (i + 1) * BLOCK_K + key_cols  # the next tile's, a tile ahead
+        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+        ph = (i // STAGES) & 1
+        if KV_FP8:
+            v_l = k_l
+            scores = _scores(q_l, q_r, q_p, k_l, k_r, k_p.index(s), work.index(0), i & 1,
+                             ready.index(STAGES + s), ph, s_layout, BLOCK_H, BLOCK_K)
+        else:
+            v_l = k_l.index(s)
+            scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
+                             ready.index(s), ph, ready.index(STAGES + s), ph, s_layout,
+                             BLOCK_H, BLOCK_K)
+        p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
+        # P over the stage's RoPE block (read only by the scores, which are done).
+        k_p.index(s).store(p.to(gl.bfloat16))
+        alpha_smem.index(s).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's P and alpha are written before the hand-over
+        mbarrier.arrive(p_ready.index(s), count=1)
+        acc = _pv(k_p.index(s), v_l, acc, gl.convert_layout(alpha, row_o))
+        if KV_FP8:
+            mbarrier.arrive(work.index(1), count=1)
+        mbarrier.arrive(empty.index(s), count=1)
+
+    heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
+    m_shift = gl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i
+    if HAS_SINK:
+        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - m_shift)
+    denom = gl.where(denom == 0.0, 1.0, denom)  # lonely row, no sink: out = 0 / 1
+    denom_smem.store(denom)
+    gl.thread_barrier()
+    mbarrier.arrive(done, count=1)
+    _store_half(out_ptr, acc, gl.convert_layout(denom, row_o), qi, head0, 0, stride_os,
+                stride_oh, o_layout, BLOCK_H, HALF)
+    lonely = l_i == 0.0
+    lse = gl.where(lonely, float("inf"), (m_i + gl.log2(gl.where(lonely, 1.0, l_i))) * LN2)
+    gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
+    gl.store(lse_ptr + qi * h_q + heads, lse)
+
+
+@gluon.jit
+def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
+                     p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                     HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
+                     D_V: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
+    """``O_r = alpha · O_r + P · V_r`` per stage; its half of the output at the end (``k_r``
+    as in ``_softmax_partition``)."""
+    HALF: gl.constexpr = D_V // 2
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        if KV_FP8:
+            mbarrier.wait(work.index(0), i & 1)
+            v_r = k_r
+        else:
+            mbarrier.wait(ready.index(STAGES + s), ph)
+            v_r = k_r.index(s)
+        mbarrier.wait(p_ready.index(s), ph)
+        fence_async_shared()
+        alpha = alpha_smem.index(s).load(row_o)
+        acc = _pv(k_p.index(s), v_r, acc, alpha)
+        if KV_FP8:
+            mbarrier.arrive(work.index(1), count=1)
+        mbarrier.arrive(empty.index(s), count=1)
+    mbarrier.wait(done, 0)
+    _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
+                o_layout, BLOCK_H, HALF)
+
+
+@gluon.jit
+def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
+    """The mbarriers of both forms (see the module docstring), initialised: ``q_ready``,
+    ``done``, ``ready [2 * STAGES]`` (a stage's two parts), ``empty``, ``p_ready``, ``work [2]``
+    (the FP8 form's working tile: written, free)."""
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    done = gl.allocate_shared_memory(gl.int64, [1], bar)
+    ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    work = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    mbarrier.init(q_ready, count=GATHER_WARPS * 32)  # a no-increment arrive per gather thread
+    mbarrier.init(done, count=1)
+    mbarrier.init(work.index(0), count=1)
+    mbarrier.init(work.index(1), count=2)  # the softmax and the value warpgroup
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
+        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)
+        mbarrier.init(p_ready.index(s), count=1)
+    return q_ready, done, ready, empty, p_ready, work
+
+
+@gluon.jit
+def _sparse_mla_fwd_gluon_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
+    s_kv, h_q, topk, scale_log2,
+    stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+    STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    HALF: gl.constexpr = D_V // 2
+    h_groups = h_q // BLOCK_H
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
+    k_l = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, HALF], swz)
+    k_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, HALF], swz)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
+    denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
+    gl.warp_specialize([
+        (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                              q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
+                              q_ready, ready, empty, p_ready, done, work,
+                              s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
+        (_value_partition, (len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
+        (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
+                             q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
+                             stride_is, h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL, STAGES,
+                             GATHER_WARPS, PREFETCH, (D_V + D_TAIL) * 2)),
+    ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
+
+
+@gluon.jit
+def _sparse_mla_fwd_fp8_gluon_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
+    s_kv, h_q, topk, scale_log2,
+    stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+    STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+):
+    """The FP8-row form: a ring of raw rows (e4m3 bytes, scales, RoPE) and one dequantized
+    bf16 working tile that both compute warpgroups read (``_gather_fp8_partition``)."""
+    HALF: gl.constexpr = D_V // 2
+    h_groups = h_q // BLOCK_H
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    bytes_swz: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8,
+                                                       order=[1, 0])
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
+    r8 = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_K, D_V], bytes_swz)
+    rs = gl.allocate_shared_memory(gl.float32, [STAGES, (D_V // 128) * BLOCK_K], flat)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
+    w_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
+    w_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
+    denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
+    gl.warp_specialize([
+        (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                              q_l, q_r, q_p, w_l, w_r, k_p, alpha_smem, denom_smem,
+                              q_ready, ready, empty, p_ready, done, work,
+                              s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, True)),
+        (_value_partition, (len_ptr, out_ptr, w_r, k_p, alpha_smem, denom_smem, ready, empty,
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, True)),
+        (_gather_fp8_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, k_p,
+                                 w_l, w_r, q_ready, ready, empty, work, s_kv, topk, stride_qs,
+                                 stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
+                                 BLOCK_K, D_V, D_TAIL, STAGES, GATHER_WARPS, PREFETCH,
+                                 D_V + 4 * (D_V // 128) + 2 * D_TAIL)),
+    ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
+
+
+def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False):
+    """Compile the kernel (the FP8-row form with ``fp8``) for sm_90 ahead of time, no GPU
+    needed (for offline checks of shared memory, registers and spills: ``ptxas -v`` on
+    ``.asm["ptx"]``). Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's
+    on the GPU. Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the
+    interpreter replaces ``gl`` builtins).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
+            "out_ptr": "*bf16", "max_ptr": "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
+            "len_ptr": "*i32"}
+    strides = ["stride_qs", "stride_qh", "stride_kv", "stride_is", "stride_os", "stride_oh"]
+    consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, **_constexprs(CONFIG)}
+    sig = {**ptrs, "s_kv": "i32", "h_q": "i32", "topk": "i32", "scale_log2": "fp32",
+           **{n: "i32" for n in strides}, **{n: "constexpr" for n in consts}}
+    order = list(sig)
+    if order != list(kernel.arg_names):
+        raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
+                           f"{list(kernel.arg_names)}")
+    # The FP8 row stride (656 bytes) is a multiple of 16, not of 16 elements of 16 bits.
+    aligned = [order.index(n) for n in [*ptrs, *strides]]
+    src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
+                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+                          options={"num_warps": CONFIG["num_warps"]})
+
+
+def _constexprs(cfg: dict) -> dict:
+    return {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V, "D_TAIL": D_TAIL,
+            "STAGES": cfg["stages"], "GATHER_WARPS": cfg["gather_warps"],
+            "GATHER_REGS": cfg["gather_regs"], "VALUE_REGS": cfg["value_regs"],
+            "PREFETCH": cfg["prefetch"]}
+
+
+def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
+                               indices: Tensor, sm_scale: float, attn_sink: Tensor | None,
+                               topk_length: Tensor | None, config: dict | None = None,
+                               fp8: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The bare launch over checked inputs (``sparse_mla.flash_mla_sparse_fwd`` and
+    ``sparse_mla_fwd_fp8`` check them).
+
+    q: bf16 ``[s_q, h_q, 576]`` (``h_q % 64 == 0``, last dim contiguous); kv_rows: bf16 rows
+    of 576 at row stride ``stride_kv`` elements, or with ``fp8`` uint8 656-byte rows
+    (``kv_format``'s FP8 layout) at ``stride_kv`` bytes (a multiple of 16); ``s_kv`` rows;
+    indices: int32 ``[s_q, 1, topk]``; attn_sink float ``[h_q]`` or None; topk_length int32
+    ``[s_q]`` or None; config: entries overriding ``CONFIG`` (for measurements).
+    Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
+    """
+    from glm_dsa.kernels.sparse_mla import launch_buffers
+
+    s_q, h_q, _ = q.shape
+    topk = indices.shape[2]
+    out, max_logits, lse, sink, lengths, idx = launch_buffers(q, D_V, indices, attn_sink,
+                                                              topk_length)
+    if s_q == 0:
+        return out, max_logits, lse
+    cfg = CONFIG if config is None else {**CONFIG, **config}
+    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    kernel[(s_q * (h_q // BLOCK_H),)](
+        q, kv_rows, idx, out, max_logits, lse,
+        sink if sink is not None else max_logits, lengths if lengths is not None else idx,
+        s_kv, h_q, topk, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
+        HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **_constexprs(cfg),
+        num_warps=cfg["num_warps"],
+    )
+    return out, max_logits, lse

@@ -1,0 +1,243 @@
+"""The Gluon sm_90 sparse MLA kernel (``glm_dsa.kernels.sparse_mla_gluon``) and its dispatch.
+
+Gluon kernels do not run in Triton's CPU interpreter: on the CPU only the ahead-of-time sm_90
+compile is checked (when the installed Triton is one the kernel was tested with); the ``cuda``
+tests run it on an sm_90 GPU through the harness (every contract edge case at GLM-5.3's
+shapes), and a stress test over random shapes against the float64 oracle, judged by FlashMLA's
+error on the same inputs where the peers import. The Triton kernel keeps its own tests
+(tests/test_kernels_sparse_mla.py, CPU and GPU); here it is also run on the GPU beside Gluon.
+"""
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from glm_dsa import oracle, peers, testing  # noqa: E402
+from glm_dsa.kernels import sparse_mla  # noqa: E402
+from glm_dsa.kernels.sparse_mla import (  # noqa: E402
+    GLUON_TESTED_TRITON,
+    flash_mla_sparse_fwd,
+    sparse_mla_fwd_fp8,
+)
+from glm_dsa.testing.cases import invalid_indices  # noqa: E402
+from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TESTED = triton.__version__ in GLUON_TESTED_TRITON
+needs_gluon = pytest.mark.skipif(not (SM90 and TESTED),
+                                 reason="needs an sm_90 GPU and a Triton in GLUON_TESTED_TRITON")
+
+
+def _gluon_only(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """``flash_mla_sparse_fwd`` that fails unless the call dispatches to the Gluon kernel."""
+    why = sparse_mla._gluon_unsuitable(q, kv, kv.stride(0), indices, d_v, False)
+    assert why is None, f"dispatch would take the Triton kernel: {why}"
+    return flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+
+
+def _triton_only(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """The Triton kernel on the same checked inputs, whatever the dispatch would pick."""
+    from glm_dsa.validate import check_sparse_inputs
+
+    check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length)
+    return sparse_mla._launch_triton(q, kv, kv.stride(0), kv.shape[0], indices, sm_scale, d_v,
+                                     attn_sink, topk_length, False)
+
+
+_AOT = """
+import json, sys
+from glm_dsa.kernels.sparse_mla_gluon import compile_sm90
+c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1", fp8=sys.argv[3] == "1")
+ptx = c.asm["ptx"]
+print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+                  "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
+                  "setmaxnreg": ptx.count("setmaxnreg")}))
+"""
+
+
+@pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
+@pytest.mark.parametrize("has_sink,has_len,fp8", [(False, False, False), (True, True, False),
+                                                 (True, True, True)])
+def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, fp8):
+    # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [str(int(x)) for x in (has_sink, has_len, fp8)]
+    done = subprocess.run([sys.executable, "-c", _AOT, *args],
+                          env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    assert info["shared"] <= 232_448  # sm_90's per-block opt-in maximum (227 KB)
+    assert info["wgmma"] > 0 and info["noinc"] > 0  # tensor cores; cp.async completing mbarriers
+    assert info["setmaxnreg"] > 0  # the partitions' register budgets took effect
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's dispatch")
+def test_dispatch_on_the_cpu_runs_the_triton_kernel_and_says_so(caplog):
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 1, 576, dtype=torch.bfloat16)
+    idx = torch.tensor([[[0, 3, -1, 9] * 4]], dtype=torch.int32)
+    sparse_mla._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="glm_dsa.kernels"):
+        out, _, lse = flash_mla_sparse_fwd(q, kv, idx, 0.1)
+    assert [r.getMessage() for r in caplog.records if r.name == "glm_dsa.kernels"] == [
+        "sparse MLA: Triton kernel (the CPU interpreter)"]
+    # All scores 0 over 8 valid entries (rows 0 and 3, four times each): lse = ln 8.
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.allclose(lse, torch.full_like(lse, math.log(8)))
+
+
+@pytest.mark.cuda
+@needs_gluon
+def test_dispatch_picks_gluon_for_glm_shapes_and_triton_otherwise(caplog):
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(100, 1, 576, dtype=torch.bfloat16, device="cuda")
+    idx = torch.zeros(2, 1, 64, dtype=torch.int32, device="cuda")
+    assert sparse_mla._gluon_unsuitable(q, kv, kv.stride(0), idx, 512, False) is None
+    assert "h_q 16" in sparse_mla._gluon_unsuitable(q[:, :16], kv, 576, idx, 512, False)
+    rows = torch.zeros(100, 656, dtype=torch.uint8, device="cuda")  # FP8 rows: 656 bytes
+    assert sparse_mla._gluon_unsuitable(q, rows, 656, idx, 512, True) is None
+    assert "float32" in sparse_mla._gluon_unsuitable(q.float(), kv.float(), 576, idx, 512, False)
+    sparse_mla._LOGGED.clear()
+    with caplog.at_level(logging.INFO, logger="glm_dsa.kernels"):
+        flash_mla_sparse_fwd(q, kv, idx, 0.1)
+        flash_mla_sparse_fwd(q, kv, idx, 0.1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "glm_dsa.kernels"]
+    assert lines == [f"sparse MLA: Gluon sm_90 kernel, bf16 rows (triton {triton.__version__})"]
+
+
+@pytest.mark.cuda
+@needs_gluon
+def test_gluon_passes_the_harness_at_glm_shapes():
+    cases = len(testing.edge_case_names("flash_mla_sparse_fwd")) + 24
+    report = testing.check_kernel("flash_mla_sparse_fwd", _gluon_only, cases=cases,
+                                  device="cuda", shapes="glm-5.3")
+    assert report.cases_run == cases
+
+
+@pytest.mark.cuda
+def test_triton_kernel_on_gpu_passes_the_harness_at_glm_shapes():
+    testing.check_kernel("flash_mla_sparse_fwd", _triton_only, cases=12, device="cuda",
+                         shapes="glm-5.3")
+
+
+def _stress_case(g, case):
+    """Random sizes in the issue's ranges: s_q 1..5,000, s_kv 1..300,000, a fraction 0..1 of
+    invalid indices, topk_length 0..topk; h_q 64 or 128; topk a multiple of 64 up to 2048."""
+    dev = g.device
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g, device=dev))  # noqa: E731
+    s_q, s_kv, h = r(1, 5000), r(1, 300_000), (64, 128)[case % 2]
+    topk = 64 * r(1, 32)
+    q = (torch.randn(s_q, h, 576, generator=g, device=dev) / 10).to(torch.bfloat16)
+    kv = (torch.randn(s_kv, 1, 576, generator=g, device=dev) / 10).to(torch.bfloat16)
+    idx = torch.randint(0, s_kv, (s_q, 1, topk), generator=g, device=dev, dtype=torch.int32)
+    junk = torch.tensor(invalid_indices(s_kv), dtype=torch.int32, device=dev)
+    bad = torch.rand(s_q, 1, topk, generator=g, device=dev) < r(0, 100) / 100
+    idx = torch.where(bad, junk[torch.randint(0, len(junk), idx.shape, generator=g, device=dev)],
+                      idx)
+    kwargs = {}
+    if case % 3 == 0:
+        kwargs["topk_length"] = torch.randint(0, topk + 1, (s_q,), generator=g, device=dev,
+                                              dtype=torch.int32)
+    if case % 4 == 1:
+        kwargs["attn_sink"] = torch.randn(h, generator=g, device=dev)
+    return q, kv, idx, kwargs
+
+
+def _errors(got, want, rows):
+    """Max |error| of out, max_logits and lse over ``rows`` (infinities must match)."""
+    errs = []
+    for a, w in zip(got, want):
+        a, w = a[rows].double(), w.double()
+        same_inf = torch.isinf(a) == torch.isinf(w)
+        assert bool(same_inf.all()) and bool((a[torch.isinf(a)] == w[torch.isinf(w)]).all())
+        fin = torch.isfinite(w)
+        errs.append(float((a[fin] - w[fin]).abs().max()) if bool(fin.any()) else 0.0)
+    return errs
+
+
+def _fp8_rows(kv):
+    """The FP8 pool rows ``[s_kv, 656]`` of bf16 ``kv [s_kv, 1, 576]`` (pages of 64 rows, the
+    last one padded), and the rows they dequantize to, ``[s_kv, 1, 576]`` bf16."""
+    s_kv = kv.shape[0]
+    pad = torch.zeros((-s_kv) % 64, 1, 576, dtype=kv.dtype, device=kv.device)
+    pages = oracle.quantize_k_cache(torch.cat([kv, pad]).view(-1, 64, 1, 576))
+    deq = oracle.dequantize_k_cache(pages).view(-1, 1, 576)[:s_kv]
+    return pages.view(-1, 656)[:s_kv], deq
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("case", range(12))
+def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8):
+    g = torch.Generator(device="cuda").manual_seed(1000 + case)
+    dq, dkv, didx, dkw = _stress_case(g, case)
+    sm_scale = 1 / math.sqrt(192)
+    if fp8:
+        rows, dkv = _fp8_rows(dkv)
+        assert sparse_mla._gluon_unsuitable(dq, rows, rows.stride(0), didx, 512, True) is None
+        got = sparse_mla_fwd_fp8(dq, rows, didx, sm_scale, 512, **dkw)
+    else:
+        got = _gluon_only(dq, dkv, didx, sm_scale, 512, **dkw)
+    rows = torch.unique(torch.linspace(0, dq.shape[0] - 1, 48, device="cuda").long())
+    want = oracle.flash_mla_sparse_fwd(
+        dq[rows].double(), dkv.double(), didx[rows], sm_scale, 512,
+        **{k: (v.double() if k == "attn_sink" else v[rows]) for k, v in dkw.items()})
+    for name, a, w, tol in zip(("out", "max_logits", "lse"), got, want,
+                               (SPARSE_OUT_TOL, SPARSE_STAT_TOL, SPARSE_STAT_TOL)):
+        res = oracle.check_allclose(a[rows].float().cpu(), w.float().cpu(), **tol)
+        assert res.passed, f"{name}: {res}"
+    if not peers.available(peers.FLASH_MLA) or didx.shape[2] % 128:
+        return
+    theirs = peers.flash_mla_sparse_fwd(dq, dkv, didx, sm_scale, 512, **dkw)
+    ours_err, their_err = _errors(got, want, rows), _errors(theirs, want, rows)
+    for name, e, t in zip(("out", "max_logits", "lse"), ours_err, their_err):
+        assert e <= 2 * t + 1e-6, f"{name}: Gluon error {e:.3g} vs FlashMLA {t:.3g}"
+
+
+@pytest.mark.cuda
+@needs_gluon
+def test_triton_backend_attends_an_fp8_pool_with_gluon_over_the_dequantized_context(
+        caplog, monkeypatch):
+    """With an FP8 pool the triton backend dequantizes the layer's context once per step and
+    runs the Gluon bf16 kernel over it; the rows are bitwise those the FP8 Triton kernel
+    dequantizes in place, so the two paths (same model, same reference top-k) differ only by
+    summation order."""
+    from glm_dsa.backend import REFERENCE, TritonBackend
+    from glm_dsa.config import PRESETS
+    from glm_dsa.layer import DSAForCausalLM
+    from glm_dsa.oracle import calc_diff
+    from glm_dsa.prefill import PrefillEngine
+    from glm_dsa.weights import init_weights
+
+    cfg = PRESETS["tiny"].replace(num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                                  dense_attn_kv_len_threshold=0, num_hidden_layers=2,
+                                  indexer_types=("full", "shared"), index_topk=64)
+    model = init_weights(DSAForCausalLM(cfg), seed=5).to("cuda", torch.bfloat16).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
+
+    def hidden(gluon: bool) -> torch.Tensor:
+        backend = TritonBackend()
+        backend.indexer_topk = REFERENCE.indexer_topk
+        if not gluon:
+            monkeypatch.setattr(backend, "_gluon_over_dequantized", lambda attn, proj: False)
+        eng = PrefillEngine(model, num_pages=8, kv_dtype="fp8", chunked_prefill_size=128,
+                            budget_bytes=1 << 26, backend=backend)
+        rid = eng.add_request(tokens)
+        eng.run()
+        return eng.output_hidden(rid).double()
+
+    with caplog.at_level(logging.INFO, logger="glm_dsa.backend"):
+        over_dequantized = hidden(gluon=True)
+    assert "FP8 KV attention: context dequantized to bf16 per step, Gluon kernel" in [
+        r.getMessage() for r in caplog.records]
+    assert calc_diff(over_dequantized, hidden(gluon=False)) <= 1e-4
