@@ -361,7 +361,7 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "reference"
         why = unsupported(device, backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
-                          layer_outputs=args.save_layer_outputs)
+                          layer_outputs=args.save_layer_outputs, kv_dtype=args.kv_dtype)
         if why:
             raise ValueError(f"--cuda-graphs: {why}; drop the flag")
     if args.requests < 1:

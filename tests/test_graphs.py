@@ -182,6 +182,11 @@ def _small_cuda(**changes):
     return glm_dsa.init_weights(glm_dsa.build_model(cfg, torch.bfloat16), seed=0).cuda().eval()
 
 
+# bf16 KV: on sm_90 an FP8 pool's attention runs the Gluon kernel over the dequantized context,
+# which graphs refuse (test_graphs_refuse_fp8_kv_over_the_gluon_kernel).
+GRAPH_KV = "bf16"
+
+
 def _calc_diff(x, y):
     """DeepGEMM's ``calc_diff``: 1 − 2⟨x, y⟩ / (‖x‖² + ‖y‖²)."""
     x, y = x.double(), y.double()
@@ -192,7 +197,8 @@ def _prefill(model, prompts, chunk, graphs, engine=None, prefix=None):
     if engine is None:
         lengths = [p.numel() for p in prompts] + ([prefix.numel()] if prefix is not None else [])
         engine = PrefillEngine.for_prompts(model, lengths, chunked_prefill_size=chunk, compute_logits=False,
-                                           prefix_caching=prefix is not None, cuda_graphs=graphs)
+                                           prefix_caching=prefix is not None, cuda_graphs=graphs,
+                                           kv_dtype=GRAPH_KV)
         if prefix is not None:
             engine.warm_up(prefix)
     rids = [engine.add_request(p) for p in prompts]
@@ -232,7 +238,8 @@ def test_graphs_replay_equals_eager_bitwise(lengths, chunk, prefix):
         eager, _ = _prefill(model, prompts, chunk, False, prefix=pre)
         graph, engine = _prefill(model, prompts, chunk, True, prefix=pre)
         padded = PrefillEngine.for_prompts(model, lengths_run, chunked_prefill_size=chunk, compute_logits=False,
-                                           prefix_caching=pre is not None, cuda_graphs=True)
+                                           prefix_caching=pre is not None, cuda_graphs=True,
+                                           kv_dtype=GRAPH_KV)
         if pre is not None:
             _padded_eager(padded).warm_up(pre)
         padded_eager, _ = _prefill(model, prompts, chunk, None, engine=_padded_eager(padded))
@@ -284,3 +291,17 @@ def test_failed_check_inside_a_replayed_graph_raises():
         engine.add_request(ids)
         with pytest.raises(ValueError, match="NaN or inf"):
             engine.run()
+
+
+@pytest.mark.cuda
+def test_graphs_refuse_fp8_kv_over_the_gluon_kernel():
+    """On the H200 run of 2026-12-01 the capture of an FP8-KV step was invalidated: that path's
+    row chunks are planned on the host. Auto mode runs it eagerly; True says why."""
+    from glm_dsa.kernels.sparse_mla import gluon_unavailable
+
+    if gluon_unavailable(torch.device("cuda")) is not None:
+        pytest.skip("the Gluon kernel does not run here")
+    model = _small_cuda(index_topk=2048, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert PrefillEngine(model, 8, kv_dtype="fp8").graphs is None
+    with pytest.raises(ValueError, match="Gluon kernel over the context dequantized"):
+        PrefillEngine(model, 8, kv_dtype="fp8", cuda_graphs=True)
