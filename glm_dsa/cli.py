@@ -167,8 +167,8 @@ def _add_prefill(sub) -> None:
                    help="prefill this UTF-8 text as one request, tokenized with the tokenizer.json of the checkpoint "
                         "directory (needs the 'text' extra: pip install 'glm-dsa[text]')")
     p.add_argument("--budget-bytes", type=int,
-                   help="indexer logits and attention row-chunk budgets in bytes (default: SGLang's rule "
-                        "on CUDA, docs/conventions.md §12; 256 MiB on CPU)")
+                   help="indexer logits, attention row-chunk and MoE row-block budgets in bytes "
+                        "(default: SGLang's rule on CUDA, docs/conventions.md §12; 256 MiB on CPU)")
     p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
