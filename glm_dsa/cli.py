@@ -221,14 +221,19 @@ def _cmd_prefill(args) -> int:
     """One rank, ``--cp N`` ranks spawned here, or this rank of a torchrun group."""
     import torch.multiprocessing as mp
 
-    from glm_dsa.cp import check_launch, launch, launched_by_torchrun
+    from glm_dsa.cp import check_launch, launch, launched_by_torchrun, leave_group
 
     from glm_dsa.preflight import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
     device = check_device("--device", args.device)
-    if launched_by_torchrun() or (args.cp or 1) == 1:
+    if launched_by_torchrun():
+        try:
+            return _run_prefill(args)
+        finally:
+            leave_group()
+    if (args.cp or 1) == 1:
         return _run_prefill(args)
     check_launch(args.cp, device, f"--cp {args.cp}")
     _preflight_prefill(args, ranks_on_host=args.cp if device.type == "cpu" else 1)

@@ -36,6 +36,7 @@ under ``torchrun``, ``init_from_env()`` joins the group torchrun set up.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import math
 import os
 import signal
@@ -288,8 +289,25 @@ def init_from_env(device: torch.device | str) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # torch._dynamo, once imported, keeps references to every process group that exists
+        # at that moment, so ``destroy_process_group`` no longer frees the group's gloo worker
+        # threads. It is imported lazily by the first op on a meta tensor (``build_model``); a
+        # worker thread that outlives the interpreter's teardown aborts the rank with SIGABRT
+        # (pytorch/pytorch#190489; 7 of 40 two-rank runs here). Importing it before the group
+        # exists keeps the group freeable.
+        importlib.import_module("torch._dynamo")
         dist.init_process_group(dist_backend_for(device))
     return device
+
+
+def leave_group() -> None:
+    """Destroy the default process group, if there is one, and with it its worker threads.
+
+    Call it before the process exits: a group left to the interpreter's teardown can abort
+    the process (see ``init_from_env``).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _free_loopback_port() -> int:
@@ -337,7 +355,7 @@ def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, devic
     try:
         fn(*args)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def check_launch(nprocs: int, device: torch.device | str, label: str = "", bound_by_cores: bool = True) -> None:

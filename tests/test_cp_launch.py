@@ -102,3 +102,29 @@ def test_the_memory_check_counts_a_model_per_rank(capsys, monkeypatch):
     assert main([*argv, "--cp", "2"]) == 2
     err = capsys.readouterr().err
     assert abs(needs(err) - 2 * one_rank) <= 0.1 and "2 ranks each hold the model and caches: lower --cp" in err, err
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _meta_op_then_leave_the_group() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from glm_dsa.cp import leave_group
+
+    torch.empty(3, device="meta").normal_()  # imports torch._dynamo, as build_model does
+    out = [torch.empty(3) for _ in range(2)]
+    dist.all_gather(out, torch.ones(3))
+    before = _threads()
+    leave_group()
+    after = _threads()
+    # gloo's worker threads (2) and its transport loop end with the group; a group kept alive
+    # by torch._dynamo keeps them, and they abort the rank at exit now and then.
+    assert after <= before - 2, f"{before} threads before leaving the group, {after} after"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
+def test_leaving_the_group_ends_its_worker_threads_after_dynamo_is_imported():
+    launch(_meta_op_then_leave_the_group, 2, "cpu")
