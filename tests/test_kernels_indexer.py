@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from glm_dsa import indexer, oracle, testing  # noqa: E402
 from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
-from glm_dsa.kernels.topk import select_rows  # noqa: E402
+from glm_dsa.kernels.topk import COUNTERS, select_rows  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # DeepGEMM's tolerance against a reference on the dequantized inputs (docs/conventions.md §14).
@@ -349,7 +349,7 @@ def _kernel_logits(q, w, k, k_scale, ks, ke):
 
     S, N = q.shape[0], k.shape[0]
     width = max(1, int((ke - ks).max()))
-    counters = torch.zeros((S, 4), dtype=torch.int32, device=DEV)
+    counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device=DEV)
     thr = torch.full((S,), NEG_INF, device=DEV)
     keys, cols = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, width)
     assert torch.equal(counters[:, 0], (ke - ks).to(torch.int32))
@@ -367,9 +367,13 @@ def _kernel_logits(q, w, k, k_scale, ks, ke):
 
 
 def _assert_exact_topk_of(out, logits, ks, ke, topk):
-    """``out`` is a top-k of ``logits``' rows: distinct, inside the window, and no unselected
-    entry scores above a selected one (ties at the k-th value may go either way)."""
+    """``out`` is a top-k of ``logits``' rows: distinct, inside the window, no unselected
+    entry scoring above a selected one, and, among the keys tied at the k-th value, the lowest
+    columns: as a set, the oracle's stable-order choice."""
     assert out.shape == (logits.shape[0], topk) and out.dtype == torch.int32
+    expected = oracle.topk_per_row(logits, ks, ke, topk)
+    for m in range(out.shape[0]):
+        assert sorted(out[m].tolist()) == sorted(expected[m].tolist()), m
     for m in range(out.shape[0]):
         s, e = int(ks[m]), int(ke[m])
         n = e - s
@@ -434,7 +438,7 @@ def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits(monkeypatch, pa
 
 def test_indexer_topk_redoes_rows_whose_ties_overflow_the_buffer(monkeypatch):
     """Every key equal: each candidate buffer overflows, every long row is redone from its
-    full logits, and any ``topk`` distinct keys of the window are right."""
+    full logits, and the window's first ``topk`` keys are taken."""
     from glm_dsa.kernels import indexer as fast
 
     monkeypatch.setattr(fast, "SAMPLE", 16)

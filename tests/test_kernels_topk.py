@@ -1,7 +1,8 @@
 """The Triton top-k select (glm_dsa.kernels.topk) against torch.topk and the oracle's contract.
 
-A selection is right when its indices are distinct, inside the row, and their scores are, as a
-multiset, torch.topk's values: the same set up to which of several equal k-th values is taken.
+A selection is right when its indices are distinct, inside the row, their scores are, as a
+multiset, torch.topk's values, and of several equal k-th values it takes the lowest columns:
+as a set, the oracle's.
 On the CPU the kernel runs in Triton's interpreter (tests/conftest.py); the ``cuda`` test runs
 it at the indexer's size (1,477 rows of 1M columns, k = 2048).
 """
@@ -11,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from glm_dsa import testing  # noqa: E402
+from glm_dsa import oracle, testing  # noqa: E402
 from glm_dsa.kernels import topk as topk_mod  # noqa: E402
 from glm_dsa.kernels import topk_per_row  # noqa: E402
 
@@ -20,8 +21,13 @@ NEG_INF = float("-inf")
 
 
 def _assert_exact_topk(out, logits, starts, ends, k):
+    """``out`` is an exact top-k of each row and, among the scores tied at the k-th value, takes
+    the lowest columns: as a set, the oracle's (torch's stable sort)."""
     assert out.shape == (logits.shape[0], k) and out.dtype == torch.int32
     out, logits = out.cpu(), logits.cpu()
+    expected = oracle.topk_per_row(logits, starts.cpu(), ends.cpu(), k)
+    for r in range(out.shape[0]):
+        assert sorted(out[r].tolist()) == sorted(expected[r].tolist()), r
     for r in range(out.shape[0]):
         s, e = int(starts[r]), int(ends[r])
         n = e - s
@@ -106,6 +112,32 @@ def test_nan_inside_a_read_row_raises_like_the_reference():
     short = torch.tensor([100, 60], dtype=torch.int32)  # row 1 keeps all 60: scores not read
     out = topk_per_row(logits.to(DEV), starts.to(DEV), short.to(DEV), 60)
     assert out[1].tolist() == list(range(60))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_candidate_select_takes_the_lowest_tied_columns_whatever_the_buffer_order(seed):
+    """On the GPU the candidate kernel appends a row's keys in the order its atomics land; the
+    select must not care. Candidates with 4 score levels, in a shuffled order: the set is
+    the lowest columns among those tied at the k-th value, as the oracle chooses."""
+    from glm_dsa.kernels.topk import COUNTERS, launch_select_candidates
+
+    g = torch.Generator().manual_seed(seed)
+    R, n, k = 3, 300, 37
+    scores = torch.randint(0, 4, (R, n), generator=g).float()
+    order = torch.stack([torch.randperm(n, generator=g) for _ in range(R)])
+    bits = (scores.gather(1, order) + 0.0).view(torch.int32)
+    # The kernels' order keys: a positive score's bits with the sign bit set, a negative's flipped.
+    keys = torch.where(bits < 0, ~bits, bits ^ torch.iinfo(torch.int32).min)
+    counters = torch.zeros((R, COUNTERS), dtype=torch.int32)
+    counters[:, 0] = n
+    lens = torch.full((R,), n + 100, dtype=torch.int32)  # a window longer than its candidates
+    out, redo, nans = launch_select_candidates(keys.to(DEV), order.to(torch.int32).to(DEV),
+                                               counters.to(DEV), lens.to(DEV), k)
+    assert redo.tolist() == [0] * R and nans.tolist() == [0] * R
+    expected = oracle.topk_per_row(scores, torch.zeros(R, dtype=torch.int32),
+                                   torch.full((R,), n, dtype=torch.int32), k)
+    for r in range(R):
+        assert sorted(out[r].tolist()) == sorted(expected[r].tolist()), r
 
 
 def test_topk_per_row_rejects_bad_arguments():

@@ -2,8 +2,8 @@
 
 The contract of ``glm_dsa.indexer.indexer_topk`` (request-relative int32 ``[S, topk]``, ``-1``
 padding, a row with ``≤ topk`` keys gives ``0 … len − 1``) except the order inside a row, which
-is free (set semantics, ties at the k-th value broken arbitrarily, as every upstream top-k
-kernel). The float32 logits of a row never reach memory. Per launch:
+is free (set semantics; ties at the k-th value go to the lowest columns, as in the reference,
+so the set does not depend on the order the kernels' threads append candidates in). The float32 logits of a row never reach memory. Per launch:
 
 1. **sample**: the logits kernel on every ``stride``-th key of the launch's column span
    (the union of its rows' windows; ``stride = ⌈span / SAMPLE⌉``, so at most ``SAMPLE`` keys);
@@ -25,7 +25,7 @@ The launches are ``indexer.chunked_topk``'s row chunks (of ``candidate_rows`` ro
 syncs are the reference's (the span of each chunk, three numbers), plus one for the redone rows.
 
 Memory: a launch holds its rows' sample logits (4 bytes × ≤ ``SAMPLE``), candidate buffers
-(8 bytes × ``cand``) and 24 bytes of counters, threshold and flags, plus the sampled keys;
+(8 bytes × ``cand``) and 20 bytes of counters, threshold and flags, plus the sampled keys;
 ``candidate_rows`` keeps that within the bytes SGLang's rule lets the chunk's float32 logits
 hold (``4 · max_logit_rows · S_kv``), so the logits budget stays an upper bound on the
 indexer's temporaries. At GLM-5.3's 32,768-token chunk over ~1M keys that is 128 KiB a row,
@@ -50,6 +50,7 @@ from glm_dsa.kernels.mqa_logits import (
 )
 from glm_dsa.kernels.topk import (
     CAND_FACTOR,
+    COUNTERS,
     SAMPLE,
     launch_select,
     launch_select_candidates,
@@ -60,8 +61,8 @@ from glm_dsa.validate import check_indexer_topk_inputs
 
 __all__ = ["indexer_topk", "select_in_chunks", "candidate_rows", "candidate_row_bytes"]
 
-# Per row beside the sample and the candidates: int32 counters [4], float32 threshold, int32 flag.
-_ROW_EXTRA_BYTES = 4 * 4 + 4 + 4
+# Per row beside the sample and the candidates: int32 counters, float32 threshold, int32 flag.
+_ROW_EXTRA_BYTES = 4 * COUNTERS + 4 + 4
 
 
 def candidate_row_bytes(num_k: int, topk: int) -> int:
@@ -102,7 +103,8 @@ def indexer_topk(
             upper bound on the temporaries here (``candidate_rows``).
 
     Returns:
-        int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, any order within a row.
+        int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, any order within a row; the set
+        is the reference's top-k of the kernel's float32 logits (lowest columns on ties).
 
     Raises:
         ValueError: on bad arguments (before any launch), or NaN among the logits of a row
@@ -165,7 +167,7 @@ def _launch(q_fp8: Tensor, weights: Tensor, k_fp8: Tensor, k_scale: Tensor, star
         del sample, sampled
     else:
         thresholds = torch.full((R,), float("-inf"), dtype=torch.float32, device=dev)
-    counters = torch.zeros((R, 4), dtype=torch.int32, device=dev)
+    counters = torch.zeros((R, COUNTERS), dtype=torch.int32, device=dev)
     keys, cols = launch_mqa_candidates(q_fp8, k_fp8, k_scale, weights, starts, ends, thresholds,
                                        counters, cand)  # fmt: skip
     return launch_select_candidates(keys, cols, counters, lens, topk)

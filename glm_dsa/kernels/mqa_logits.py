@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.kernels.topk import order_keys
+from glm_dsa.kernels.topk import _COUNTERS, order_keys
 from glm_dsa.validate import (
     check_compressed_width,
     check_index_vector,
@@ -288,7 +288,7 @@ def _mqa_candidates_kernel(
         q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     cand_off = rows.to(tl.int64) * cand
-    count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * 4, (BLOCK_N, BLOCK_M))
+    count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * _COUNTERS, (BLOCK_N, BLOCK_M))
     for t in tl.range(c0, c1):
         cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
                                          BLOCK_N)
@@ -404,7 +404,7 @@ def launch_mqa_candidates(
     Args:
         q_fp8, k_fp8, k_scale, weights, ks, ke: as ``launch_mqa_logits`` (int32 windows).
         thresholds: float32 ``[S]``; ``-inf`` keeps the whole window.
-        counters: int32 ``[S, 4]``, column 0 zero on entry; on return it holds each row's
+        counters: int32 ``[S, topk.COUNTERS]``, column 0 zero on entry; on return it holds each row's
             candidate count (all of them, also those past ``cand``).
         cand: slots per row.
 

@@ -1,15 +1,18 @@
 """Triton exact top-k per row: ``topk_per_row`` by sample threshold and radix select.
 
 The contract of ``glm_dsa.oracle.topk_per_row`` with its defaults (``base="relative"``,
-``pad=-1``) except the order inside a row, which is free (set semantics, ties at the k-th value
-broken arbitrarily, as SGLang's ``fast_topk_v2`` and TileLang's ``topk_selector``).
+``pad=-1``) except the order inside a row, which is free. The set is the oracle's: ties at the
+k-th value go to the lowest columns, so unlike SGLang's ``fast_topk_v2`` or TileLang's
+``topk_selector`` it does not depend on the order threads run in.
 
 One program per row. Scores become order-preserving uint32 keys (a float's bits with the sign
 bit set when positive, all bits flipped when negative; ``-0.0`` is first made ``+0.0``), so
 float order is integer order and the k-th best score is found exactly by a radix select: four
 rounds of a 256-bin histogram, each over the 8 key bits below the prefix fixed so far, keeping
 the bin where the count from the top reaches ``k``. The k-th key and how many of its ties to
-take are then exact, and a last pass emits every key above it and that many ties.
+take are then exact. When fewer ties are taken than there are, a second radix select over the
+tied keys' columns finds the highest column taken (the lowest columns win, as in the oracle's
+stable order); a last pass emits every key above the k-th and the ties up to that column.
 
 Over a long row that select would read the row five times. Instead (about 1.1 reads):
   1. sample ``SAMPLE`` keys at a fixed stride and radix-select the threshold ``T`` that about
@@ -40,7 +43,7 @@ from glm_dsa.validate import check_index_vector, check_ranges, need
 
 __all__ = ["topk_per_row", "select_rows", "launch_select", "launch_thresholds",
            "launch_select_candidates", "order_keys", "key_value", "SAMPLE", "TARGET_FACTOR",
-           "CAND_FACTOR", "BLOCK"]
+           "CAND_FACTOR", "BLOCK", "COUNTERS"]
 
 # Strided sample size per row (keys held by one program across its radix rounds).
 SAMPLE = 8192
@@ -50,8 +53,10 @@ CAND_FACTOR = 6
 # Columns per loop step of a program: 8 warps × 32 threads × 16 float32 (four 16-byte loads).
 BLOCK = 4096
 NUM_WARPS = 8
-# Per-row int32 counters: candidates appended, ties seen, indices emitted, NaNs read.
-_CANDS, _TIES, _EMITTED, _NANS = (tl.constexpr(i) for i in range(4))
+# Per-row int32 counters: candidates appended, indices emitted, NaNs read.
+_CANDS, _EMITTED, _NANS = (tl.constexpr(i) for i in range(3))
+COUNTERS = 3
+_COUNTERS = tl.constexpr(COUNTERS)
 
 
 @triton.jit
@@ -100,11 +105,12 @@ def _load_block(src, idx_src, offs, first, end, ncols, stride, FROM_ROW: tl.cons
 @triton.jit
 def _kth_key(src, idx_src, first, end, ncols, stride, k, FROM_ROW: tl.constexpr,
              BLOCK: tl.constexpr):
-    """The k-th largest key of a source (``1 ≤ k ≤`` its size) and how many of its ties are in
-    the top k."""
+    """The k-th largest key of a source (``1 ≤ k ≤`` its size), how many keys equal to it are
+    in the top k, and how many the source holds."""
     bins = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.uint32)
     need = k
+    ties = tl.zeros((), dtype=tl.int32)
     for SHIFT in tl.static_range(24, -1, -8):
         hist = tl.zeros([256], dtype=tl.int32)
         for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
@@ -118,21 +124,48 @@ def _kth_key(src, idx_src, first, end, ncols, stride, k, FROM_ROW: tl.constexpr,
         digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1
         need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
         prefix = (prefix << 8) | digit.to(tl.uint32)
-    return prefix, need
+        ties = tl.sum(tl.where(bins == digit, hist, 0), 0)  # the last round's: keys equal to it
+    return prefix, need, ties
 
 
 @triton.jit
-def _emit(src, idx_src, first, end, ncols, kth, need, counters, out, nans,
+def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """The ``need``-th lowest column among a source's keys equal to ``kth`` (``1 ≤ need ≤``
+    their number): a radix select, as ``_kth_key``, on ``0x7FFFFFFF − column``."""
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros((), dtype=tl.uint32)
+    for SHIFT in tl.static_range(24, -1, -8):
+        hist = tl.zeros([256], dtype=tl.int32)
+        for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
+            offs = blk * BLOCK + tl.arange(0, BLOCK)
+            key, idx, valid, nan = _load_block(src, idx_src, offs, first, end, ncols, 1, FROM_ROW)
+            flipped = (0x7FFFFFFF - idx).to(tl.uint32, bitcast=True)
+            tie = valid & (key == kth)
+            if SHIFT < 24:
+                tie = tie & ((flipped >> (SHIFT + 8)) == prefix)
+            hist += tl.histogram(((flipped >> SHIFT) & 255).to(tl.int32), 256, mask=tie)
+        at_least = tl.cumsum(hist, 0, reverse=True)
+        digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1
+        need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+        prefix = (prefix << 8) | digit.to(tl.uint32)
+    return 0x7FFFFFFF - prefix.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _emit(src, idx_src, first, end, ncols, kth, need, ties, counters, out, nans,
           FROM_ROW: tl.constexpr, BLOCK: tl.constexpr):
-    """Write every column whose key is above ``kth``, and ``need`` of those equal to it."""
+    """Write every column whose key is above ``kth``, and the ``need`` lowest of the ``ties``
+    columns whose key equals it."""
+    last_tie = tl.full((), 0x7FFFFFFF, tl.int32)
+    if need < ties:
+        last_tie = _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW, BLOCK)
     zero = tl.zeros([BLOCK], dtype=tl.int32)
     for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         key, idx, valid, nan = _load_block(src, idx_src, offs, first, end, ncols, 1, FROM_ROW)
         nans += tl.sum(nan.to(tl.int32), 0)
-        tie = valid & (key == kth)
-        rank = tl.atomic_add(counters + _TIES + zero, 1, mask=tie, sem="relaxed")
-        take = valid & ((key > kth) | (tie & (rank < need)))
+        take = valid & ((key > kth) | ((key == kth) & (idx <= last_tie)))
         slot = tl.atomic_add(counters + _EMITTED + zero, 1, mask=take, sem="relaxed")
         tl.store(out + slot, idx, mask=take)
     return nans
@@ -156,7 +189,7 @@ def _topk_kernel(
     end = tl.load(ends_ptr + row).to(tl.int32)
     n = end - start
     out = out_ptr + row * topk
-    counters = counters_ptr + row * 4
+    counters = counters_ptr + row * _COUNTERS
     x = x_ptr + row * stride_row
     nans = tl.zeros((), dtype=tl.int32)
     if n <= topk:
@@ -168,7 +201,8 @@ def _topk_kernel(
             stride = tl.cdiv(n, SAMPLE)
             n_sample = tl.cdiv(n, stride)
             rank = tl.minimum(tl.maximum(tl.cdiv(target * n_sample, n), 1), n_sample)
-            threshold, _ = _kth_key(x + start, x, 0, n_sample, ncols, stride, rank, True, BLOCK)
+            threshold, _, _ = _kth_key(x + start, x, 0, n_sample, ncols, stride, rank, True,
+                                       BLOCK)
             keys = cand_key_ptr + row * CAND
             cols = cand_idx_ptr + row * CAND
             zero = tl.zeros([BLOCK], dtype=tl.int32)
@@ -184,14 +218,15 @@ def _topk_kernel(
             tl.debug_barrier()  # the buffer is read back by other threads of the program
             found = tl.atomic_add(counters + _CANDS, 0)
             if (found >= topk) & (found <= CAND):
-                kth, need = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK)
-                nans = _emit(keys, cols, 0, found, CAND, kth, need, counters, out, nans, False,
-                             BLOCK)
+                kth, need, ties = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK)
+                nans = _emit(keys, cols, 0, found, CAND, kth, need, ties, counters, out, nans,
+                             False, BLOCK)
             else:
                 from_row = True
         if from_row:
-            kth, need = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK)
-            nans = _emit(x, x, start, end, ncols, kth, need, counters, out, nans, True, BLOCK)
+            kth, need, ties = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK)
+            nans = _emit(x, x, start, end, ncols, kth, need, ties, counters, out, nans, True,
+                         BLOCK)
     tl.store(counters + _NANS, nans)
 
 
@@ -212,8 +247,8 @@ def _threshold_kernel(
     thr = tl.full((), float("-inf"), tl.float32)
     if (n > cand) & (n_sample > 0):
         rank = tl.minimum(tl.maximum(tl.cdiv(target * n_sample, n), 1), n_sample)
-        key, _ = _kth_key(x_ptr + row * stride_row, x_ptr, start, end, ncols, 1, rank, True,
-                          BLOCK)
+        key, _, _ = _kth_key(x_ptr + row * stride_row, x_ptr, start, end, ncols, 1, rank, True,
+                             BLOCK)
         thr = key_value(key)
     tl.store(thr_ptr + row, thr)
 
@@ -229,7 +264,7 @@ def _select_candidates_kernel(
     row = tl.program_id(0).to(tl.int64)
     n = tl.load(lens_ptr + row).to(tl.int32)
     out = out_ptr + row * topk
-    counters = counters_ptr + row * 4
+    counters = counters_ptr + row * _COUNTERS
     nans = tl.zeros((), dtype=tl.int32)
     redo = tl.zeros((), dtype=tl.int32)
     if n <= topk:
@@ -239,8 +274,9 @@ def _select_candidates_kernel(
         if (found >= topk) & (found <= cand):
             keys = cand_key_ptr + row * cand
             cols = cand_idx_ptr + row * cand
-            kth, need = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK)
-            nans = _emit(keys, cols, 0, found, cand, kth, need, counters, out, nans, False, BLOCK)
+            kth, need, ties = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK)
+            nans = _emit(keys, cols, 0, found, cand, kth, need, ties, counters, out, nans, False,
+                         BLOCK)
         else:
             redo += 1
     tl.store(counters + _NANS, nans)
@@ -268,7 +304,7 @@ def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens:
 
     ``indices``: int32 ``[R, topk]`` relative to the window start, ``-1`` padded (a row with
     ``lens ≤ topk`` gives ``0 … len − 1``); valid where ``redo`` (int32 ``[R]``) is 0. ``nans``:
-    int32 ``[R]``, the NaNs among a row's candidates. ``counters``: int32 ``[R, 4]``, column 0
+    int32 ``[R]``, the NaNs among a row's candidates. ``counters``: int32 ``[R, COUNTERS]``, column 0
     the candidate counts, the others zero.
     """
     R, cand = keys.shape
@@ -296,7 +332,7 @@ def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tu
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     out = torch.empty((R, topk), dtype=torch.int32, device=dev)
-    counters = torch.zeros((R, 4), dtype=torch.int32, device=dev)
+    counters = torch.zeros((R, COUNTERS), dtype=torch.int32, device=dev)
     if R == 0:
         return out, counters[:, _NANS.value]
     cand = CAND_FACTOR * topk
@@ -338,7 +374,8 @@ def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int
 
     Returns:
         int32 ``[R, topk]`` relative to ``row_starts``: a row with ``len ≤ topk`` gives
-        ``0 … len − 1`` then ``-1``; otherwise its ``topk`` best columns in no set order.
+        ``0 … len − 1`` then ``-1``; otherwise its ``topk`` best columns in no set order, the
+        lowest columns among those tied at the k-th score (the oracle's set).
 
     Raises:
         ValueError: on bad arguments, or NaN inside the range of a row whose scores are read.
