@@ -366,7 +366,7 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "reference"
         why = unsupported(device, backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
-                          layer_outputs=args.save_layer_outputs, kv_dtype=args.kv_dtype)
+                          layer_outputs=args.save_layer_outputs)
         if why:
             raise ValueError(f"--cuda-graphs: {why}; drop the flag")
     if args.requests < 1:

@@ -91,9 +91,9 @@ def _bucket_floors(max_tokens: int, page_size: int) -> list[int]:
 
 
 def unsupported(device: torch.device, backend: str, *, cp: bool = False,
-                layer_outputs: bool = False, kv_dtype: str | None = None) -> str | None:
-    """Why steps on ``device`` with the backend named ``backend`` over a ``kv_dtype`` cache
-    cannot run from CUDA graphs (one line), or None when they can."""
+                layer_outputs: bool = False) -> str | None:
+    """Why steps on ``device`` with the backend named ``backend`` cannot run from CUDA graphs
+    (one line), or None when they can."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if backend not in GRAPH_BACKENDS:
@@ -103,14 +103,6 @@ def unsupported(device: torch.device, backend: str, *, cp: bool = False,
         return "context parallel steps communicate between ranks; CUDA graphs run one rank"
     if layer_outputs:
         return "layer_outputs hooks every layer's output, which a replayed graph does not call"
-    if backend == "triton" and kv_dtype == "fp8":
-        from glm_dsa.kernels.sparse_mla import gluon_unavailable
-
-        if gluon_unavailable(device) is None:
-            # The H200 run of 2026-12-01 (bench/logs/2026-12-01-h200-lead-r3-*) saw the capture
-            # invalidated: this path plans its row chunks through MLA.forward_sparse on the host.
-            return ("FP8 KV attention on sm_90 runs the Gluon kernel over the context dequantized "
-                    "per step, whose row-chunk loop is not capturable yet; use --kv-dtype bf16")
     return None
 
 

@@ -230,7 +230,7 @@ class PrefillEngine:
                              "kernels are not batch-invariant)")
         self.batch_invariant = batch_invariant
         why_not = graphs.unsupported(self.device, self.backend.name, cp=cp_group is not None,
-                                     layer_outputs=layer_outputs, kv_dtype=kv_dtype)
+                                     layer_outputs=layer_outputs)
         if cuda_graphs and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")
         use_graphs = why_not is None and cuda_graphs is not False
