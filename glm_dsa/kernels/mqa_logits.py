@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.kernels.topk import _COUNTERS, order_keys
+from glm_dsa.kernels.topk import COUNTERS, order_keys
 from glm_dsa.validate import (
     check_compressed_width,
     check_index_vector,
@@ -43,6 +43,9 @@ from glm_dsa.validate import (
     check_ranges,
     need,
 )
+
+# The candidate kernel bumps column 0 of each row's counters (glm_dsa.kernels.topk's layout).
+_COUNTERS = tl.constexpr(COUNTERS)
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "launch_mqa_candidates", "CONFIGS",
            "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS"]
