@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_dsa.kernels.numerics import round_rne
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
@@ -135,15 +136,6 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _round_to(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
-    """float32 ``x`` rounded to ``dtype`` (nearest even). Triton 3.6's interpreter truncates
-    float32 -> bf16, so there (``BY_HAND``) the rounding is done on the bits."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True).to(dtype) if BY_HAND else x.to(dtype)
-
-
-@triton.jit
 def _prefetch_rows(rows, ROW_BYTES: tl.constexpr):
     """Ask L2 for the ``ROW_BYTES``-byte rows at ``rows`` (pointers, ``[BLOCK_K]``, 16-byte
     aligned): one bulk prefetch per row, which does not wait for the data."""
@@ -167,7 +159,7 @@ def _sparse_mla_fwd_kernel(
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DT: tl.constexpr,
     KV_FP8: tl.constexpr, HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, STATIC_TOPK: tl.constexpr,
-    ROUND_BY_HAND: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -232,7 +224,7 @@ def _sparse_mla_fwd_kernel(
                 sc = tl.load((rows + D_V).to(tl.pointer_type(tl.float32)) + c * D_CHUNK // 128,
                              mask=valid, other=0.0)
                 k_f32 = k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, None]
-                k_c = _round_to(k_f32, act_dtype, ROUND_BY_HAND)
+                k_c = round_rne(k_f32, act_dtype)
             else:
                 k_c = tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :],
                               mask=valid[:, None] & cm[None, :], other=0.0)
@@ -257,7 +249,7 @@ def _sparse_mla_fwd_kernel(
         l_i = l_i * alpha + tl.sum(pt, axis=0)
         # P is rounded to the cache dtype for the value GEMM, as FlashMLA does; P·V takes
         # P from shared memory, each warpgroup a half of every value chunk over all keys.
-        p = tl.trans(_round_to(pt, act_dtype, ROUND_BY_HAND).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
+        p = tl.trans(round_rne(pt, act_dtype).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
         new_acc = ()
         for c in tl.static_range(N_CHUNK):
             new_acc = new_acc + (tl.dot(p, k_chunks[c], acc[c] * alpha[:, None],  # type: ignore[assignment]
@@ -274,7 +266,7 @@ def _sparse_mla_fwd_kernel(
     out_rows = out_ptr + qi * stride_os + offs_h[:, None] * stride_oh
     for c in tl.static_range(N_CHUNK):
         cm = c * D_CHUNK + offs_c < D_V
-        out = _round_to(acc[c] / denom[:, None], out_ptr.dtype.element_ty, ROUND_BY_HAND)
+        out = round_rne(acc[c] / denom[:, None], out_ptr.dtype.element_ty)
         tl.store(out_rows + c * D_CHUNK + offs_c[None, :], out, mask=h_mask[:, None] & cm[None, :])
     lonely = l_i == 0.0
     lse = tl.where(lonely, float("inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * LN2)
@@ -347,7 +339,6 @@ def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sin
         DOT_DTYPE=tl.float32 if _INTERPRET or q.dtype == torch.float32 else tl.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STATIC_TOPK=topk if _INTERPRET else 0,
-        ROUND_BY_HAND=_INTERPRET and q.dtype == torch.bfloat16,
         # The interpreter has no PTX; prefetching changes no value. The bulk prefetch takes
         # 16-byte aligned rows of a multiple of 16 bytes (656-byte FP8 rows are; the 164-byte rows
         # of a 128 + 16 latent are not, and faulted with a misaligned address on the H200).
