@@ -211,10 +211,8 @@ class KVCache:
                                  "write_mla first, or check the page table")
         if self.kv_dtype == "fp8":
             rows = mla_kv_load(pool, slots.to(pool.device))
-            out = mla_kv_dequantize(rows, self.config.kv_lora_rank, self.config.qk_rope_head_dim)
-        else:
-            out = pool.view(-1, pool.shape[-1])[slots.to(pool.device)]
-        return out.to(dtype)
+            return mla_kv_dequantize(rows, self.config.kv_lora_rank, self.config.qk_rope_head_dim, dtype)
+        return pool.view(-1, pool.shape[-1])[slots.to(pool.device)].to(dtype)
 
     def record_index_k_write(self, num_tokens: int) -> None:
         """Account ``num_tokens`` index-K rows stored by the indexer (which writes the pages itself)."""

@@ -336,7 +336,7 @@ def dequantize_k_cache(k_cache: Tensor) -> Tensor:
     )
     num_blocks, block_size = raw.shape[:2]
     rows = raw.reshape(num_blocks * block_size, MLA_ROW_BYTES)
-    latent = mla_kv_dequantize(rows, MLA_NOPE_DIM, MLA_ROPE_DIM).to(torch.bfloat16)
+    latent = mla_kv_dequantize(rows, MLA_NOPE_DIM, MLA_ROPE_DIM, torch.bfloat16)
     return latent.view(num_blocks, block_size, 1, MLA_DIM)
 
 

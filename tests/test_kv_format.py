@@ -252,6 +252,10 @@ def test_mla_dequantize_reads_payload_times_tile_scale_and_bf16_rope(n, rank, ro
     rope_vals = bf16_value(np.frombuffer(raw[:, rank + 4 * tiles :].tobytes(), dtype="<u2").reshape(n, rope))
     expected = np.concatenate([np.float32(payload * scales).reshape(n, rank), rope_vals], axis=1)
     np.testing.assert_array_equal(out.numpy(), expected.astype(np.float32))
+    # In bf16: the float32 values rounded once (to nearest even), not rounded twice.
+    in_bf16 = mla_kv_dequantize(rows, kv_lora_rank=rank, rope_dim=rope, dtype=torch.bfloat16)
+    assert in_bf16.dtype == torch.bfloat16
+    assert torch.equal(in_bf16, torch.from_numpy(expected.astype(np.float32)).to(torch.bfloat16))
     # Round trip: each latent value within half an e4m3 step (plus the float32 division) of c.
     cv = c.double().numpy().reshape(n, tiles, 128)
     v = cv / scales
