@@ -3,7 +3,8 @@
 The contract of ``glm_dsa.indexer.indexer_topk`` (request-relative int32 ``[S, topk]``, ``-1``
 padding, a row with ``≤ topk`` keys gives ``0 … len − 1``) except the order inside a row, which
 is free (set semantics; ties at the k-th value go to the lowest columns, as in the reference,
-so the set does not depend on the order the kernels' threads append candidates in). The float32 logits of a row never reach memory. Per launch:
+so the set does not depend on the order the kernels' threads append candidates in). The float32
+logits of a row never reach memory. Per launch:
 
 1. **sample**: the logits kernel on every ``stride``-th key of the launch's column span
    (the union of its rows' windows; ``stride = ⌈span / SAMPLE⌉``, so at most ``SAMPLE`` keys);

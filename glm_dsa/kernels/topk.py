@@ -103,14 +103,25 @@ def _load_block(src, idx_src, offs, first, end, ncols, stride, FROM_ROW: tl.cons
 
 
 @triton.jit
+def _radix_round(hist, prefix, need):
+    """One radix round over a 256-bin histogram of the next 8 key bits: the bin where the count
+    from the top reaches ``need``, appended to ``prefix``; ``need`` less the keys above that bin;
+    and the bin's count (after the last round: the keys equal to the selected one)."""
+    bins = tl.arange(0, 256)
+    at_least = tl.cumsum(hist, 0, reverse=True)  # keys whose digit is ≥ the bin's
+    digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1
+    need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
+    prefix = (prefix << 8) | digit.to(tl.uint32)
+    return prefix, need, tl.sum(tl.where(bins == digit, hist, 0), 0)
+
+
+@triton.jit
 def _kth_key(src, idx_src, first, end, ncols, stride, k, FROM_ROW: tl.constexpr,
              BLOCK: tl.constexpr):
     """The k-th largest key of a source (``1 ≤ k ≤`` its size), how many keys equal to it are
     in the top k, and how many the source holds."""
-    bins = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.uint32)
     need = k
-    ties = tl.zeros((), dtype=tl.int32)
     for SHIFT in tl.static_range(24, -1, -8):
         hist = tl.zeros([256], dtype=tl.int32)
         for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
@@ -120,11 +131,7 @@ def _kth_key(src, idx_src, first, end, ncols, stride, k, FROM_ROW: tl.constexpr,
             if SHIFT < 24:
                 valid = valid & ((key >> (SHIFT + 8)) == prefix)
             hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=valid)
-        at_least = tl.cumsum(hist, 0, reverse=True)  # keys whose digit is ≥ the bin's
-        digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1
-        need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-        prefix = (prefix << 8) | digit.to(tl.uint32)
-        ties = tl.sum(tl.where(bins == digit, hist, 0), 0)  # the last round's: keys equal to it
+        prefix, need, ties = _radix_round(hist, prefix, need)
     return prefix, need, ties
 
 
@@ -133,7 +140,6 @@ def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.co
                      BLOCK: tl.constexpr):
     """The ``need``-th lowest column among a source's keys equal to ``kth`` (``1 ≤ need ≤``
     their number): a radix select, as ``_kth_key``, on ``0x7FFFFFFF − column``."""
-    bins = tl.arange(0, 256)
     prefix = tl.zeros((), dtype=tl.uint32)
     for SHIFT in tl.static_range(24, -1, -8):
         hist = tl.zeros([256], dtype=tl.int32)
@@ -145,10 +151,7 @@ def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.co
             if SHIFT < 24:
                 tie = tie & ((flipped >> (SHIFT + 8)) == prefix)
             hist += tl.histogram(((flipped >> SHIFT) & 255).to(tl.int32), 256, mask=tie)
-        at_least = tl.cumsum(hist, 0, reverse=True)
-        digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1
-        need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-        prefix = (prefix << 8) | digit.to(tl.uint32)
+        prefix, need, _ = _radix_round(hist, prefix, need)
     return 0x7FFFFFFF - prefix.to(tl.int32, bitcast=True)
 
 
