@@ -10,7 +10,7 @@ class here (or anywhere: ``PrefillEngine`` takes a ``Backend`` object as well as
   attention over the gathered context, and the MHA one-shot form for short contexts.
 * ``triton`` — ``glm_dsa.kernels``: Triton FP8 logits (float32 tensor-core accumulation,
   checked with DeepGEMM's ``calc_diff``) in the same budgeted row chunks and a radix select
-  whose order inside a row is free (set semantics); absorbed sparse attention reading the
+  writing each row in ascending column order (the same bits every run); absorbed sparse attention reading the
   selected rows straight from the paged pool (FP8 656-byte rows dequantized in the kernel, or
   bf16 / fp32 rows); queries and absorption GEMMs in the activation dtype. On sm_90 with a
   tested Triton, bf16 attention runs the Gluon kernel (``kernels.sparse_mla_gluon``, bf16 rows

@@ -23,6 +23,14 @@ refills. Before the first capture of a bucket the stages run once eagerly in the
 side stream, so that Triton compiles and autotunes (and cuBLAS sets up) outside the capture;
 that run is a real run of the step (same inputs, same cache writes).
 
+**Above ``index_topk``.** Inside a capture the indexer cannot read on the host which rows its
+candidate filter must redo, so a captured step takes every row's top-k from the full logits
+(``glm_dsa.kernels.indexer``) where an eager step filters candidates first. Both write the same
+set (ties to the lowest columns) in ascending order, so the two agree bitwise when the logits
+kernel and the candidate kernel take the same tiles (``tests/test_graphs.py`` pins one config;
+on the H200 the autotuned ones agreed too); tiles autotuned apart may sum a logit's heads in
+another order, and so pick another key where two tie to the last bit.
+
 **Padding** (rows ``n … n_pad − 1`` and context rows ``S_kv … S_kv_pad − 1``): padded tokens
 are token 0 (or zero hidden rows) at position 0 with an empty window ``[0, 0)``, so no real row
 ever sees them and they see nothing (attention output 0); they write their KV and index K to

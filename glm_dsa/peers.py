@@ -145,7 +145,7 @@ def indexer_topk(
     topk: int,
     budget_bytes: int,
 ) -> Tensor:
-    """``glm_dsa.indexer.indexer_topk``'s contract (any order within a row) with DeepGEMM's
+    """``glm_dsa.indexer.indexer_topk``'s contract (ascending within a row) with DeepGEMM's
     ``fp8_mqa_logits`` scoring each budgeted row chunk and the radix select of
     ``glm_dsa.kernels.topk`` choosing in it.
 

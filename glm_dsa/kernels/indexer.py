@@ -2,8 +2,9 @@
 
 The contract of ``glm_dsa.indexer.indexer_topk`` (request-relative int32 ``[S, topk]``, ``-1``
 padding, a row with ``≤ topk`` keys gives ``0 … len − 1``) except the order inside a row, which
-is free (set semantics; ties at the k-th value go to the lowest columns, as in the reference,
-so the set does not depend on the order the kernels' threads append candidates in). The float32
+is ascending (ties at the k-th value go to the lowest columns, as in the reference, and the
+select sorts what it writes: neither set nor order depends on the order the kernels' threads
+append candidates in, so every run, eager or captured, writes the same bits). The float32
 logits of a row never reach memory. Per launch:
 
 1. **sample**: the logits kernel on every ``stride``-th key of the launch's column span
@@ -104,7 +105,7 @@ def indexer_topk(
             upper bound on the temporaries here (``candidate_rows``).
 
     Returns:
-        int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, any order within a row; the set
+        int32 ``[S, topk]`` relative to ``ks``, ``-1`` padded, ascending within a row; the set
         is the reference's top-k of the kernel's float32 logits (lowest columns on ties).
 
     Raises:

@@ -1,9 +1,10 @@
 """Triton exact top-k per row: ``topk_per_row`` by sample threshold and radix select.
 
 The contract of ``glm_dsa.oracle.topk_per_row`` with its defaults (``base="relative"``,
-``pad=-1``) except the order inside a row, which is free. The set is the oracle's: ties at the
-k-th value go to the lowest columns, so unlike SGLang's ``fast_topk_v2`` or TileLang's
-``topk_selector`` it does not depend on the order threads run in.
+``pad=-1``) except the order inside a row: ascending columns, where the oracle's is by score.
+The set is the oracle's: ties at the k-th value go to the lowest columns, so unlike SGLang's
+``fast_topk_v2`` or TileLang's ``topk_selector`` it does not depend on the order threads run in;
+nor, once sorted in the program, does the row's order (the attention over it sums in it).
 
 One program per row. Scores become order-preserving uint32 keys (a float's bits with the sign
 bit set when positive, all bits flipped when negative; ``-0.0`` is first made ``+0.0``), so
@@ -156,10 +157,11 @@ def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.co
 
 
 @triton.jit
-def _emit(src, idx_src, first, end, ncols, kth, need, ties, counters, out, nans,
-          FROM_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _emit(src, idx_src, first, end, ncols, kth, need, ties, counters, out, nans, topk,
+          FROM_ROW: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr):
     """Write every column whose key is above ``kth``, and the ``need`` lowest of the ``ties``
-    columns whose key equals it."""
+    columns whose key equals it, in ascending column order (``TOPK``: ``topk`` rounded up to a
+    power of two)."""
     last_tie = tl.full((), 0x7FFFFFFF, tl.int32)
     if need < ties:
         last_tie = _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW, BLOCK)
@@ -171,6 +173,14 @@ def _emit(src, idx_src, first, end, ncols, kth, need, ties, counters, out, nans,
         take = valid & ((key > kth) | ((key == kth) & (idx <= last_tie)))
         slot = tl.atomic_add(counters + _EMITTED + zero, 1, mask=take, sem="relaxed")
         tl.store(out + slot, idx, mask=take)
+    # The slots follow the atomics (and a candidate buffer's order, the logits kernel's), which
+    # differ run to run: sorted, the row is the same bits every run, and so is the attention
+    # summed over it in this order.
+    tl.debug_barrier()
+    col = tl.arange(0, TOPK)
+    picked = tl.load(out + col, mask=col < topk, other=0x7FFFFFFF)
+    tl.debug_barrier()
+    tl.store(out + col, tl.sort(picked), mask=col < topk)
     return nans
 
 
@@ -186,6 +196,7 @@ def _store_prefix(out, n, topk, BLOCK: tl.constexpr):
 def _topk_kernel(
     x_ptr, stride_row, ncols, starts_ptr, ends_ptr, out_ptr, cand_key_ptr, cand_idx_ptr,
     counters_ptr, topk, target, CAND: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
+    TOPK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + row).to(tl.int32)
@@ -223,13 +234,13 @@ def _topk_kernel(
             if (found >= topk) & (found <= CAND):
                 kth, need, ties = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK)
                 nans = _emit(keys, cols, 0, found, CAND, kth, need, ties, counters, out, nans,
-                             False, BLOCK)
+                             topk, False, BLOCK, TOPK)
             else:
                 from_row = True
         if from_row:
             kth, need, ties = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK)
-            nans = _emit(x, x, start, end, ncols, kth, need, ties, counters, out, nans, True,
-                         BLOCK)
+            nans = _emit(x, x, start, end, ncols, kth, need, ties, counters, out, nans, topk, True,
+                         BLOCK, TOPK)
     tl.store(counters + _NANS, nans)
 
 
@@ -259,7 +270,7 @@ def _threshold_kernel(
 @triton.jit
 def _select_candidates_kernel(
     cand_key_ptr, cand_idx_ptr, counters_ptr, lens_ptr, out_ptr, redo_ptr, topk, cand,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, TOPK: tl.constexpr,
 ):  # fmt: skip
     """Row r's exact top-k from its candidates (``counters[r, 0]`` of them, every key of the
     row at or above a threshold), or ``redo[r] = 1`` when they cannot hold it: fewer than
@@ -278,8 +289,8 @@ def _select_candidates_kernel(
             keys = cand_key_ptr + row * cand
             cols = cand_idx_ptr + row * cand
             kth, need, ties = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK)
-            nans = _emit(keys, cols, 0, found, cand, kth, need, ties, counters, out, nans, False,
-                         BLOCK)
+            nans = _emit(keys, cols, 0, found, cand, kth, need, ties, counters, out, nans, topk,
+                         False, BLOCK, TOPK)
         else:
             redo += 1
     tl.store(counters + _NANS, nans)
@@ -317,7 +328,7 @@ def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens:
     if R:
         _select_candidates_kernel[(R,)](
             keys, cols, counters, lens, out, redo, topk, cand, BLOCK=BLOCK,
-            num_warps=NUM_WARPS,
+            TOPK=triton.next_power_of_2(topk), num_warps=NUM_WARPS,
         )  # fmt: skip
     return out, redo, counters[:, _NANS.value]
 
@@ -344,7 +355,7 @@ def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tu
     _topk_kernel[(R,)](
         logits, logits.stride(0), logits.shape[1], starts, ends, out, cand_key, cand_idx, counters,
         topk, int(TARGET_FACTOR * topk), CAND=cand, SAMPLE=SAMPLE, BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        TOPK=triton.next_power_of_2(topk), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, counters[:, _NANS.value]
 
@@ -368,7 +379,7 @@ def select_rows(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tens
 
 
 def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int) -> Tensor:
-    """The ``topk`` best columns of each row within ``[row_starts[r], row_ends[r])``, any order.
+    """The ``topk`` best columns of each row within ``[row_starts[r], row_ends[r])``, ascending.
 
     Args:
         logits: float32 ``[R, N]``; entries outside a row's range are never read.
@@ -377,7 +388,7 @@ def topk_per_row(logits: Tensor, row_starts: Tensor, row_ends: Tensor, topk: int
 
     Returns:
         int32 ``[R, topk]`` relative to ``row_starts``: a row with ``len ≤ topk`` gives
-        ``0 … len − 1`` then ``-1``; otherwise its ``topk`` best columns in no set order, the
+        ``0 … len − 1`` then ``-1``; otherwise its ``topk`` best columns in ascending order, the
         lowest columns among those tied at the k-th score (the oracle's set).
 
     Raises:
