@@ -10,9 +10,10 @@ class here (or anywhere: ``PrefillEngine`` takes a ``Backend`` object as well as
   attention over the gathered context, and the MHA one-shot form for short contexts.
 * ``triton`` — ``glm_dsa.kernels``: Triton FP8 logits (float32 tensor-core accumulation,
   checked with DeepGEMM's ``calc_diff``) in the same budgeted row chunks and a radix select
-  writing each row in ascending column order (the same bits every run); absorbed sparse attention reading the
-  selected rows straight from the paged pool (FP8 656-byte rows dequantized in the kernel, or
-  bf16 / fp32 rows); queries and absorption GEMMs in the activation dtype. On sm_90 with a
+  writing each row in ascending column order (the same bits every run); absorbed sparse
+  attention reading the selected rows straight from the paged pool (FP8 656-byte rows
+  dequantized in the kernel, or bf16 / fp32 rows); queries and absorption GEMMs in the
+  activation dtype. On sm_90 with a
   tested Triton, bf16 attention runs the Gluon kernel (``kernels.sparse_mla_gluon``, bf16 rows
   only): a bf16 pool is read in place, and an FP8 pool's context is dequantized to bf16 once
   per layer step (bitwise the rows the FP8 kernel dequantizes; 1152 bytes per context token)

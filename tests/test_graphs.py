@@ -272,11 +272,9 @@ def test_graphs_above_index_topk_replay_equals_eager_bitwise(lengths, kv_dtype, 
     in both kernels when they take the same tiles (the head sum's order follows the tile shape),
     so here both take one config; autotuned apart, the two paths may differ in the last bits of
     a logit and so pick another key on a near tie."""
-    from glm_dsa.kernels import mqa_logits
+    from test_kernels_indexer import pin_logits_configs
 
-    one = mqa_logits._mqa_candidates_tuned.configs[:1]
-    monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", one)
-    monkeypatch.setattr(mqa_logits._mqa_logits_tuned, "configs", one)
+    pin_logits_configs(monkeypatch)
     model = _small_cuda()
     cfg = model.config
     ids = [torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]

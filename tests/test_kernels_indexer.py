@@ -389,7 +389,7 @@ def _assert_exact_topk_of(out, logits, ks, ke, topk):
         assert row[chosen].min() >= row[~chosen].max(), m
 
 
-def _pin_configs(monkeypatch):
+def pin_logits_configs(monkeypatch):
     """One config for the candidate and logits kernels, so that ``_kernel_logits`` computes
     the tiles ``indexer_topk`` computes (the head sum's order follows the tile shape)."""
     from glm_dsa.kernels import mqa_logits
@@ -422,7 +422,7 @@ def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits(monkeypatch, pa
     than it, shorter than topk and empty, from key 0 (causal) and from a later start."""
     from glm_dsa.kernels import indexer as fast, topk as topk_mod
 
-    _pin_configs(monkeypatch)
+    pin_logits_configs(monkeypatch)
     for name, value in CANDIDATE_PATHS[path].items():
         monkeypatch.setattr(fast if name == "SAMPLE" else topk_mod, name, value)
     S, H, D, N, topk = 24, 4, 128, 300, 8
@@ -460,7 +460,7 @@ def test_indexer_topk_launches_of_few_rows_give_the_same_sets(monkeypatch, rows_
     sample); the sets are those of one launch (exact top-k of the same logits, ties apart)."""
     from glm_dsa.kernels import indexer as fast
 
-    _pin_configs(monkeypatch)
+    pin_logits_configs(monkeypatch)
     monkeypatch.setattr(fast, "SAMPLE", 16)
     S, H, D, N, topk = 9, 4, 128, 200, 6
     q, k, k_scale, w = _inputs(S, H, D, N, seed=43)
@@ -495,7 +495,7 @@ def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits_at_glm_shapes(m
     """GLM-5.3's indexer (H 32, D 128, topk 2048) on rows of ~1M keys (the last step of a
     1M-token prefill), on keys with massive exact ties, and on causal rows around topk and
     the candidate buffer's size; checked against the kernel's own float32 logits."""
-    _pin_configs(monkeypatch)
+    pin_logits_configs(monkeypatch)
     topk = 2048
     if case == "1m_keys":
         S, N = 8, 1_048_576
