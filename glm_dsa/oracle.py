@@ -224,7 +224,9 @@ def fp8_paged_mqa_logits(
             (``kv_cache_cast_to_fp8``); any block stride.
         weights: ``[B * next_n, H]`` float32.
         context_lens: int32 ``[B]``: row ``(b, j)`` sees positions ``0 … ctx_b − next_n + j``;
-            or int32 ``[B, next_n]``: row ``(b, j)`` sees positions ``< context_lens[b, j]``.
+            or int32 ``[B, next_n]``: row ``(b, j)`` sees positions ``< context_lens[b, j]``
+            (DeepGEMM 54e2261 reads KV blocks only up to ``context_lens[b, next_n − 1]``, so
+            there the last column must be the request's longest, as MTP makes it).
         block_table: int32 ``[B, max_blocks]``, the physical block of each logical block.
         max_context_len: output width in tokens.
         clean_logits: ``-inf`` outside each row's positions (else unspecified upstream; here

@@ -61,9 +61,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 # The golden vectors' sizes: GLM-5.3 / DeepSeek-V3.2 head counts and softmax scales over the
-# small table's contexts and top-k (a few MB on disk, seconds on a CPU).
+# small table's contexts and top-k (a few MB on disk, seconds on a CPU), with the sparse
+# attention's top-k a multiple of 128, as FlashMLA's SM90 kernels require (phase1.cuh:
+# topk % (2 * B_TOPK) == 0), so the real kernel can run every golden case.
 SHAPES["golden"] = {**SHAPES["small"], **{k: SHAPES["glm-5.3"][k] for k in
-                                          ("index_heads", "mla_heads", "sm_scale")}}
+                                          ("index_heads", "mla_heads", "sm_scale")},
+                    "mla_topk": (128, 256)}
 
 # FlashMLA's sparse prefill tests draw q and kv as randn / 10 (docs/conventions.md §7).
 MLA_INPUT_STD = 0.1
@@ -293,7 +296,10 @@ def _paged_logits(g, pick, shp, edge):
     if edge == "mtp_across_page":
         next_n, lens = 2, [64, 65, 129]
     if edge == "context_lens_2d":
-        next_n, lens = 2, [[63, 65], [128, 64]]  # row (b, j) sees positions < lens[b][j]
+        # Row (b, j) sees positions < lens[b][j]; the last column is each request's longest,
+        # as MTP makes it and DeepGEMM needs it (its scheduler reads KV blocks up to
+        # ctx[b, next_n - 1]: 54e2261 scheduler/sm90_paged_mqa_logits.cuh:189).
+        next_n, lens = 2, [[63, 65], [64, 129]]
     if edge == "uncleaned":
         clean = False
     longest = [max(n) if isinstance(n, list) else n for n in lens]
@@ -601,7 +607,8 @@ CONTRACTS: dict[str, Contract] = {
             "context_63_64_65": "contexts one short of, at and one past a 64-token page",
             "context_1": "a context of one token",
             "mtp_across_page": "next_n=2: row (b, j) sees positions <= ctx_b - 2 + j, across a page",
-            "context_lens_2d": "2-D context_lens [B, next_n]: row (b, j) sees positions < ctx[b, j]",
+            "context_lens_2d": "2-D context_lens [B, next_n]: row (b, j) sees positions < ctx[b, j] "
+                               "(the last column each request's longest)",
             "uncleaned": "clean_logits=False: entries past the context are unspecified",
             "wide_output": "max_context_len a page past the longest context: those columns -inf",
             "full_range": "q and k are act_quant payloads over the full e4m3 range (|x| up to "

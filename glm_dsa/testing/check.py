@@ -220,7 +220,13 @@ def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, device
             with torch.set_grad_enabled(grad):
                 dev = torch.device(device)
                 if dev.type == "cuda":
+                    # A new thread has no current CUDA context, and torch makes none for a
+                    # device index it takes as current already; a kernel that launches through
+                    # the driver API (DeepGEMM's JIT runtime, FlashMLA's TMA descriptors) then
+                    # fails with CUDA_ERROR_INVALID_CONTEXT. A runtime call binds the device's
+                    # primary context to this thread.
                     with torch.cuda.device(dev):
+                        torch.cuda.synchronize(dev)
                         box["out"] = fn(*args, **kwargs)
                 else:
                     box["out"] = fn(*args, **kwargs)
