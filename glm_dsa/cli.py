@@ -347,24 +347,28 @@ def _text_ids(args, vocab_size: int) -> list[int]:
     return ids
 
 
+def _dtype_name(args, device) -> str:
+    """``--dtype``; by default bfloat16 on CUDA, float32 elsewhere."""
+    return args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+
+
 def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     """Every prefill input, before a model is built; returns the prompt lengths. The memory
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
+    import torch
+
     from glm_dsa.preflight import available_bytes, check_device, check_fits, check_optional_module
     from glm_dsa.ledger import param_counts, prefill_peak_bytes
     from glm_dsa.budget import Budgets
 
-    if args.batch_invariant and args.backend in ("triton", "peers"):
-        raise ValueError(f"--batch-invariant runs the reference backend; drop --backend {args.backend}")
     device = check_device("--device", args.device)
+    backend = get_backend(args.backend, device, getattr(torch, _dtype_name(args, device)), args.kv_dtype,
+                          args.batch_invariant)
     if args.cuda_graphs:
         from glm_dsa.cp import launched_by_torchrun
         from glm_dsa.graphs import unsupported
 
-        backend = "reference" if args.batch_invariant else args.backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "reference"
         why = unsupported(device, backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
                           layer_outputs=args.save_layer_outputs)
         if why:
@@ -429,8 +433,7 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     _check_prefill_outputs(args)
     if args.plot:
         check_optional_module("--plot", "matplotlib", "plot")
-    dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
-                                                                             else "float32")]
+    dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[_dtype_name(args, device)]
     # On CUDA the default budgets follow free memory, so they are what is left, not a demand.
     budget = (Budgets.default(device, args.budget_bytes, args.mem_fraction_static).logits_bytes
               if args.budget_bytes or device.type == "cpu" else 0)
@@ -534,11 +537,11 @@ def _run_prefill(args) -> int:
         if args.cp not in (None, cp_group.size):
             raise ValueError(f"--cp {args.cp} but torchrun started {cp_group.size} ranks")
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype_name = _dtype_name(args, device)
     if cp_group is None or cp_group.rank == 0:
         _preflight_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
-    backend = get_backend("reference" if args.batch_invariant else args.backend, device)
-    backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
+    # before the weights are drawn
+    backend = get_backend(args.backend, device, getattr(torch, dtype_name), args.kv_dtype, args.batch_invariant)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -727,9 +730,8 @@ def _cmd_fidelity(args) -> int:
     if not 0 <= args.request < len(lengths):
         raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
     device = torch.device(args.device)
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    backend = get_backend(args.backend, device)
-    backend.require(getattr(torch, dtype_name), args.kv_dtype)
+    dtype_name = _dtype_name(args, device)
+    backend = get_backend(args.backend, device, getattr(torch, dtype_name), args.kv_dtype)
     model = _load_model(args, device, getattr(torch, dtype_name))
     prompts, _ = _prompts(args, model.config)
     budget = args.budget_bytes or default_logits_bytes(device, args.mem_fraction_static)

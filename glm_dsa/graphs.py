@@ -55,20 +55,18 @@ import torch
 from torch import Tensor
 
 from glm_dsa import syncfree
-from glm_dsa.backend import Backend
+from glm_dsa.backend import Backend, graph_capturable_names
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache
 from glm_dsa.layer import DSAModel, StepContext
 
-__all__ = ["SPLIT_MODULES", "GRAPH_BACKENDS", "MAX_GRAPH_TOKENS", "MAX_GRAPH_CONTEXT", "LINEAR_BUCKET",
+__all__ = ["SPLIT_MODULES", "MAX_GRAPH_TOKENS", "MAX_GRAPH_CONTEXT", "LINEAR_BUCKET",
            "token_bucket", "max_padding", "unsupported", "StepGraphs"]
 
 # FFN modules run eagerly between graph pieces (host synchronisations on their CUDA path);
 # the MoE's CUDA path has none since its row-block rework.
 SPLIT_MODULES: tuple[type, ...] = ()
-# Backends whose indexer top-k and attention capture (the reference reads windows on the host).
-GRAPH_BACKENDS = ("triton",)
 # Largest step (tokens) and context (rows) run from graphs by default.
 MAX_GRAPH_TOKENS = 16384
 MAX_GRAPH_CONTEXT = 65536
@@ -98,15 +96,15 @@ def _bucket_floors(max_tokens: int, page_size: int) -> list[int]:
     return floors
 
 
-def unsupported(device: torch.device, backend: str, *, cp: bool = False,
+def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
                 layer_outputs: bool = False) -> str | None:
-    """Why steps on ``device`` with the backend named ``backend`` cannot run from CUDA graphs
-    (one line), or None when they can."""
+    """Why steps on ``device`` with ``backend`` cannot run from CUDA graphs (one line), or None
+    when they can."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
-    if backend not in GRAPH_BACKENDS:
-        return (f"the {backend} backend reads values on the host during a step; CUDA graphs need "
-                f"backend {' or '.join(GRAPH_BACKENDS)}")
+    if not backend.graph_capturable:
+        return (f"the {backend.name} backend reads values on the host during a step; CUDA graphs need "
+                f"backend {' or '.join(graph_capturable_names())}")
     if cp:
         return "context parallel steps communicate between ranks; CUDA graphs run one rank"
     if layer_outputs:

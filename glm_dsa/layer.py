@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm_dsa import invariant
+from glm_dsa import fused, invariant
 from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import LATENT_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.budget import Budgets
@@ -47,7 +47,8 @@ class StepContext:
             the context is read back through ``kv_slots``.
         cache: the pools.
         budgets: the indexer-logits and attention row-chunk byte budgets (``glm_dsa.budget``).
-        backend: the indexer top-k and attention implementations (``glm_dsa.backend``).
+        backend: the indexer top-k and attention implementations, and the fused passes every
+            layer half runs under (``glm_dsa.backend``).
         row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
         times: per-component wall seconds are added here when given.
         cp_chunk: context parallel (None: one rank). The step's ``x`` and ``batch`` are then
@@ -126,6 +127,12 @@ class DecoderLayer(nn.Module):
         """The first half of ``forward``: ``(h = x + attn(input_layernorm(x)) [n, hidden],
         topk_indices)``, this step's KV (and index K) written. ``glm_dsa.graphs`` captures the
         halves as separate pieces where the FFN cannot be captured."""
+        with fused.using(step.backend.passes):
+            return self._attention_block(x, step, topk_indices)
+
+    def _attention_block(
+        self, x: torch.Tensor, step: StepContext, topk_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn, batch, cache, cp_chunk = self.self_attn, step.batch, step.cache, step.cp_chunk
         timer = _Timer(step.times, x.device)
         timer.start()
@@ -149,8 +156,9 @@ class DecoderLayer(nn.Module):
         """The second half of ``forward``: ``h + ffn(post_attention_layernorm(h))`` ``[n, hidden]``."""
         timer = _Timer(step.times, h.device)
         timer.start()
-        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, step.batch.positions,
-                            step.budgets.moe_bytes)
+        with fused.using(step.backend.passes):
+            out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask,
+                                step.batch.positions, step.budgets.moe_bytes)
         timer.stop("moe")
         return out
 

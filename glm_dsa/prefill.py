@@ -221,15 +221,9 @@ class PrefillEngine:
         self.model, self.config = model, cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # auto picks what the run can do: batch invariance is the reference's alone
-        self.backend = get_backend("reference" if batch_invariant and backend == "auto" else backend,
-                                   self.device)
-        self.backend.require(self.dtype, kv_dtype)
-        if batch_invariant and self.backend.name != "reference":
-            raise ValueError(f"batch_invariant=True needs backend='reference' (the {self.backend.name} "
-                             "kernels are not batch-invariant)")
+        self.backend = get_backend(backend, self.device, self.dtype, kv_dtype, batch_invariant)
         self.batch_invariant = batch_invariant
-        why_not = graphs.unsupported(self.device, self.backend.name, cp=cp_group is not None,
+        why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,
                                      layer_outputs=layer_outputs)
         if cuda_graphs and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")

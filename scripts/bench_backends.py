@@ -30,7 +30,7 @@ import time
 import torch
 from torch import Tensor
 
-from glm_dsa.backend import REFERENCE, get_backend
+from glm_dsa.backend import REFERENCE, Backend, get_backend
 from glm_dsa.config import get_config, keep_layers
 from glm_dsa.prefill import PrefillEngine
 from glm_dsa.weights import build_model, init_weights
@@ -38,14 +38,15 @@ from glm_dsa.weights import build_model, init_weights
 GB = 1e9
 
 
-class Recording:
-    """A backend that records every top-k its ``base`` returns (on the device)."""
+class Recording(Backend):
+    """A backend that records every top-k its ``base`` returns (on the device); it can do what
+    ``base`` can."""
 
-    def __init__(self, base) -> None:
+    def __init__(self, base: Backend) -> None:
         self.base, self.name, self.topk = base, base.name, []
-
-    def require(self, dtype, kv_dtype) -> None:
-        self.base.require(dtype, kv_dtype)
+        self.graph_capturable, self.batch_invariant = base.graph_capturable, base.batch_invariant
+        self.activation_dtypes, self.kv_dtypes = base.activation_dtypes, base.kv_dtypes
+        self.passes = base.passes
 
     def indexer_topk(self, *args) -> Tensor:
         out = self.base.indexer_topk(*args)
