@@ -12,7 +12,7 @@ the GPU) and a few loops size their work from device values (``.tolist()``). Ins
   what failed but not the first offending row (finding it would cost another synchronisation),
   and it comes after the step's compute rather than before it.
 * code whose shapes follow device values takes a plan from the tensors' sizes alone
-  (``glm_dsa.indexer.chunked_topk``: every row chunk over all key columns).
+  (``glm_dsa.row_chunks.chunked_topk``: every row chunk over all key columns).
 
 Nothing else changes: the kernels, their arguments and so their results are the eager ones.
 """

@@ -112,3 +112,107 @@ def test_the_budgets_have_one_home():
                                   "_rows_per_chunk", "default_budget_bytes"}, f
             if f.name not in ("ledger.py", "fidelity.py"):
                 assert "budget_bytes //" not in f.read_text(), f
+
+
+# ----------------------------------------------------------------------------- import graph
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module → the package modules it imports, at module level or inside a function (both run),
+    leaving out ``if TYPE_CHECKING:`` blocks (they never run). ``from a import b`` names the
+    module ``a.b`` when there is one; importing ``a.b`` from outside package ``a`` runs
+    ``a/__init__.py`` too, so that counts as importing ``a`` (the top-level ``glm_dsa``, the
+    public façade that imports everything, is left out)."""
+    modules = {_module_name(p): p for p in _modules()}
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree)
+                       if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                       for n in ast.walk(node)}
+        edges = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                           else node.module for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target in modules and target != "glm_dsa":
+                    edges.add(target)
+                    target = target.rpartition(".")[0]
+                    if name.startswith(target + "."):
+                        break
+        graph[name] = edges - {name}
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph[todo.pop()] - seen:
+            seen.add(m)
+            todo.append(m)
+    return seen
+
+
+def test_no_import_cycle_among_the_package_modules():
+    graph = _import_graph()
+    cycles = sorted(m for m in graph if m in _reachable(graph, m))
+    assert cycles == []
+    assert "glm_dsa.row_chunks" in graph["glm_dsa.kernels.indexer"]  # the check sees imports at all
+
+
+def test_the_kernels_import_nothing_of_the_model():
+    """``glm_dsa/kernels/*`` sits below the model: nothing it imports, directly or through
+    another module, defines an ``nn.Module`` (the reference ``indexer.py`` among them)."""
+    graph = _import_graph()
+    model = {_module_name(p) for p in _modules()
+             if any(isinstance(n, ast.ClassDef) and any("Module" in ast.unparse(b) for b in n.bases)
+                    for n in ast.walk(ast.parse(p.read_text())))}
+    assert {"glm_dsa.indexer", "glm_dsa.mla", "glm_dsa.moe", "glm_dsa.layer"} <= model
+    for kernel in (m for m in graph if m.startswith("glm_dsa.kernels")):
+        assert not _reachable(graph, kernel) & model, kernel
+
+
+def test_the_model_reaches_the_kernels_through_the_backend_and_the_fused_passes_only():
+    importers = {m for m, edges in _import_graph().items()
+                 if not m.startswith("glm_dsa.kernels") and any(e.startswith("glm_dsa.kernels") for e in edges)}
+    assert importers == {"glm_dsa.backend", "glm_dsa.fused", "glm_dsa.peers"}, importers
+
+
+# ----------------------------------------------------------------------------- backends
+_BACKEND_NAMES = {"auto", "reference", "triton", "peers"}
+
+
+def test_capabilities_are_backend_attributes_and_no_other_module_lists_backends():
+    """What a backend can do is an attribute of it: no module but backend.py compares with a
+    backend's name or holds backend names in a tuple, list or set."""
+    from glm_dsa.backend import Backend, PeersBackend, ReferenceBackend, TritonBackend
+
+    for attr in ("graph_capturable", "batch_invariant", "activation_dtypes", "kv_dtypes", "passes"):
+        assert hasattr(Backend, attr), attr
+    assert (ReferenceBackend.batch_invariant, TritonBackend.graph_capturable) == (True, True)
+    assert PeersBackend.activation_dtypes is not None
+    offenders = []
+    for f in _modules():
+        if f.name == "backend.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                operands = list(node.elts)
+            else:
+                continue
+            for c in operands:
+                if isinstance(c, ast.Constant) and c.value in _BACKEND_NAMES:
+                    offenders.append(f"{f.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+    assert offenders == []

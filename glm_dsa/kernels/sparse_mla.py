@@ -43,12 +43,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_dsa.kernels.launch import launch_buffers
 from glm_dsa.kernels.numerics import round_rne
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
-           "gluon_unavailable", "launch_buffers"]
+           "gluon_unavailable"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -300,20 +301,6 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
     _log_once(f"sparse MLA: Triton kernel ({why_not})")
     return _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink,
                           topk_length, fp8)
-
-
-def launch_buffers(q: Tensor, d_v: int, indices: Tensor, attn_sink: Tensor | None,
-                   topk_length: Tensor | None):
-    """What both kernels' launches take: empty ``out [s_q, h_q, d_v]`` (q's dtype),
-    ``max_logits`` and ``lse [s_q, h_q]`` float32, the float32 sink (or None), contiguous
-    lengths (or None) and the indices as ``[s_q, topk]``."""
-    s_q, h_q, _ = q.shape
-    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
-    max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
-    lengths = None if topk_length is None else topk_length.contiguous()
-    return out, max_logits, lse, sink, lengths, indices[:, 0, :]
 
 
 def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk_length,

@@ -68,6 +68,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from glm_dsa.kernels.launch import launch_buffers
+
 __all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG", "MEASURED"]
 
 _LOG2E = math.log2(math.e)
@@ -625,8 +627,6 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     ``[s_q]`` or None; config: entries overriding ``CONFIG`` (for measurements).
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
-    from glm_dsa.kernels.sparse_mla import launch_buffers
-
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
     out, max_logits, lse, sink, lengths, idx = launch_buffers(q, D_V, indices, attn_sink,
