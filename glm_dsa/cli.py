@@ -370,7 +370,7 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
         from glm_dsa.graphs import unsupported
 
         why = unsupported(device, backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
-                          layer_outputs=args.save_layer_outputs)
+                          observed=args.save_layer_outputs)
         if why:
             raise ValueError(f"--cuda-graphs: {why}; drop the flag")
     if args.requests < 1:

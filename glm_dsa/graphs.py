@@ -97,9 +97,9 @@ def _bucket_floors(max_tokens: int, page_size: int) -> list[int]:
 
 
 def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
-                layer_outputs: bool = False) -> str | None:
+                observed: bool = False) -> str | None:
     """Why steps on ``device`` with ``backend`` cannot run from CUDA graphs (one line), or None
-    when they can."""
+    when they can; ``observed``: a step observer (``glm_dsa.layer.StepObserver``) watches them."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if not backend.graph_capturable:
@@ -107,8 +107,8 @@ def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
                 f"backend {' or '.join(graph_capturable_names())}")
     if cp:
         return "context parallel steps communicate between ranks; CUDA graphs run one rank"
-    if layer_outputs:
-        return "layer_outputs hooks every layer's output, which a replayed graph does not call"
+    if observed:
+        return "a step observer (layer_outputs) sees every layer's tensors, which a replayed graph does not hand out"
     return None
 
 
@@ -122,15 +122,6 @@ class _Piece:
     static_out: tuple | None = None
     checks: syncfree.Checks | None = None
     verdicts: Tensor | None = None
-
-
-def _hooked(model: torch.nn.Module) -> bool:
-    """Any forward (pre-)hook on ``model``'s modules, or a global one."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
 def _raise_first(pieces: list[_Piece]) -> None:
@@ -314,11 +305,10 @@ class StepGraphs:
         self.replays = 0
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """True when ``batch``'s step runs from graphs: its sizes are within the limits and no
-        module of the model has a forward hook (a replay runs no Python, so a hook would see
-        the capture's tensors once and never again; ``glm_dsa.fidelity`` hooks the layers)."""
-        return (batch.num_tokens <= self.max_tokens and batch.kv_slots.numel() <= self.max_context
-                and not _hooked(self.model))
+        """True when ``batch``'s step runs from graphs: its sizes are within the limits. (A replay
+        runs no Python: a step is observed through a ``StepObserver``, which the engine runs
+        eagerly, never through module hooks, which a replay would not call.)"""
+        return batch.num_tokens <= self.max_tokens and batch.kv_slots.numel() <= self.max_context
 
     def _bucket(self, inputs: Tensor, batch: ForwardBatch) -> _BucketGraph:
         page = self.model.config.page_size

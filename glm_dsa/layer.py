@@ -25,7 +25,7 @@ from glm_dsa.mla import MLA
 from glm_dsa.moe import MLP, MoE
 from glm_dsa.norm import RMSNorm
 
-__all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes", "StepContext"]
+__all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes", "StepContext", "StepObserver"]
 
 
 @dataclass
@@ -36,6 +36,23 @@ class LayerTimes:
     indexer: float = 0.0
     attention: float = 0.0
     moe: float = 0.0
+
+
+class StepObserver:
+    """What a step's layers hand to whoever watches the step (``PrefillEngine(observer=)``,
+    ``glm_dsa.fidelity``, the engine's ``layer_outputs``). Each method does nothing here; an
+    observer overrides those it needs. The tensors are the step's own (detach or copy what is
+    kept); a step run from CUDA graphs calls no observer, so an engine with one runs eagerly."""
+
+    def attention_input(self, layer: DecoderLayer, h_in: torch.Tensor) -> None:
+        """``layer``'s attention input ``input_layernorm(x)`` ``[n, hidden]``."""
+
+    def topk(self, layer: DecoderLayer, topk_indices: torch.Tensor) -> None:
+        """A full ``layer``'s indexer top-k, int32 ``[n, index_topk]`` request-relative."""
+
+    def layer_output(self, layer: DecoderLayer, out: torch.Tensor,
+                     topk_indices: torch.Tensor | None) -> None:
+        """``layer``'s output ``[n, hidden]`` and the top-k it attended over."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +68,7 @@ class StepContext:
             layer half runs under (``glm_dsa.backend``).
         row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
         times: per-component wall seconds are added here when given.
+        observer: told each layer's attention input, top-k and output when given.
         cp_chunk: context parallel (None: one rank). The step's ``x`` and ``batch`` are then
             this rank's rows; the chunk's latent rows and index keys are gathered from every
             rank and written at the whole chunk's slots.
@@ -63,6 +81,7 @@ class StepContext:
     row_mask: torch.Tensor | None = None
     times: LayerTimes | None = None
     cp_chunk: RowGather | None = None
+    observer: StepObserver | None = None
 
 
 class _Timer:
@@ -119,7 +138,10 @@ class DecoderLayer(nn.Module):
             layer.
         """
         h, topk_indices = self.attention_block(x, step, topk_indices)
-        return self.ffn_block(h, step), topk_indices
+        out = self.ffn_block(h, step)
+        if step.observer is not None:
+            step.observer.layer_output(self, out, topk_indices)
+        return out, topk_indices
 
     def attention_block(
         self, x: torch.Tensor, step: StepContext, topk_indices: torch.Tensor | None
@@ -137,6 +159,8 @@ class DecoderLayer(nn.Module):
         timer = _Timer(step.times, x.device)
         timer.start()
         h_in = self.input_layernorm(x)
+        if step.observer is not None:
+            step.observer.attention_input(self, h_in)
         proj = attn.project(h_in, batch.positions)
         cache.write_mla(self.layer_idx, *_whole_chunk(proj.kv_latent, batch, cp_chunk))
         timer.stop("projections")
@@ -145,6 +169,8 @@ class DecoderLayer(nn.Module):
                                         step.budgets.logits_bytes, cp_chunk, step.backend.indexer_topk)
             cache.record_index_k_write(_chunk_tokens(batch, cp_chunk))
             timer.stop("indexer")
+            if step.observer is not None:
+                step.observer.topk(self, topk_indices)
         elif topk_indices is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
         h = x + step.backend.attend(attn, proj, cache, self.layer_idx, batch, topk_indices,

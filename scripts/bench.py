@@ -371,7 +371,7 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
         with torch.no_grad():
             # glm-dsa as configured (CUDA graphs by default on the triton backend), then eagerly;
             # each engine is reused after a warm-up run, as a server reuses its engine and graphs.
-            # The top-k is read by a hook, on the eager runs only: a module with a hook runs eagerly.
+            # The top-k is read by a hook, on the eager run only (cuda_graphs=False): a replay calls no hook.
             hook = indexer.register_forward_hook(lambda m, a, out: captured.__setitem__("ours", out))
             eager = _time_ours(model, ids, backend, cuda_graphs=False)
             hook.remove()

@@ -216,3 +216,13 @@ def test_capabilities_are_backend_attributes_and_no_other_module_lists_backends(
                 if isinstance(c, ast.Constant) and c.value in _BACKEND_NAMES:
                     offenders.append(f"{f.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []
+
+
+def test_no_module_inspects_or_sets_torch_forward_hooks():
+    """A step is observed through ``glm_dsa.layer.StepObserver``: nothing in the package reads
+    torch's private hook dicts or registers a forward hook (which a replayed graph skips)."""
+    probes = ("_global_forward_hooks", "_global_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks",
+              "register_forward_hook", "register_forward_pre_hook", "register_module_forward_hook")
+    found = [(f.relative_to(PACKAGE).as_posix(), p) for f in _modules() for p in probes if p in f.read_text()]
+    assert found == []
+    assert "StepObserver" in (PACKAGE / "fidelity.py").read_text()  # the check reads the right files
