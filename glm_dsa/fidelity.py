@@ -44,7 +44,7 @@ from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.indexer import indexer_topk, topk_per_row
 from glm_dsa.layer import DecoderLayer, DSAForCausalLM, StepObserver
 from glm_dsa.oracle import calc_diff
-from glm_dsa.budget import default_logits_bytes
+from glm_dsa.budget import Budgets
 from glm_dsa.prefill import PrefillEngine, pages_for
 from glm_dsa.report import table
 from glm_dsa.validate import need
@@ -415,7 +415,7 @@ def selection_fidelity(
     chunked_prefill_size: int = 32768,
     kv_dtype: str = "fp8",
     backend: str | Backend = "reference",
-    budget_bytes: int | None = None,
+    budget_bytes: Budgets | int | None = None,
 ) -> dict:
     """Prefill ``inputs`` and measure every layer's selection on ``rows`` sampled positions.
 
@@ -425,8 +425,9 @@ def selection_fidelity(
             ``[n, hidden]`` (``PrefillEngine.add_request``'s ``input_hidden``).
         rows: query rows to sample (``sample_positions``, seeded by ``seed``).
         chunked_prefill_size, kv_dtype, backend: as ``PrefillEngine``'s.
-        budget_bytes: the prefill's budget and the bound on the measurement's row chunks
-            (default ``budget.default_logits_bytes``).
+        budget_bytes: the prefill's budgets (``PrefillEngine``'s argument: a ``Budgets``, one
+            int for all, or None for ``Budgets.default`` on the model's device); their logits
+            budget also bounds the measurement's row chunks.
 
     Returns:
         A JSON-ready dict: ``tokens``, ``seconds`` (``prefill`` and ``measurement``, wall),
@@ -445,14 +446,13 @@ def selection_fidelity(
           f"{tuple(inputs.shape)}")
     need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
     device = next(model.parameters()).device
-    if budget_bytes is None:
-        budget_bytes = default_logits_bytes(device)
+    budgets = budget_bytes if isinstance(budget_bytes, Budgets) else Budgets.default(device, budget_bytes)
     n = inputs.shape[0]
     positions = sample_positions(n, rows, seed)
     pos_dev = positions.to(device)
     capture = _Capture(model, pos_dev)
     engine = PrefillEngine.for_prompts(model, [n], kv_dtype=kv_dtype,
-                                       chunked_prefill_size=chunked_prefill_size, budget_bytes=budget_bytes,
+                                       chunked_prefill_size=chunked_prefill_size, budget_bytes=budgets,
                                        prefix_caching=False, compute_logits=False, backend=backend,
                                        observer=capture)
     if hidden:
@@ -476,7 +476,7 @@ def selection_fidelity(
         i = layer.layer_idx
         source = cfg.topk_source(i)
         topk = torch.cat(capture.selected[source])
-        figures = _layer_figures(layer, capture.inputs.pop(i), pos_dev, topk, cache, budget_bytes)
+        figures = _layer_figures(layer, capture.inputs.pop(i), pos_dev, topk, cache, budgets.logits_bytes)
         layers.append({
             "layer": i, "kind": "full" if source == i else "shared", "topk_from": source,
             "rows": {k: v.double().cpu().tolist() for k, v in figures.items() if not k.startswith("_")},
