@@ -44,7 +44,7 @@ from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.indexer import indexer_topk, topk_per_row
 from glm_dsa.layer import DecoderLayer, DSAForCausalLM, StepObserver
 from glm_dsa.oracle import calc_diff
-from glm_dsa.budget import Budgets
+from glm_dsa.budget import Budgets, rows_within
 from glm_dsa.prefill import PrefillEngine, pages_for
 from glm_dsa.report import table
 from glm_dsa.validate import need
@@ -200,7 +200,7 @@ def _attention_mass(query, kv, lengths, topk, sm_scale, index_topk, d_v, budget_
     width = int(lengths.max()) if r else 0
     # The scores, their exponentials and two masked copies of [rows, H, width].
     per_row = 4 * heads * max(width, 1) * cdt.itemsize
-    rows = r if budget_bytes is None else max(1, budget_bytes // per_row)
+    rows = r if budget_bytes is None else rows_within(budget_bytes, per_row)
     keys = kv.to(cdt)
     for r0 in range(0, r, rows):
         r1 = min(r, r0 + rows)
@@ -234,7 +234,7 @@ def _relu_scores(q: Tensor, weights: Tensor, k: Tensor, lengths: Tensor, budget_
     cdt = torch.promote_types(q.dtype, torch.float32)
     width = int(lengths.max())
     out = torch.full((r, width), -math.inf, dtype=cdt, device=q.device)
-    rows = max(1, budget_bytes // (2 * heads * width * cdt.itemsize))
+    rows = rows_within(budget_bytes, 2 * heads * width * cdt.itemsize)
     keys = k[:width].to(cdt)
     for r0 in range(0, r, rows):
         r1 = min(r, r0 + rows)

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from glm_dsa import fused, invariant
 from glm_dsa.batch import INDEX_K_ALLGATHER, ForwardBatch, RowGather
+from glm_dsa.budget import rows_within
 from glm_dsa.config import DSAConfig
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
@@ -77,7 +78,7 @@ _MAX_TILE_COLS = 1024
 # ----------------------------------------------------------------------------- logits
 def _tile_shape(S: int, H: int, itemsize: int) -> tuple[int, int]:
     """(rows, cols) of one score tile: ``rows * H * cols * itemsize`` ≲ ``TILE_BYTES``."""
-    elems = max(1, TILE_BYTES // itemsize)
+    elems = rows_within(TILE_BYTES, itemsize)  # elements: rows of one
     cols = max(_COL_ALIGN, min(_MAX_TILE_COLS, elems // H) // _COL_ALIGN * _COL_ALIGN)
     rows = max(1, min(S, elems // (H * cols)))
     if rows == S:
@@ -231,7 +232,8 @@ def paged_mqa_logits(
         q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
     )
     return _paged_mqa_logits(
-        q_fp8, index_k_pages, weights, ends, block_table, max_context_len, clean_logits, page_size
+        q_fp8, index_k_pages, weights, ends.tolist(), block_table, max_context_len, clean_logits,
+        page_size
     )
 
 
@@ -337,7 +339,7 @@ def _topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
     out = prefix_indices(ends - starts, topk)
     long_rows = ((ends - starts) > topk).nonzero().flatten()
     # The [block, N] temporaries (row copy, masked copy, masks) stay within TILE_BYTES.
-    block = max(1, TILE_BYTES // (16 * max(N, 1)))
+    block = rows_within(TILE_BYTES, 16 * max(N, 1))
     for i in range(0, long_rows.numel(), block):
         rows = long_rows[i : i + block]
         idx = _canonical_topk(logits[rows], starts[rows], ends[rows], topk, rows)

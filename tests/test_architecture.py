@@ -85,11 +85,18 @@ def test_the_oracle_the_model_and_the_kernels_call_the_validation_module():
 
 
 def test_range_checks_never_copy_index_vectors_to_the_host():
-    """``check_ranges`` takes tensors: no call site hands it ``.tolist()`` lists."""
+    """``check_ranges`` takes tensors: no call site hands it ``.tolist()`` lists; and no check in
+    validate.py copies a tensor to the host as a list (a failing row's numbers are read one by
+    one, to be named)."""
     for f in _modules():
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "check_ranges":
                 assert not any("tolist" in ast.unparse(a) for a in node.args), f
+    tree = ast.parse((PACKAGE / "validate.py").read_text())
+    copies = [ast.unparse(n) for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and n.attr in ("tolist", "numpy", "cpu")]
+    assert copies == []
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "check_paged_inputs" for n in tree.body)
 
 
 def test_the_layer_never_picks_the_attention_form_itself():
@@ -100,18 +107,27 @@ def test_the_layer_never_picks_the_attention_form_itself():
         assert probe not in source, probe
 
 
+def _bytes_to_rows(path: pathlib.Path) -> list[str]:
+    """Every floor division of a byte count (an operand naming bytes or a budget) in ``path``:
+    a rule turning bytes into rows."""
+    return [f"{path.name}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.FloorDiv)
+            and any(w in ast.unparse(n.left).lower() for w in ("bytes", "budget"))]
+
+
 def test_the_budgets_have_one_home():
-    """``max_logit_rows`` and ``attention_rows`` are defined in budget.py only, and no other
-    module computes rows from a budget by its own rule (the ledger re-derives the logits rule
-    from the config on purpose, as a cross-check its tests hold against budget.py; fidelity.py
-    bounds its own dense measurement, not one of the model's paths)."""
+    """``max_logit_rows``, ``attention_rows``, ``moe_rows`` and ``rows_within`` are defined in
+    budget.py only, and no other module turns bytes into rows by a rule of its own: no floor
+    division of a byte count outside budget.py (the ledger re-derives the logits rule from the
+    config on purpose, as a cross-check its tests hold against budget.py)."""
     for f in _modules():
         defined = _defined_functions(f)
         if f.name != "budget.py":
-            assert not defined & {"max_logit_rows", "attention_rows", "logits_budget_bytes",
-                                  "_rows_per_chunk", "default_budget_bytes"}, f
-            if f.name not in ("ledger.py", "fidelity.py"):
-                assert "budget_bytes //" not in f.read_text(), f
+            assert not defined & {"max_logit_rows", "attention_rows", "moe_rows", "rows_within",
+                                  "logits_budget_bytes", "_rows_per_chunk", "default_budget_bytes"}, f
+    rules = [r for f in _modules() if f.name not in ("budget.py", "ledger.py") for r in _bytes_to_rows(f)]
+    assert rules == []
+    assert _bytes_to_rows(PACKAGE / "budget.py")  # the check sees such divisions at all
 
 
 # ----------------------------------------------------------------------------- import graph

@@ -78,8 +78,7 @@ def candidate_rows(num_q: int, num_k: int, D: int, topk: int, budget_bytes: int)
     (``D + 4`` bytes each); at least one."""
     logits_bytes = 4 * budget.max_logit_rows(num_q, num_k, budget_bytes) * num_k
     sampled_keys = min(SAMPLE, num_k) * (D + 4)
-    rows = (logits_bytes - sampled_keys) // candidate_row_bytes(num_k, topk)
-    return max(1, min(num_q, rows))
+    return budget.rows_within(logits_bytes - sampled_keys, candidate_row_bytes(num_k, topk), num_q)
 
 
 def indexer_topk(

@@ -504,12 +504,11 @@ def fp8_paged_mqa_logits(
         f"4 bytes; got strides {kv_cache.stride()}",
     )
     # The reference's checks, on the blocks viewed as its [num_blocks, page bytes] pages.
-    lens = check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
-                               max_context_len, page)
+    ends = check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
+                              max_context_len, page)
     B, next_n, H = q.shape[:3]
     check_kernel_shapes(H, D, weights)
     check_device(q)
-    ends = torch.tensor(lens, dtype=torch.int32, device=q.device).reshape(B, next_n)
     if ends.numel():
         # The kernel reads pages through the table unchecked: an entry out of range would
         # read another allocation's bytes, so every entry a row can reach is checked here.
