@@ -36,6 +36,7 @@ from glm_dsa.config import DSAConfig, get_config
 from glm_dsa.kv_format import MLA_KV_FORMATS
 from glm_dsa.ledger import GpuSpec, build_ledger
 from glm_dsa.ledger_text import format_ledger
+from glm_dsa.outputs import Terminated, raise_terminated
 from glm_dsa.report import table
 from glm_dsa.testing import cli as testing_cli
 
@@ -514,11 +515,11 @@ def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
 
 def _check_prefill_outputs(args) -> None:
     """``--save-outputs`` and ``--plot`` against the run's inputs and each other."""
-    from glm_dsa.outputs import check_outputs
+    from glm_dsa.outputs import check_output_paths
 
     inputs = {"--input-ids": args.input_ids, "--input-hidden": args.input_hidden, "--text": args.text,
               "--weights": args.weights, "--config": args.config if os.path.exists(args.config) else None}
-    check_outputs({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
+    check_output_paths({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
 def _prompts(args, config):
@@ -829,21 +830,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(BaseException):
-    """SIGTERM, raised where the program is, so output temporaries are removed on the way out."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
 @contextlib.contextmanager
 def _signals_unwind(command: str):
     """While a command runs: SIGTERM unwinds like Ctrl-C does, and a library warning prints as
     one line ``glm-dsa <command>: warning: …``. Both are restored afterwards (``main`` may be
     called from Python)."""
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
     show = warnings.showwarning
     warnings.showwarning = lambda message, *rest, **kw: print(f"glm-dsa {command}: warning: {message}",
                                                               file=sys.stderr)
@@ -868,10 +861,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _signals_unwind(args.command):
             return args.func(args)
-    except (KeyboardInterrupt, _Terminated) as e:
+    except (KeyboardInterrupt, Terminated) as e:
         if args.debug:
             raise
-        terminated = isinstance(e, _Terminated)
+        terminated = isinstance(e, Terminated)
         print(f"glm-dsa {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except Exception as e:

@@ -242,3 +242,17 @@ def test_no_module_inspects_or_sets_torch_forward_hooks():
     found = [(f.relative_to(PACKAGE).as_posix(), p) for f in _modules() for p in probes if p in f.read_text()]
     assert found == []
     assert "StepObserver" in (PACKAGE / "fidelity.py").read_text()  # the check reads the right files
+
+
+def test_no_class_is_defined_twice_and_check_names_have_one_meaning():
+    """One definition per class name in the package, and ``check_outputs`` / ``check_device``
+    each mean one thing (golden outputs; a ``--device`` flag)."""
+    classes: dict[str, list[str]] = {}
+    for f in _modules():
+        for node in ast.parse(f.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(f.relative_to(PACKAGE).as_posix())
+    assert {name: where for name, where in classes.items() if len(where) > 1} == {}
+    for name, home in (("check_outputs", "testing/golden.py"), ("check_device", "preflight.py")):
+        definers = [f.relative_to(PACKAGE).as_posix() for f in _modules() if name in _defined_functions(f)]
+        assert definers == [home], (name, definers)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from glm_dsa import budget, syncfree
 from glm_dsa.kernels.mqa_logits import (
-    check_device,
+    check_cuda_tensor,
     check_kernel_shapes,
     launch_mqa_candidates,
     launch_mqa_logits,
@@ -112,7 +112,7 @@ def indexer_topk(
     """
     check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
     check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
-    check_device(q_fp8)
+    check_cuda_tensor(q_fp8)
     if syncfree.active():
         # Which rows the candidate filter must redo is read on the host (``nonzero``), which a
         # captured step cannot do: there every row chunk takes the logits and the radix select.

@@ -324,7 +324,7 @@ def _size_class(rows: int, cols: int) -> int:
     return (rows * cols).bit_length() // 4
 
 
-def check_device(t: Tensor) -> None:
+def check_cuda_tensor(t: Tensor) -> None:
     need(
         _INTERPRET or t.is_cuda,
         f"the Triton kernels need CUDA tensors, got {t.device}; on the CPU set "
@@ -460,7 +460,7 @@ def fp8_mqa_logits(
     k_fp8, k_scale = kv
     S, H, D, S_kv = check_logits_inputs(q, k_fp8, k_scale, weights)
     check_kernel_shapes(H, D, weights)
-    check_device(q)
+    check_cuda_tensor(q)
     check_index_vector("cu_seqlen_ks", cu_seqlen_ks, S, q.device)
     check_index_vector("cu_seqlen_ke", cu_seqlen_ke, S, q.device)
     check_ranges(cu_seqlen_ks, cu_seqlen_ke, S_kv, "S_kv")
@@ -508,7 +508,7 @@ def fp8_paged_mqa_logits(
                               max_context_len, page)
     B, next_n, H = q.shape[:3]
     check_kernel_shapes(H, D, weights)
-    check_device(q)
+    check_cuda_tensor(q)
     if ends.numel():
         # The kernel reads pages through the table unchecked: an entry out of range would
         # read another allocation's bytes, so every entry a row can reach is checked here.
