@@ -156,16 +156,10 @@ class KVCache:
         if slots.dtype != torch.int64 or slots.dim() != 1:
             raise ValueError(f"slots must be a 1-D int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
         capacity = self.num_pages * self.page_size
-        if slots.numel() and syncfree.active():
+        if slots.numel():
             syncfree.check((slots.min() >= 0) & (slots.max() < capacity),
                            f"slot out of the pool: slots must lie in [0, {capacity}) "
                            f"({self.num_pages} pages × {self.page_size})")
-            return
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-            raise ValueError(
-                f"slot out of the pool: slots must lie in [0, {capacity}) "
-                f"({self.num_pages} pages × {self.page_size})"
-            )
 
     def write_mla(self, layer: int, slots: torch.Tensor, kv_latent: torch.Tensor) -> None:
         """Store ``kv_latent [n, kv_lora_rank + rope]`` (``[c | k_pe]``) at ``slots [n]``."""
@@ -175,14 +169,14 @@ class KVCache:
             raise ValueError(
                 f"kv_latent must be [{slots.numel()}, {cfg.kv_latent_dim}], got {tuple(kv_latent.shape)}"
             )
-        if syncfree.active():
-            syncfree.check(torch.isfinite(kv_latent).all(),
-                           f"write_mla of layer {layer}: a kv_latent row holds NaN or inf, which the "
-                           "cache does not store; fix the producer of the latent")
-        elif not bool(torch.isfinite(kv_latent).all()):
+        def first_bad_row() -> str:
             bad = int((~torch.isfinite(kv_latent)).any(dim=-1).nonzero()[0])
-            raise ValueError(f"write_mla of layer {layer}: kv_latent row {bad} (slot {int(slots[bad])}) holds NaN "
-                             "or inf, which the cache does not store; fix the producer of the latent")
+            return (f"write_mla of layer {layer}: kv_latent row {bad} (slot {int(slots[bad])}) holds NaN "
+                    "or inf, which the cache does not store; fix the producer of the latent")
+
+        syncfree.check(torch.isfinite(kv_latent).all(),
+                       f"write_mla of layer {layer}: a kv_latent row holds NaN or inf, which the "
+                       "cache does not store; fix the producer of the latent", first_bad_row)
         pool = self.mla[layer]
         if self.written is not None:
             self.written[layer][slots.to(pool.device)] = True

@@ -54,15 +54,12 @@ def check_ranges(ks: Tensor, ke: Tensor, num_cols: int, what: str) -> None:
     """Every row's window satisfies ``0 ≤ ks ≤ ke ≤ num_cols`` (``what`` names ``num_cols``);
     the first bad row is named."""
     bad = (ks < 0) | (ks > ke) | (ke > num_cols)
-    if syncfree.active():
-        syncfree.check(~bad.any(), f"a row's [ks, ke) breaks 0 ≤ ks ≤ ke ≤ {what}={num_cols}")
-        return
-    if bool(bad.any()):
+
+    def first_bad_row() -> str:
         m = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"row {m}: [ks, ke) = [{int(ks[m])}, {int(ke[m])}) must satisfy 0 ≤ ks ≤ ke ≤ "
-            f"{what}={num_cols}"
-        )
+        return f"row {m}: [ks, ke) = [{int(ks[m])}, {int(ke[m])}) must satisfy 0 ≤ ks ≤ ke ≤ {what}={num_cols}"
+
+    syncfree.check(~bad.any(), f"a row's [ks, ke) breaks 0 ≤ ks ≤ ke ≤ {what}={num_cols}", first_bad_row)
 
 
 def check_index_vector(name: str, t: Tensor, n: int, device: torch.device) -> None:

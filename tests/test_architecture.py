@@ -256,3 +256,15 @@ def test_no_class_is_defined_twice_and_check_names_have_one_meaning():
     for name, home in (("check_outputs", "testing/golden.py"), ("check_device", "preflight.py")):
         definers = [f.relative_to(PACKAGE).as_posix() for f in _modules() if name in _defined_functions(f)]
         assert definers == [home], (name, definers)
+
+
+def test_each_data_check_is_written_once_for_both_modes():
+    """``syncfree.check`` serves eager and sync-free steps alike: no check sits in a branch on
+    ``syncfree.active()`` (which only chooses a plan from sizes)."""
+    doubled = []
+    for f in _modules():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.If) and "syncfree.active()" in ast.unparse(node.test):
+                if any("syncfree.check(" in ast.unparse(s) for s in node.body + node.orelse):
+                    doubled.append(f"{f.relative_to(PACKAGE)}:{node.lineno}")
+    assert doubled == []
