@@ -676,8 +676,8 @@ def _format_prefill_report(report: dict) -> str:
         blocks.append(table(
             f"CUDA graphs (steps marked — in the timeline replayed them; {g['replays']} replays, "
             f"pool {g['pool_bytes'] / 1e6:.1f} MB)",
-            ["tokens", "context rows", "pieces (graph / eager)", "capture s", "pool MB"],
-            [[str(b["tokens"]), str(b["context"]), f"{b['graph_pieces']} / {b['eager_pieces']}",
+            ["tokens", "context rows", "capture s", "pool MB"],
+            [[str(b["tokens"]), str(b["context"]),
               f"{b['capture_seconds']:.3f}", f"{b['pool_bytes'] / 1e6:.1f}"] for b in g["graphs"]],
         ))
     if "context_parallel" in report:

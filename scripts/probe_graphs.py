@@ -3,7 +3,7 @@
 ``python scripts/probe_graphs.py --part syncs|equal|time --out DIR`` (one part per process so that a
 time limit on one keeps the others). ``syncs``: every synchronising CUDA call of one eager step of
 ``small`` (triton backend), by source line, then the same for a step run from graphs (only the
-eager pieces may sync). ``equal``: engines with and without graphs on the same prompts (one
+metadata copies and the one read of the check verdicts may sync). ``equal``: engines with and without graphs on the same prompts (one
 request on a bucket, a padded one, three requests over several chunked steps with prefix-cache
 hits), each request's hidden rows compared bitwise, and eager against eager. ``time``: one
 GLM-5.3 layer (bench.py's) at ``--tokens``, eager and graphs, each engine reused for a warm-up
