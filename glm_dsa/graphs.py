@@ -261,33 +261,19 @@ class StepGraphs:
         """The step's last-layer output ``[n, hidden]`` (a fresh tensor), from its bucket's graphs
         (captured on first use). ``inputs``: token ids ``[n]`` or hidden rows ``[n, hidden]``."""
         graph = self._bucket(inputs, batch)
-        written = dict(self.cache.bytes_written)
         graph.load(inputs, batch)
         if not graph.captured:
             graph.capture(self._pool)
         out = graph.replay()[: batch.num_tokens].clone()
         self.replays += 1
-        self._account_writes(written, batch.num_tokens)
         return out
 
     def run_eager(self, inputs: Tensor, batch: ForwardBatch) -> Tensor:
         """What ``run`` computes, without graphs: the padded step in the bucket's static buffers,
         every stage eager (capturable ones sync-free). Works on any device."""
         graph = self._bucket(inputs, batch)
-        written = dict(self.cache.bytes_written)
         graph.load(inputs, batch)
-        out = graph.run_eager()[0][: batch.num_tokens].clone()
-        self._account_writes(written, batch.num_tokens)
-        return out
-
-    def _account_writes(self, before: dict[str, int], tokens: int) -> None:
-        """The cache's byte counters as the step's real tokens alone would leave them (padded
-        rows and warm-up runs wrote too; a replay runs no Python)."""
-        cache = self.cache
-        cache.bytes_written.update(before)
-        cache.bytes_written["mla"] += tokens * cache.mla_row_bytes * len(cache.mla)
-        for _ in cache.index_k:
-            cache.record_index_k_write(tokens)
+        return graph.run_eager()[0][: batch.num_tokens].clone()
 
     def report(self) -> dict:
         """``graphs``: per bucket its tokens, context rows, capture seconds and the pool memory its

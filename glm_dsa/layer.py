@@ -167,7 +167,6 @@ class DecoderLayer(nn.Module):
         if attn.indexer is not None:  # writes this step's index K, then scores the context
             topk_indices = attn.indexer(h_in, proj.q_latent, batch, cache.index_k[self.layer_idx],
                                         step.budgets.logits_bytes, cp_chunk, step.backend.indexer_topk)
-            cache.record_index_k_write(_chunk_tokens(batch, cp_chunk))
             timer.stop("indexer")
             if step.observer is not None:
                 step.observer.topk(self, topk_indices)
@@ -203,11 +202,6 @@ def _whole_chunk(kv_latent: torch.Tensor, batch: ForwardBatch, cp_chunk: RowGath
     if cp_chunk is None:
         return batch.out_slots, kv_latent
     return cp_chunk.out_slots, cp_chunk.gather(kv_latent, LATENT_ALLGATHER)
-
-
-def _chunk_tokens(batch: ForwardBatch, cp_chunk: RowGather | None) -> int:
-    """Tokens the step stores (the whole chunk under CP, where every rank stores every row)."""
-    return (batch.out_slots if cp_chunk is None else cp_chunk.out_slots).numel()
 
 
 class DSAModel(nn.Module):

@@ -237,6 +237,7 @@ class PrefillEngine:
     """
 
     pages_peak: int  # most pages in use at once since the last reset_stats
+    bytes_written: dict[str, int]  # per pool kind ("mla", "index_k"), since the last reset_stats
 
     def __init__(
         self,
@@ -460,6 +461,7 @@ class PrefillEngine:
             cuda_graph=ran.cuda_graph,
         )
         self.timeline.append(record)
+        self._count_writes(scheduled.batch.num_tokens)
         for req, _ in plan:
             if req.done:
                 self._finish(req)
@@ -467,6 +469,14 @@ class PrefillEngine:
         self.running.sort(key=lambda r: r.prefix_len == 0)
         self.pages_peak = max(self.pages_peak, self.allocator.num_pages - self.allocator.num_free)
         return record
+
+    def _count_writes(self, tokens: int) -> None:
+        """Bytes the step stored: ``tokens`` rows of main KV in every layer and of index K in
+        every full layer (under CP every rank stores the whole chunk; a step from CUDA graphs
+        also wrote its padded rows, to scratch slots, which are not counted)."""
+        cache = self.cache
+        self.bytes_written["mla"] += tokens * cache.mla_row_bytes * len(cache.mla)
+        self.bytes_written["index_k"] += tokens * (self.config.index_head_dim + 4) * len(cache.index_k)
 
     def _step_inputs(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         """The step's model input: token ids ``[n]``, or hidden rows ``[n, hidden]`` in the model's
@@ -498,11 +508,11 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ warm-up and reports
     def reset_stats(self) -> None:
-        """Start the timeline, the peak page count, the bytes-written baseline and the CP
+        """Start the timeline, the peak page count, the bytes-written counts and the CP
         counters afresh (e.g. after a warm-up run)."""
         self.timeline.clear()
         self.pages_peak = 0
-        self._written_at_reset = dict(self.cache.bytes_written)
+        self.bytes_written = {"mla": 0, "index_k": 0}
         if self.cp_group is not None:
             self.cp_group.reset_counters()
 
@@ -536,7 +546,6 @@ class PrefillEngine:
         capture seconds and pool memory), and under CP ``context_parallel`` with every rank's
         counters (a collective: every rank must call it)."""
         cache, page = self.cache, self.config.page_size
-        written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
         pool = cache.pool_bytes()
         report = {
             "requests": [{"tokens": self._finished(r).length, "cached": self._finished(r).cached_len}
@@ -552,8 +561,8 @@ class PrefillEngine:
                 "page_bytes_index_k": index_k_page_bytes(page, self.config.index_head_dim),
                 "pool_bytes_main_kv": pool["mla"],
                 "pool_bytes_index_k": pool["index_k"],
-                "bytes_written_main_kv": written["mla"],
-                "bytes_written_index_k": written["index_k"],
+                "bytes_written_main_kv": self.bytes_written["mla"],
+                "bytes_written_index_k": self.bytes_written["index_k"],
             },
         }
         if self.graphs is not None:
