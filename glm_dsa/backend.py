@@ -153,12 +153,9 @@ class TritonBackend(Backend):
         """Whether an FP8 pool's attention should run the Gluon bf16 kernel over the context
         dequantized once (it is ~2.5x the FP8 Triton kernel's rate), logged once either way."""
         cfg = attn.config
-        why = self._kernels.sparse_mla.gluon_unavailable(proj.q_latent.device)
-        if why is None and proj.q_latent.dtype != torch.bfloat16:
-            why = f"{proj.q_latent.dtype} activations (the Gluon kernel is bf16)"
-        if why is None and (cfg.num_attention_heads % 64 or cfg.kv_lora_rank != 512
-                            or cfg.qk_rope_head_dim != 64):
-            why = "heads or latent dims outside the Gluon kernel's (h % 64, 512 + 64)"
+        why = self._kernels.sparse_mla.gluon_unsuitable(
+            proj.q_latent.device, proj.q_latent.dtype, cfg.num_attention_heads,
+            cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank)
         message = "FP8 KV attention: " + ("context dequantized to bf16 per step, Gluon kernel"
                                           if why is None else f"FP8 Triton kernel in place ({why})")
         if message not in self._logged:

@@ -49,7 +49,7 @@ from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
-           "gluon_unavailable"]
+           "gluon_unavailable", "gluon_unsuitable"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -104,17 +104,29 @@ def gluon_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def gluon_unsuitable(device: torch.device, dtype: torch.dtype, h_q: int, d_qk: int,
+                     d_v: int) -> str | None:
+    """Why sparse MLA of ``dtype`` queries with ``h_q`` heads and ``d_qk`` / ``d_v`` dims on
+    ``device`` cannot take the Gluon kernel, whatever its rows (None when it can). The one rule:
+    each call's dispatch here and the triton backend's choice for an FP8 pool both read it."""
+    why = gluon_unavailable(device)
+    if why is not None:
+        return why
+    if dtype != torch.bfloat16:
+        return f"{dtype} activations (the Gluon kernel is bf16)"
+    if h_q % 64 or d_qk != 576 or d_v != 512:
+        return f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
+    return None
+
+
 def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
                       fp8: bool) -> str | None:
     """Why this call cannot take the Gluon kernel (None when it can)."""
-    why = gluon_unavailable(q.device)
+    why = gluon_unsuitable(q.device, q.dtype, q.shape[1], q.shape[2], d_v)
     if why is not None:
         return why
-    if q.dtype != torch.bfloat16 or (not fp8 and kv_rows.dtype != torch.bfloat16):
-        return f"{q.dtype} activations, {kv_rows.dtype} rows (the Gluon kernel is bf16)"
-    h_q, d_qk = q.shape[1], q.shape[2]
-    if h_q % 64 or d_qk != 576 or d_v != 512:
-        return f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
+    if not fp8 and kv_rows.dtype != torch.bfloat16:
+        return f"{kv_rows.dtype} rows (the Gluon kernel is bf16)"
     # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
     strides = (q.stride(0), q.stride(1), stride_kv)
     if any(st % 16 for st in strides) or any(t.data_ptr() % 16 for t in (q, kv_rows)):
