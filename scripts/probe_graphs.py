@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import glm_dsa  # noqa: E402
 from glm_dsa.prefill import PrefillEngine  # noqa: E402
 
+from benchlib import calc_diff  # noqa: E402
+
 GB = 1e9
 
 
@@ -143,11 +145,6 @@ def part_equal(out: str) -> list[dict]:
     return rows
 
 
-def _calc_diff(x, y) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
 def part_time(out: str, tokens: list[int], reps: int) -> list[dict]:
     from bench import _one_layer_model
 
@@ -180,8 +177,8 @@ def part_time(out: str, tokens: list[int], reps: int) -> list[dict]:
                 torch.cuda.empty_cache()
         row["equal"] = torch.equal(outs[False], outs[True])
         row["eager_equal_eager"] = torch.equal(outs[False], outs["eager_first"])
-        row["calc_diff_graphs_eager"] = _calc_diff(outs[False], outs[True])
-        row["calc_diff_eager_eager"] = _calc_diff(outs[False], outs["eager_first"])
+        row["calc_diff_graphs_eager"] = calc_diff(outs[False], outs[True])
+        row["calc_diff_eager_eager"] = calc_diff(outs[False], outs["eager_first"])
         row["max_abs_diff"] = float((outs[False].float() - outs[True].float()).abs().max())
         row["eager_over_graphs"] = min(row["eager_s"]) / min(row["graphs_s"])
         print("time", json.dumps(row), flush=True)
