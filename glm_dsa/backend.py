@@ -33,7 +33,8 @@ result, so the reference's MHA one-shot form (float32, expanded per head) is not
 What a backend can do is said by its attributes (``graph_capturable``, ``batch_invariant``,
 ``activation_dtypes``, ``kv_dtypes``), read by ``get_backend``, ``glm_dsa.graphs`` and the CLI;
 the model's small fused passes (``glm_dsa.fused``) are its ``passes``. A new built-in backend
-is a subclass here and a name in ``_CLASSES``; no other module names backends.
+is a subclass here (``for_device`` says what it needs) and a name in ``_CLASSES``; no other
+module names backends.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class Backend:
     kv_dtypes: tuple[str, ...] | None = None
     passes: fused.Passes = fused.TRITON_ON_CUDA
 
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        """A backend of this class for models on ``device``, or the ValueError (one line)
+        saying what it needs there."""
+        return cls()
+
     def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
         """ValueError (one line, naming the fix) unless this backend runs ``dtype``
         activations over a ``kv_dtype`` cache."""
@@ -107,6 +114,10 @@ class ReferenceBackend(Backend):
     name = "reference"
     batch_invariant = True
 
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        return REFERENCE
+
     def indexer_topk(self, *args) -> Tensor:
         return indexer_topk(*args)
 
@@ -132,6 +143,16 @@ class TritonBackend(Backend):
 
     name = "triton"
     graph_capturable = True
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        if not _triton_importable():
+            raise ValueError("the triton backend needs the triton package: pip install triton "
+                             "(or choose the reference backend)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton backend runs on CUDA devices, not {device.type}; on the CPU "
+                             "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
+        return cls()
 
     def __init__(self) -> None:
         from glm_dsa import kernels
@@ -184,6 +205,15 @@ class PeersBackend(Backend):
     name = "peers"
     activation_dtypes = (torch.bfloat16,)  # FlashMLA's query
     kv_dtypes = ("fp8", "bf16")  # FlashMLA reads bf16 rows; FP8 ones are dequantized to them
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        from glm_dsa import peers
+
+        missing = peers.missing(device)
+        if missing:
+            raise ValueError(f"the peers backend cannot run here: {missing}")
+        return cls()
 
     def __init__(self) -> None:
         from glm_dsa import peers
@@ -245,7 +275,7 @@ def get_backend(name: str | Backend, device: torch.device | str, dtype: torch.dt
         name = _auto(device, batch_invariant) if name == "auto" else name
         # Refused by the class's attribute, before anything is imported or built for it.
         _check_invariance(name, _CLASSES[name].batch_invariant, batch_invariant)
-        backend = _build(name, device)
+        backend = _CLASSES[name].for_device(device)
     else:
         backend = name
         _check_invariance(backend.name, backend.batch_invariant, batch_invariant)
@@ -259,23 +289,3 @@ def _check_invariance(name: str, invariant: bool, batch_invariant: bool) -> None
         kept = " or ".join(n for n, c in _CLASSES.items() if c.batch_invariant)
         raise ValueError(f"batch-invariant mode (--batch-invariant, batch_invariant=True) runs the {kept} "
                          f"backend: the {name} kernels are not batch-invariant")
-
-
-def _build(name: str, device: torch.device) -> Backend:
-    """A new backend ``name`` for ``device``, or the ValueError saying what it needs."""
-    if name == "reference":
-        return REFERENCE
-    if name == "peers":
-        from glm_dsa import peers
-
-        missing = peers.missing(device)
-        if missing:
-            raise ValueError(f"the peers backend cannot run here: {missing}")
-        return PeersBackend()
-    if not _triton_importable():
-        raise ValueError("the triton backend needs the triton package: pip install triton "
-                         "(or choose the reference backend)")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"the triton backend runs on CUDA devices, not {device.type}; on the CPU "
-                         "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
-    return TritonBackend()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glm_dsa import fused
+from glm_dsa import fused, moe
 from glm_dsa.backend import Backend, ReferenceBackend, get_backend
 from glm_dsa.config import PRESETS
 from glm_dsa.fp8 import act_quant
@@ -26,7 +26,8 @@ LENGTH, CHUNK = 96, 64
 
 class _CountedPasses(fused.Passes):
     """Every fused pass taken, computed with the torch formula (float32 rows: the model's bits),
-    and counted."""
+    and counted. The passes run inside a step; one may itself call the model's torch form
+    under ``fused.TORCH``."""
 
     def __init__(self) -> None:
         self.calls: Counter[str] = Counter()
@@ -41,14 +42,8 @@ class _CountedPasses(fused.Passes):
 
     def combine_experts(self, expert_out, position, weights, shared, row_mask, out):
         self.calls["combine_experts"] += 1
-        acc = torch.zeros(out.shape, dtype=weights.dtype)
-        for slot in range(position.shape[1]):
-            acc += expert_out[position[:, slot]].to(acc.dtype) * weights[:, slot, None]
-        if shared is not None:
-            acc += shared.to(acc.dtype)
-        if row_mask is not None:
-            acc.masked_fill_(~row_mask[:, None], 0.0)
-        return out.copy_(acc)
+        with fused.using(fused.TORCH):  # the model's own torch form, no pass taking the call
+            return moe.combine_experts(expert_out, position, weights, shared, row_mask, out)
 
     def gather_rows(self, x, rows):
         self.calls["gather_rows"] += 1
