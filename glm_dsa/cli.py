@@ -855,12 +855,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     config with several bad keys gives one such line per key): exit status 2 for bad input (a
     ValueError: every command checks its inputs before computing), 1 for a failure during the
     run, 130 for Ctrl-C and 143 for SIGTERM (``glm-dsa <command>: interrupted`` /
-    ``terminated``, partial outputs removed); ``--debug`` raises instead, with the traceback.
+    ``terminated``, partial outputs removed), 141 without a word when the reader of stdout
+    goes away (``| head``); ``--debug`` raises instead, with the traceback.
     """
     args = build_parser().parse_args(argv)
     try:
         with _signals_unwind(args.command):
-            return args.func(args)
+            status = args.func(args)
+            sys.stdout.flush()  # a reader that went away shows here, not at interpreter exit
+            return status
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, as a shell tool does on SIGPIPE, and
+        # keep the interpreter's final flush from printing another BrokenPipeError.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (KeyboardInterrupt, Terminated) as e:
         if args.debug:
             raise

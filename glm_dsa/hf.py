@@ -86,7 +86,11 @@ def hf_model(
     ``attn_implementation``: ``"sdpa"`` (HF's default) or ``"eager"``; ``experts_implementation``:
     ``"grouped_mm"`` (HF's default; float32/bf16 only) or ``"eager"`` (a loop, any dtype).
     """
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaModel
+    try:
+        from transformers import GlmMoeDsaConfig, GlmMoeDsaModel
+    except ImportError as e:
+        raise ImportError(f"hf_model needs transformers >= 5.17 with glm_moe_dsa ({e}); install "
+                          f"it with: pip install -e '.[hf]'") from e
 
     config = model.config
     hf_config = GlmMoeDsaConfig(**to_hf_config(config))

@@ -169,3 +169,33 @@ def test_flash_mla_at_unit_variance_departs_only_by_its_bf16_probabilities():
     print(f"\nunit variance: out {out}; failing fraction {frac:.2e}")
     assert mx.passed and lse.passed
     assert out.anomaly is None and frac < 1e-3
+
+
+# ------------------------------------------------------------------ the harness on the real kernels
+def test_check_passes_flashmla_under_the_newest_convention_and_names_it_under_sep2025():
+    """FlashMLA's own signature (no lse_base / lonely_lse): it passes the newest convention and,
+    asked for Sep 2025's, fails with the convention it follows named."""
+    from glm_dsa.testing import check_kernel, edge_case_names
+
+    n = len(edge_case_names("flash_mla_sparse_fwd")) + 2
+    for shapes in ("golden", "glm-5.3"):
+        assert check_kernel("flash_mla_sparse_fwd", peers.flash_mla_sparse_fwd, cases=n,
+                            device=DEV, shapes=shapes).passed
+    with pytest.raises(AssertionError, match="cause: the kernel follows convention 'newest'"):
+        check_kernel("flash_mla_sparse_fwd", peers.flash_mla_sparse_fwd, cases=n, device=DEV,
+                     shapes="golden", convention="sep2025")
+
+
+def test_check_passes_deepgemm_logits_at_the_full_fp8_range():
+    """deep_gemm.fp8_mqa_logits as it is (a binding without a Python signature) on the case
+    table's act_quant inputs, float16-overflow case included; the paged kernel under the
+    deepgemm convention (its newest build cannot clean 2-D context_lens)."""
+    import deep_gemm
+
+    from glm_dsa.testing import check_kernel, edge_case_names
+
+    for contract, fn, convention in (("fp8_mqa_logits", deep_gemm.fp8_mqa_logits, None),
+                                     ("fp8_paged_mqa_logits", peers.fp8_paged_mqa_logits, "deepgemm")):
+        n = len(edge_case_names(contract)) + 4
+        report = check_kernel(contract, fn, cases=n, device=DEV, shapes="glm-5.3", convention=convention)
+        assert report.passed and report.cases_run == n

@@ -32,9 +32,11 @@ from glm_dsa.testing.metrics import (
     HADAMARD_TOL,
     SPARSE_OUT_TOL,
     SPARSE_STAT_TOL,
+    TOPK_REL_TOL,
 )
 
-__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "Case", "clauses", "invalid_indices", "Pick",
+__all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "NEWEST", "Case", "clauses", "conventions",
+           "convention_of", "invalid_indices", "index_queries", "index_weights", "Pick",
            "edge_case_names", "make_case", "build_case"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -201,6 +203,39 @@ def _kv_cache_cast(g, pick, shp, edge):
 
 
 # --------------------------------------------------------------------------- indexer logits
+def index_queries(g: torch.Generator, lead: tuple[int, ...], heads: int,
+                  aligned: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(q_fp8 [*lead, heads, 128] e4m3, q_scale [*lead, heads] float32) as the model's indexer
+    makes them: ``act_quant`` of activations whose magnitude varies per (token, head), so
+    every payload reaches the full e4m3 range (|q| up to 448). ``aligned`` (a ±1 [128] sign
+    pattern) gives every query that sign pattern (the float16-overflow case)."""
+    x = _randn(g, *lead, heads, INDEX_DIM) * torch.exp(_randn(g, *lead, heads, 1))
+    if aligned is not None:
+        x = (x.abs() + 0.5) * aligned
+    q_fp8, q_scale = oracle.act_quant(x.to(torch.bfloat16), INDEX_DIM)
+    return q_fp8, q_scale[..., 0]
+
+
+def index_weights(g: torch.Generator, q_scale: Tensor) -> Tensor:
+    """float32 [rows, heads] head gates at the model's scale: ``w · H^-1/2 · q_scale · D^-1/2``
+    (the indexer folds each query's FP8 scale into its gate, docs/conventions.md §3)."""
+    rows = q_scale.reshape(-1, q_scale.shape[-1])
+    heads = rows.shape[-1]
+    return _randn(g, *rows.shape) * heads**-0.5 * rows * INDEX_DIM**-0.5
+
+
+def _index_keys(g: torch.Generator, n: int, aligned: Tensor | None = None) -> Tensor:
+    """bf16 [n, 128] index keys, per-token magnitudes over ~e^±3 (optionally one sign pattern)."""
+    k = _randn(g, n, INDEX_DIM) * torch.exp(_randn(g, n, 1))
+    if aligned is not None:
+        k = (k.abs() + 0.5) * aligned
+    return k.to(torch.bfloat16)
+
+
+def _signs(g: torch.Generator) -> Tensor:
+    return torch.where(torch.rand(INDEX_DIM, generator=g) < 0.5, -1.0, 1.0)
+
+
 def _mqa_logits(g, pick, shp, edge):
     heads = pick.choice(shp["index_heads"])
     requests = [(pick.int(0, shp["max_prefix"]), pick.int(1, shp["max_extend"]))
@@ -213,11 +248,11 @@ def _mqa_logits(g, pick, shp, edge):
     ks, ke, s_kv = ragged_rows(requests)
     if edge == "empty_window":
         ke[0] = ks[0]
-    q = _randn(g, len(ks), heads, INDEX_DIM).to(torch.float8_e4m3fn)
+    aligned = _signs(g) if edge == "float16_overflow" else None
+    q, q_scale = index_queries(g, (len(ks),), heads, aligned)
     k_fmt = "ue8m0" if edge == "ue8m0_k_scales" else pick.choice((None, "ue8m0"))
-    k = _randn(g, s_kv, INDEX_DIM) * torch.exp(_randn(g, s_kv, 1))
-    k_fp8, k_scale = oracle.act_quant(k.to(torch.bfloat16), INDEX_DIM, k_fmt)
-    weights = _randn(g, len(ks), heads)
+    k_fp8, k_scale = oracle.act_quant(_index_keys(g, s_kv, aligned), INDEX_DIM, k_fmt)
+    weights = index_weights(g, q_scale)
     kwargs = {}
     if not clean:
         kwargs["clean_logits"] = False
@@ -226,6 +261,24 @@ def _mqa_logits(g, pick, shp, edge):
     args = (q, (k_fp8, k_scale[:, 0]), weights, ks, ke)
     cleaned = oracle.fp8_mqa_logits(*args) if not compressed else oracle.fp8_mqa_logits(*args, **kwargs)
     return args, kwargs, {"mask": torch.isfinite(cleaned)}
+
+
+def _paged_inputs(g: torch.Generator, longest: list[int], next_n: int, heads: int,
+                  aligned: Tensor | None = None, distinct: int | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(kv_cache, block_table, q, weights) of a paged call: shuffled pages with two spare ones
+    (keys no row may see), queries and gates at the model's ranges; ``distinct`` draws every
+    key from that many distinct ones."""
+    blocks = [-(-n // PAGE) for n in longest]
+    num_blocks = sum(blocks) + 2
+    keys = _index_keys(g, num_blocks * PAGE, aligned)
+    if distinct is not None:
+        keys = keys[torch.randint(0, distinct, (keys.shape[0],), generator=g)]
+    keys = keys.view(num_blocks, PAGE, 1, INDEX_DIM)
+    kv_cache = oracle.kv_cache_cast_to_fp8(keys)
+    table = block_table(g, blocks, num_blocks)
+    q, q_scale = index_queries(g, (len(longest), next_n), heads, aligned)
+    return kv_cache, table, q, index_weights(g, q_scale)
 
 
 def _paged_logits(g, pick, shp, edge):
@@ -244,16 +297,35 @@ def _paged_logits(g, pick, shp, edge):
     if edge == "uncleaned":
         clean = False
     longest = [max(n) if isinstance(n, list) else n for n in lens]
-    blocks = [-(-n // PAGE) for n in longest]
-    num_blocks = sum(blocks) + 2  # spare blocks hold keys no row may see
-    kv_cache = oracle.kv_cache_cast_to_fp8(_randn(g, num_blocks, PAGE, 1, INDEX_DIM, dtype=torch.bfloat16))
-    table = block_table(g, blocks, num_blocks)
-    q = _randn(g, len(lens), next_n, heads, INDEX_DIM).to(torch.float8_e4m3fn)
-    weights = _randn(g, len(lens) * next_n, heads)
+    aligned = _signs(g) if edge == "float16_overflow" else None
+    kv_cache, table, q, weights = _paged_inputs(g, longest, next_n, heads, aligned)
     max_len = _ceil_page(max(longest)) + (PAGE if edge == "wide_output" else 0)
     args = (q, kv_cache, weights, _i32(lens), table, max_len)
     kwargs = {} if clean else {"clean_logits": False}
     return args, kwargs, {"mask": torch.isfinite(oracle.fp8_paged_mqa_logits(*args))}
+
+
+def _paged_topk(g, pick, shp, edge):
+    heads, topk = pick.choice(shp["index_heads"]), pick.choice(shp["topk"])
+    next_n = pick.choice((1, 2))
+    lens = [pick.int(next_n, shp["max_context"]) for _ in range(pick.int(1, 3))]
+    if edge == "context_shorter_than_k":
+        next_n, lens = 1, [topk - 1, 1]
+    if edge == "context_k_and_k_plus_1":
+        next_n, lens = 1, [topk, topk + 1]
+    if edge == "mtp_rows":
+        next_n, lens = 2, [topk + 40, 2 * topk + 3]
+    if edge == "tied_keys":
+        next_n, lens = 1, [2 * topk + 37]
+    # tied_keys: every key is one of eight, so many positions share the k-th score exactly.
+    distinct = 8 if edge == "tied_keys" else None
+    kv_cache, table, q, weights = _paged_inputs(g, lens, next_n, heads, distinct=distinct)
+    ctx = _i32(lens)
+    args = (q, kv_cache, weights, ctx, table, topk)
+    ends = oracle.visible_lens(ctx, next_n)
+    width = _ceil_page(max(lens))
+    scores = oracle.fp8_paged_mqa_logits(q, kv_cache, weights.double(), ctx, table, width)
+    return args, {}, {"scores": scores, "row_starts": torch.zeros_like(ends), "row_ends": ends}
 
 
 def _logits_checks(call: dict) -> dict:
@@ -508,7 +580,9 @@ CONTRACTS: dict[str, Contract] = {
             "zero_key": "an all-zero key takes the 1e-4 amax floor",
             "single_block": "one 64-token block: payload at t*128, scale at 64*128 + 4t",
         },
-        _same("bitwise", "kv_cache"), {"kv_cache": (torch.uint8,)}),
+        _same("bitwise", "kv_cache", region_dims=3, regions=[["payload", 0, PAGE * INDEX_DIM],
+              ["scales", PAGE * INDEX_DIM, PAGE * (INDEX_DIM + 4)]]),
+        {"kv_cache": (torch.uint8,)}),
     "fp8_mqa_logits": Contract(
         _mqa_logits, {
             "empty_window": "a row with ke == ks sees no key: every entry -inf",
@@ -516,6 +590,10 @@ CONTRACTS: dict[str, Contract] = {
             "uncleaned": "clean_logits=False: entries outside [ks, ke) are unspecified",
             "compressed": "max_seqlen_k > 0: out[i, j] is key ks[i] + j, -inf past ke",
             "ue8m0_k_scales": "keys quantized with power-of-two scales",
+            "full_range": "q and k are act_quant payloads over the full e4m3 range (|x| up to "
+                          "448) and the gates carry q's scale, as the model makes them",
+            "float16_overflow": "q and k of one sign pattern: q·k reaches ~1e7, past float16's "
+                                "65504; the kernel accumulates in float32",
         },
         _logits_checks, {"logits": (_F32, _BF16)}),
     "fp8_paged_mqa_logits": Contract(
@@ -526,8 +604,24 @@ CONTRACTS: dict[str, Contract] = {
             "context_lens_2d": "2-D context_lens [B, next_n]: row (b, j) sees positions < ctx[b, j]",
             "uncleaned": "clean_logits=False: entries past the context are unspecified",
             "wide_output": "max_context_len a page past the longest context: those columns -inf",
+            "full_range": "q and k are act_quant payloads over the full e4m3 range (|x| up to "
+                          "448) and the gates carry q's scale, as the model makes them",
+            "float16_overflow": "q and k of one sign pattern: q·k reaches ~1e7, past float16's "
+                                "65504; the kernel accumulates in float32",
         },
         _logits_checks, {"logits": (_F32, _BF16)}),
+    "fp8_paged_mqa_topk": Contract(
+        _paged_topk, {
+            "context_shorter_than_k": "rows that see fewer than k positions: each position "
+                                      "once, then -1",
+            "context_k_and_k_plus_1": "exactly k positions (all of them), and k + 1 (one left out)",
+            "mtp_rows": "next_n=2: row (b, j) ranks positions <= ctx_b - 2 + j",
+            "tied_keys": "eight distinct keys: positions of equal score are interchangeable",
+        },
+        lambda call: {"indices": {"metric": "topk_margin", "scores": "scores",
+                                  "row_starts": "row_starts", "row_ends": "row_ends",
+                                  "rel_tol": TOPK_REL_TOL}},
+        {"indices": (torch.int32,)}),
     "topk_per_row": Contract(
         _topk, {
             "ties_at_kth": "the k-th value tied with unselected columns: any of them may be taken",
@@ -562,7 +656,10 @@ CONTRACTS: dict[str, Contract] = {
             "zero_token": "an all-zero token takes the 1e-4 scale floor",
             "wide_magnitudes": "tiles 1e6 apart in magnitude in one row",
         },
-        _same("bitwise", "k_cache"), {"k_cache": _BYTES}),
+        _same("bitwise", "k_cache", region_dims=1, regions=[
+              ["payload", 0, oracle.MLA_NOPE_DIM],
+              ["scales", oracle.MLA_NOPE_DIM, oracle.MLA_NOPE_DIM + 16],
+              ["rope", oracle.MLA_NOPE_DIM + 16, oracle.MLA_ROW_BYTES]]), {"k_cache": _BYTES}),
     "dequantize_k_cache": Contract(
         _dequantize_cache, {
             "ue8m0_cache": "ue8m0 scales: every dequantized value exact in bf16",
@@ -601,12 +698,36 @@ CONTRACTS: dict[str, Contract] = {
 
 
 # Conventions a kernel may implement instead of the newest upstream one, pinned through
-# ``kernel_options`` (``check_kernel(..., **options)``); golden vectors hold each contract's cases
-# once per convention.
+# ``kernel_options`` (``check_kernel(..., convention=NAME)``, ``glm-dsa check --convention``);
+# golden vectors hold each contract's edge cases once per convention.
+NEWEST = "newest"
 CONVENTIONS: dict[str, dict[str, dict]] = {
     "flash_mla_sparse_fwd": {"sep2025": {"lse_base": "2", "lonely_lse": "-inf"}},
     "topk_per_row": {"tilelang": {"base": "absolute", "pad": 0}},
+    # DeepGEMM's own default (clean_logits=False), which its newest kernel cannot change for
+    # 2-D context_lens: entries past a row's context are left as they are.
+    "fp8_paged_mqa_logits": {"deepgemm": {"clean_logits": False}},
 }
+
+
+# Arguments an older convention's kernel does not have (attn_sink and topk_length came after
+# FlashMLA c28eca9): its random cases are drawn without them, its edge cases that need them
+# do not exist.
+CONVENTION_LACKS: dict[str, tuple[str, ...]] = {"sep2025": ("attn_sink", "topk_length")}
+
+
+def conventions(contract: str) -> dict[str, dict]:
+    """Every convention of ``contract`` and the options it pins, the newest (none) first."""
+    _contract(contract)
+    return {NEWEST: {}, **CONVENTIONS.get(contract, {})}
+
+
+def convention_of(contract: str, options: dict) -> str | None:
+    """The convention whose pinned options are exactly ``options`` (None if none is)."""
+    for name, pinned in conventions(contract).items():
+        if pinned == options:
+            return name
+    return None
 
 
 def _contract(name: str) -> Contract:
@@ -651,6 +772,12 @@ def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
     opts = dict(kernel_options or {})
     g = torch.Generator().manual_seed(data_seed)
     args, kwargs, aux = spec.build(g, pick, shp, edge)
+    lacks = CONVENTION_LACKS.get(convention_of(contract, opts) or "", ())
+    for key in lacks:
+        if key in kwargs and edge is not None:
+            raise ValueError(f"{contract}'s edge case {edge!r} needs {key}, which the "
+                             f"{convention_of(contract, opts)} convention's kernels do not take")
+        kwargs.pop(key, None)
     kwargs = {**kwargs, **opts}
     return Case(contract, name or (edge or "random"), tuple(args), kwargs, spec.checks(kwargs),
                 spec.dtypes, aux, clause=spec.edges.get(edge, "") if edge else "", pinned=tuple(opts))

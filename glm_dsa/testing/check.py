@@ -20,11 +20,12 @@ import torch
 from torch import Tensor
 
 from glm_dsa import oracle
-from glm_dsa.testing.cases import Case, edge_case_names, make_case
+from glm_dsa.testing.cases import NEWEST, Case, convention_of, conventions, edge_case_names, make_case
 from glm_dsa.testing.metrics import Verdict, check_tensor
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Worst", "CheckReport", "check_case", "check_kernel", "run_checks",
-           "expected_outputs", "kernel_outputs", "verdicts_of"]
+           "expected_outputs", "kernel_outputs", "verdicts_of", "failure_context",
+           "resolve_convention", "takes_keywords"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -47,12 +48,17 @@ class CheckReport:
     """Outcome of ``check_kernel``: cases run, and per output its worst metric value.
 
     failure: the first failure's message (None when every case passed); skipped: cases whose
-    arguments conflict with the pinned ``kernel_options`` (the oracle rejects them).
+    arguments conflict with the pinned ``kernel_options`` (the oracle rejects them);
+    convention: the name of the convention checked; edges_run: how many of ``cases_run`` were
+    named edge cases; results: (case, passed, failure message) of each case run, in order.
     """
 
     contract: str
     cases_run: int = 0
     worst: dict[str, Worst] = field(default_factory=dict)
+    convention: str = NEWEST
+    edges_run: int = 0
+    results: list[tuple[str, bool, str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failure: str | None = None
 
@@ -74,9 +80,15 @@ class CheckReport:
                        f"{self.cases_run} cases, at case {w.case}")
         return out
 
+    def summary(self) -> str:
+        """What ran: cases (edge and random) and the convention."""
+        return (f"{self.cases_run} cases ({self.edges_run} edge, {self.cases_run - self.edges_run} "
+                f"random), convention {self.convention}")
+
     def to_json(self) -> dict:
         """The report as JSON-ready data (``glm-dsa check --json``)."""
         return {"contract": self.contract, "passed": self.passed, "cases_run": self.cases_run,
+                "edge_cases_run": self.edges_run, "convention": self.convention,
                 "skipped": list(self.skipped), "failure": self.failure,
                 "outputs": {n: {"metric": w.metric, "passed": w.passed,
                                 "value": None if math.isnan(w.value) else w.value,
@@ -147,9 +159,12 @@ def _same_bytes(a: Tensor, b: Tensor) -> bool:
 
 
 def _kernel_kwargs(fn: Callable, case: Case) -> dict:
-    """The case's keyword arguments the kernel takes: a pinned convention the kernel has no
-    parameter for is its built-in convention and is not passed (the oracle still gets it); any
-    other keyword it cannot take is a failure."""
+    """The keyword arguments the kernel gets: every one the case sets that the kernel takes,
+    and the oracle's default of each optional argument the kernel declares without a default or
+    with another default of the same kind (DeepGEMM's paged logits default to
+    ``clean_logits=False``; the contract's call means ``True``). A pinned convention the kernel has no parameter for is its built-in
+    convention and is not passed (the oracle still gets it); any other keyword it cannot take
+    is a failure (ValueError naming it)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: pass everything
@@ -162,7 +177,36 @@ def _kernel_kwargs(fn: Callable, case: Case) -> dict:
             kwargs[name] = value
         elif name not in case.pinned:
             raise ValueError(name)
+    n_args = len(case.args)
+    oracle_params = list(inspect.signature(getattr(oracle, case.contract)).parameters.values())
+    for p in oracle_params[n_args:]:
+        mine = params.get(p.name)
+        if p.name in kwargs or mine is None or mine.kind is inspect.Parameter.POSITIONAL_ONLY:
+            continue
+        if mine.default is inspect.Parameter.empty or _other_value_of_same_kind(mine.default, p.default):
+            kwargs[p.name] = p.default
     return kwargs
+
+
+def _other_value_of_same_kind(mine: Any, oracle_default: Any) -> bool:
+    """A kernel default that means the same parameter with another value (a bool for a bool, a
+    string for a string); a default of another kind is the kernel's own parameter, left alone."""
+    if mine is None or oracle_default is None:
+        return False
+    return type(mine) is type(oracle_default) and mine != oracle_default
+
+
+def takes_keywords(fn: Callable, names: tuple[str, ...] | list[str]) -> bool:
+    """Whether ``fn`` accepts every keyword of ``names`` (by name, or through ``**kwargs``):
+    such a kernel can be told a convention, so every convention's cases may run on it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    return bool(names) and all(n in params and params[n].kind is not inspect.Parameter.POSITIONAL_ONLY
+                               for n in names)
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, device) -> Any:
@@ -218,7 +262,7 @@ def kernel_outputs(case: Case, fn: Callable, *, device: str | torch.device = "cp
         names = _kernel_kwargs(fn, case)
     except ValueError as e:
         raise fail(f"the kernel takes no argument {e.args[0]!r}, which this case sets") from None
-    kwargs = {k: all_kwargs[k] for k in names}
+    kwargs = {k: all_kwargs.get(k, v) for k, v in names.items()}
     params = list(inspect.signature(getattr(oracle, case.contract)).parameters)
     inputs = [t for p, a in zip(params, args) for t in _tensors(a, p)] + _tensors(kwargs)
     watch = torch.device(device).type != "meta"  # meta tensors hold no bytes to compare
@@ -267,6 +311,7 @@ def check_case(case: Case, fn: Callable, *, device: str | torch.device = "cpu",
     criterion with its numbers; then one line per criterion, a hint where the pattern is
     recognisable, and the ``make_case`` call that rebuilds the case.
     """
+    __tracebackhide__ = True  # pytest: the failure is the kernel's, not this frame's
     expected = expected_outputs(case)
     got = kernel_outputs(case, fn, device=device, timeout=timeout)
     names = list(case.checks)
@@ -280,61 +325,111 @@ def check_case(case: Case, fn: Callable, *, device: str | torch.device = "cpu",
                       f"{', '.join(str(d) for d in case.dtypes[name])}")
         if reason is not None:
             raise _KernelFailure(f"{case.contract} [case {case.name}]: {reason}{again}", reason)
-    verdicts = verdicts_of(case, dict(zip(names, got)), dict(zip(names, expected)))
+    got_by_name, expected_by_name = dict(zip(names, got)), dict(zip(names, expected))
+    verdicts = verdicts_of(case, got_by_name, expected_by_name)
     for name, v in verdicts.items():
         if not v.passed:
             first, *rest = v.text().splitlines()
             rebuild = [f"  rebuild with {case.repro}"] if case.repro else []
             message = "\n".join([f"{case.contract} [case {case.name}]: output {name!r} fails "
-                                 f"{case.checks[name]['metric']} on {first}", *rest, *rebuild])
+                                 f"{case.checks[name]['metric']} on {first}",
+                                 *failure_context(case, got_by_name, expected_by_name), *rest,
+                                 *rebuild])
             raise _MetricFailure(message, name, v)
     return verdicts
 
 
+def failure_context(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> list[str]:
+    """The lines that lead a failure's explanation: each diagnosed cause (a classic mistake
+    whose recomputed outputs the kernel's match, ``glm_dsa.testing.mistakes``), then the clause
+    of the contract the edge case holds."""
+    from glm_dsa.testing.mistakes import diagnose
+
+    lines = [f"  cause: {c}" for c in diagnose(case, got, expected)]
+    if case.clause:
+        lines.append(f"  clause: {case.clause}")
+    return lines
+
+
+def resolve_convention(contract: str, convention: str | None, kernel_options: dict) -> tuple[dict, str]:
+    """The options a check pins and the convention's name: ``convention``'s options (none for
+    the newest), overridden by explicit ``kernel_options``; the name is that of the convention
+    the result equals, else ``custom (k=v, …)``. ValueError for a convention the contract does
+    not have, or an option its oracle does not take."""
+    table = conventions(contract)
+    if convention is not None and convention not in table:
+        raise ValueError(f"{contract} has no convention {convention!r}; its conventions: "
+                         f"{', '.join(table)}")
+    params = inspect.signature(getattr(oracle, contract)).parameters
+    for key in kernel_options:
+        if key not in params:
+            raise ValueError(f"{contract} takes no option {key!r}; its optional arguments: "
+                             f"{', '.join(p for p in params if params[p].default is not inspect.Parameter.empty)}")
+    options = {**table[convention or NEWEST], **kernel_options}
+    name = convention_of(contract, options)
+    if name is None:
+        name = "custom (" + ", ".join(f"{k}={v!r}" for k, v in options.items()) + ")"
+    return options, name
+
+
 def run_checks(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
                device: str | torch.device = "cpu", shapes: str = "small",
-               timeout: float | None = DEFAULT_TIMEOUT_S, **kernel_options) -> CheckReport:
+               timeout: float | None = DEFAULT_TIMEOUT_S, convention: str | None = None,
+               **kernel_options) -> CheckReport:
     """``check_kernel`` that returns the report with ``failure`` set instead of raising."""
-    if not isinstance(cases, int) or isinstance(cases, bool) or cases < 0:
-        raise ValueError(f"cases={cases!r} must be a non-negative int")
+    if not isinstance(cases, int) or isinstance(cases, bool) or cases < 1:
+        raise ValueError(f"cases={cases!r} must be an int >= 1 (every edge case of the contract "
+                         f"runs whatever the number; cases counts them)")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None")
+    options, name = resolve_convention(contract, convention, kernel_options)
     edges = edge_case_names(contract)
     whichs: list[str | int] = list(edges) + list(range(max(cases - len(edges), 0)))
-    report = CheckReport(contract)
+    report = CheckReport(contract, convention=name)
+    refused = ""
     for which in whichs:
-        case = make_case(contract, which, seed=seed, shapes=shapes, **kernel_options)
         try:
+            case = make_case(contract, which, seed=seed, shapes=shapes, **options)
             verdicts = check_case(case, fn, device=device, timeout=timeout)
-        except ValueError:
-            if not kernel_options:
+        except ValueError as e:
+            if not options:
                 raise
-            report.skipped.append(case.name)  # a pinned option the case cannot take
+            # A pinned option the case cannot take, or an edge case the convention lacks.
+            report.skipped.append(which if isinstance(which, str) else f"random #{which}")
+            refused = refused or str(e)
             continue
         except AssertionError as e:
             report.failure = str(e)
             report.cases_run += 1
+            report.edges_run += isinstance(which, str)
+            report.results.append((case.name, False, str(e)))
             if isinstance(e, _MetricFailure):
-                name, value, bound, detail = e.output, e.verdict.value, e.verdict.bound, e.verdict.detail
+                out, value, bound, detail = e.output, e.verdict.value, e.verdict.bound, e.verdict.detail
             else:  # the kernel could not be judged: no metric value
-                name, value, bound = next(iter(case.checks)), math.nan, math.nan
+                out, value, bound = next(iter(case.checks)), math.nan, math.nan
                 detail = getattr(e, "reason", str(e))
-            report.worst[name] = Worst(case.checks[name]["metric"], value, bound, case.name,
-                                       False, detail)
+            report.worst[out] = Worst(case.checks[out]["metric"], value, bound, case.name,
+                                      False, detail)
             return report
         report.cases_run += 1
-        for name, v in verdicts.items():
+        report.edges_run += isinstance(which, str)
+        report.results.append((case.name, True, ""))
+        for out, v in verdicts.items():
             magnitude = abs(v.value)
-            w = report.worst.get(name)
+            w = report.worst.get(out)
             if w is None or magnitude > w.value:
-                report.worst[name] = Worst(case.checks[name]["metric"], magnitude, v.bound,
-                                           case.name)
+                report.worst[out] = Worst(case.checks[out]["metric"], magnitude, v.bound,
+                                          case.name)
+    if report.cases_run == 0:
+        report.failure = (f"{contract}: no case ran; the oracle refused every case under "
+                          f"{name}: {refused}")
     return report
 
 
 def check_kernel(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
                  device: str | torch.device = "cpu", shapes: str = "small",
-                 timeout: float | None = DEFAULT_TIMEOUT_S, **kernel_options) -> CheckReport:
+                 timeout: float | None = DEFAULT_TIMEOUT_S, convention: str | None = None,
+                 **kernel_options) -> CheckReport:
     """Check ``fn`` against ``glm_dsa.oracle.<contract>`` on generated cases.
 
     ``fn`` takes the oracle function's arguments (the upstream kernel's own): required ones
@@ -364,8 +459,9 @@ def check_kernel(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
     for recognisable patterns and the ``make_case`` call that rebuilds the case follow. Returns
     the report (cases run, worst metric per output) otherwise.
     """
+    __tracebackhide__ = True  # pytest: show the caller's line, then the kernel's failure
     report = run_checks(contract, fn, cases=cases, seed=seed, device=device, shapes=shapes,
-                        timeout=timeout, **kernel_options)
+                        timeout=timeout, convention=convention, **kernel_options)
     if report.failure is not None:
         raise AssertionError(report.failure)
     return report

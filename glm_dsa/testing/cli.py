@@ -8,16 +8,16 @@ deciding criterion and its bound), take ``--json`` (stdout: the report, with ``s
 errors (unknown contract or shapes, a kernel that cannot be imported, a device this machine does
 not have) are ValueErrors, which ``glm-dsa`` prints as one line with status 2.
 
-A kernel is named ``MODULE:FUNCTION`` (``pkgutil.resolve_name`` semantics, the current directory
-searched first, as ``python -m`` does) or ``path/to/file.py:FUNCTION``.
+A kernel is named ``MODULE:FUNCTION`` (the module imported, the current directory searched
+first, as ``python -m`` does; FUNCTION may be dotted) or ``path/to/file.py:FUNCTION``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
-import pkgutil
 import sys
 import xml.etree.ElementTree as ET
 
@@ -59,8 +59,9 @@ def _attr(obj, attr: str, spec: str):
 def load_kernel(spec: str):
     """The callable ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``.
 
-    A module is looked up as ``pkgutil.resolve_name`` does, with the current directory first on
-    the search path (``python -m`` puts it there; the ``glm-dsa`` console script does not).
+    The module is imported by name (a missing dependency of it is named as such), with the
+    current directory first on the search path (``python -m`` puts it there; the ``glm-dsa``
+    console script does not).
     """
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
@@ -71,9 +72,15 @@ def load_kernel(spec: str):
     else:
         if os.getcwd() not in sys.path and "" not in sys.path:
             sys.path.insert(0, os.getcwd())
+        # import_module, not pkgutil.resolve_name: that one turns a failed import of the module
+        # (a dependency missing) into "module 'pkg' has no attribute 'mod'".
         try:
-            module = pkgutil.resolve_name(target)
+            module = importlib.import_module(target)
         except ModuleNotFoundError as e:
+            missing = e.name or ""
+            if missing and not (target == missing or target.startswith(missing + ".")):
+                raise ValueError(f"cannot import {target!r}: it imports {missing!r}, which is not "
+                                 f"installed ({e})") from None
             raise ValueError(
                 f"cannot import {target!r}: {e} (searched the current directory {os.getcwd()} and "
                 f"sys.path; name a file as path/to/{target.split('.')[-1]}.py:{attr})") from None
@@ -90,7 +97,51 @@ def _common(p) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds one kernel call may take before it fails the case (default 600)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (with schema)")
-    p.add_argument("--junit-xml", metavar="FILE", help="also write the verdicts as JUnit XML")
+    p.add_argument("--junit-xml", metavar="FILE",
+                   help="also write the verdicts as JUnit XML, one testcase per case")
+    g = p.add_argument_group(
+        "conventions", "Which upstream convention the kernel follows (default: the newest). A "
+        "kernel that takes the convention's keyword is told it; one that does not is judged by it.")
+    g.add_argument("--convention", metavar="NAME",
+                   help="newest; sep2025 (flash_mla_sparse_fwd: FlashMLA c28eca9, base-2 lse, "
+                   "-inf lonely rows); tilelang (topk_per_row: absolute columns, 0 pads); "
+                   "deepgemm (fp8_paged_mqa_logits: entries past the context left uncleaned)")
+    for flag, (_, _, contract, choices, help_) in _OPTION_FLAGS.items():
+        g.add_argument(flag, metavar="V", choices=choices, type=None if choices else int,
+                       help=f"{contract}: {help_}")
+
+
+# Explicit convention options: flag → (argparse dest, the oracle's keyword, its contract, the
+# values allowed (None: an int), help).
+_OPTION_FLAGS = {
+    "--lse-base": ("lse_base", "lse_base", "flash_mla_sparse_fwd", ("e", "2"),
+                   "base of lse and max_logits, e or 2"),
+    "--lonely-lse": ("lonely_lse", "lonely_lse", "flash_mla_sparse_fwd", ("+inf", "-inf"),
+                     "lse of a row with no valid index, +inf or -inf (write --lonely-lse=-inf)"),
+    "--topk-base": ("topk_base", "base", "topk_per_row", ("relative", "absolute"),
+                    "indices relative to row_start, or absolute columns"),
+    "--pad": ("pad", "pad", "topk_per_row", None, "the value of unused entries (an int)"),
+}
+
+
+def _options(args, contract: str) -> dict:
+    """The explicit convention options given, as the oracle's keywords; a flag of another
+    contract is a one-line error naming it."""
+    out = {}
+    for flag, (dest, key, owner, _, _) in _OPTION_FLAGS.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        if owner != contract:
+            raise ValueError(f"{flag} is an option of {owner}, not of {contract}")
+        out[key] = value
+    return out
+
+
+def _convention(args, contract: str) -> tuple[dict, str]:
+    from glm_dsa.testing.check import resolve_convention
+
+    return resolve_convention(contract, args.convention, _options(args, contract))
 
 
 def add_parser(subparsers) -> None:
@@ -176,14 +227,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown contract {args.contract!r}; one of: {', '.join(CONTRACTS)}")
     if args.shapes not in SHAPES:
         raise ValueError(f"unknown shapes {args.shapes!r}; one of: {', '.join(SHAPES)}")
+    if args.cases < 1:
+        raise ValueError(f"--cases {args.cases} must be at least 1 (the contract's edge cases "
+                         f"always run; --cases counts them)")
+    options, _ = _convention(args, args.contract)
     _check_common(args)
     fn = load_kernel(args.kernel)
     report = run_checks(args.contract, fn, cases=args.cases, seed=args.seed, device=args.device,
-                        shapes=args.shapes, timeout=_timeout(args))
+                        shapes=args.shapes, timeout=_timeout(args), **options)
     if args.junit_xml is not None:
         _write_junit(args.junit_xml, f"glm-dsa check {args.contract}",
-                     [(f"{args.contract}.{n}", w.passed, "" if w.passed else report.failure or w.detail)
-                      for n, w in report.worst.items()])
+                     [(f"{args.contract}.{case}", ok, message) for case, ok, message in report.results])
     if args.json:
         print(json.dumps({"schema": CHECK_SCHEMA, "kernel": args.kernel, "shapes": args.shapes,
                           "seed": args.seed, **report.to_json()}, indent=2))
@@ -191,15 +245,17 @@ def run(args: argparse.Namespace) -> int:
     for line in report.lines():
         print(line)
     if report.skipped:
-        print(f"skipped {len(report.skipped)} cases: {', '.join(report.skipped)}")
+        print(f"skipped {len(report.skipped)} cases under {report.convention} (the convention lacks "
+              f"them, or the oracle refuses its options there): {', '.join(report.skipped)}")
     if report.failure is not None:
         print(f"FAIL: {report.failure}")
         return 1
-    print(f"PASS: {args.kernel} matches {args.contract} on {report.cases_run} cases")
+    print(f"PASS: {args.kernel} matches {args.contract} on {report.summary()}")
     return 0
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from glm_dsa.testing.cases import CONTRACTS
     from glm_dsa.testing.golden import MANIFEST, compare, compare_kernel, format_report
 
     if not os.path.isfile(os.path.join(args.golden, MANIFEST)):
@@ -212,6 +268,11 @@ def run_compare(args: argparse.Namespace) -> int:
 
         if args.contract is not None:
             raise ValueError("--contract goes with --kernel; a --candidate's tensors name their contract")
+        given = [f for f, (dest, *_) in _OPTION_FLAGS.items() if getattr(args, dest) is not None]
+        if args.convention is not None or given:
+            raise ValueError(f"{(['--convention'] if args.convention else given)[0]} goes with "
+                             f"--kernel; a --candidate's tensor names carry their convention "
+                             f"(flash_mla_sparse_fwd.sep2025_lonely_row.lse)")
         safetensors_header("--candidate", args.candidate)
         try:
             candidate = load_file(args.candidate)
@@ -220,11 +281,24 @@ def run_compare(args: argparse.Namespace) -> int:
         report = compare(args.golden, candidate)
     else:
         fn = load_kernel(args.kernel)
+        contract = args.contract or getattr(fn, "__name__", "")
+        convention = args.convention
+        if contract in CONTRACTS:
+            _, convention = _convention(args, contract)
+            if convention.startswith("custom"):
+                raise ValueError(f"the golden set holds {contract}'s named conventions only; "
+                                 f"{convention} is none of them: check it with glm-dsa check")
         contracts = None if args.contract is None else (args.contract,)
         report = compare_kernel(args.golden, fn, device=args.device, timeout=_timeout(args),
-                                contracts=contracts)
+                                contracts=contracts, convention=convention)
     if args.junit_xml is not None:
-        _write_junit(args.junit_xml, "glm-dsa compare", [(c.name, c.passed, c.detail) for c in report.checks])
+        by_case: dict[str, list] = {}
+        for c in report.checks:
+            by_case.setdefault(c.name.rsplit(".", 1)[0], []).append(c)
+        _write_junit(args.junit_xml, "glm-dsa compare", [
+            (case, all(c.passed for c in checks),
+             "\n".join(f"{c.name}: {c.detail}" for c in checks if not c.passed))
+            for case, checks in by_case.items()])
     if args.json:
         print(json.dumps({"schema": COMPARE_SCHEMA, "golden": args.golden, **report.to_json()}, indent=2))
     else:

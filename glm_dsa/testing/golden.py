@@ -39,8 +39,24 @@ from torch import Tensor
 
 from glm_dsa import oracle
 from glm_dsa.outputs import replace_dir
-from glm_dsa.testing.cases import CONTRACTS, CONVENTIONS, Case, edge_case_names, make_case
-from glm_dsa.testing.check import DEFAULT_TIMEOUT_S, expected_outputs, kernel_outputs, verdicts_of
+from glm_dsa.testing.cases import (
+    CONTRACTS,
+    CONVENTIONS,
+    NEWEST,
+    Case,
+    convention_of,
+    conventions,
+    edge_case_names,
+    make_case,
+)
+from glm_dsa.testing.check import (
+    DEFAULT_TIMEOUT_S,
+    expected_outputs,
+    failure_context,
+    kernel_outputs,
+    takes_keywords,
+    verdicts_of,
+)
 
 __all__ = [
     "FORMAT",
@@ -88,12 +104,14 @@ def golden_cases(seed: int = 0) -> list[tuple[str, str, Case]]:
             whichs: list[str | int] = list(edge_case_names(contract))
             whichs += [] if convention else list(range(RANDOM_CASES))
             for which in whichs:
-                case = make_case(contract, which, seed=seed, shapes=GOLDEN_SHAPES, **options)
-                if options:
-                    try:
+                try:
+                    case = make_case(contract, which, seed=seed, shapes=GOLDEN_SHAPES, **options)
+                    if options:
                         expected_outputs(case)
-                    except ValueError:
-                        continue
+                except ValueError:
+                    if not options:
+                        raise
+                    continue  # the edge case does not exist under this convention
                 out.append((_key(case.name, convention), convention, case))
     return out
 
@@ -159,9 +177,19 @@ def write_golden(out_dir: str | os.PathLike, seed: int = 0) -> dict:
     ``out_dir``, written beside it and swapped in whole (``glm_dsa.outputs.replace_dir``): an
     interrupted write leaves an existing golden directory as it was.
 
-    Returns the manifest (also written).
+    Returns the manifest (also written). An existing ``out_dir`` holding files this function
+    does not write is refused (ValueError) before any case is computed.
     """
-    return replace_dir(os.fspath(out_dir), lambda tmp: _write_golden_into(tmp, seed))
+    out_dir = os.fspath(out_dir)
+    if os.path.isdir(out_dir):
+        ours = {MANIFEST, *(f"{c}.safetensors" for c in CONTRACTS)}
+        strangers = sorted(set(os.listdir(out_dir)) - ours)
+        if strangers:
+            raise ValueError(f"{out_dir} holds {', '.join(strangers[:5])}"
+                             f"{' …' if len(strangers) > 5 else ''}, which glm-dsa golden does not "
+                             f"write; the directory is replaced whole: move those out or choose "
+                             f"another directory")
+    return replace_dir(out_dir, lambda tmp: _write_golden_into(tmp, seed))
 
 
 def _write_golden_into(out_dir: str, seed: int) -> dict:
@@ -302,10 +330,17 @@ class TensorCheck:
 
 @dataclass(frozen=True)
 class CompareReport:
-    """All checks of one candidate, and the golden outputs it did not provide."""
+    """All checks of one candidate, and the golden outputs it did not provide.
+
+    conventions: the conventions whose cases were checked; not_run: per convention left out,
+    the reason (``compare --kernel`` runs another convention's cases only when asked to, or
+    when the kernel takes that convention's keywords).
+    """
 
     checks: tuple[TensorCheck, ...]
     not_in_candidate: tuple[str, ...]
+    conventions: tuple[str, ...] = ()
+    not_run: tuple[tuple[str, str], ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -315,7 +350,9 @@ class CompareReport:
         return {"passed": self.passed,
                 "checks": [{"name": c.name, "metric": c.metric, "passed": c.passed,
                             "value": c.value, "detail": c.detail} for c in self.checks],
-                "not_in_candidate": list(self.not_in_candidate)}
+                "not_in_candidate": list(self.not_in_candidate),
+                "conventions": list(self.conventions),
+                "conventions_not_run": {name: why for name, why in self.not_run}}
 
 
 def compare(golden_dir: str | os.PathLike, candidate: Mapping[str, Tensor]) -> CompareReport:
@@ -348,20 +385,56 @@ def check_outputs(
         case = owner[name]
         prefix = f"{case.contract}.{case.name}."
         out = name.removeprefix(prefix)
-        v = verdicts_of(case, {out: candidate[name]}, {out: golden[name]})[out]
-        checks.append(TensorCheck(name, case.checks[out]["metric"], v.passed, v.value, v.text()))
-    return CompareReport(tuple(checks), tuple(sorted(set(owner) - set(candidate))))
+        got, exp = {out: candidate[name]}, {out: golden[name]}
+        v = verdicts_of(case, got, exp)[out]
+        checks.append(_tensor_check(case, prefix + out, v,
+                                    lambda: failure_context(case, got, exp)))
+    checked = sorted({case_convention(owner[n]) for n in candidate})
+    return CompareReport(tuple(checks), tuple(sorted(set(owner) - set(candidate))), tuple(checked))
+
+
+def case_convention(case: Case) -> str:
+    """The name of the convention a golden case was written under."""
+    return convention_of(case.contract, {k: case.kwargs[k] for k in case.pinned}) or "custom"
+
+
+def _tensor_check(case: Case, name: str, v, context: Callable[[], list[str]]) -> TensorCheck:
+    """The verdict on one output; a failure's deciding line first, then its cause and clause
+    (``context()``, ``failure_context`` of the case), then the other criteria."""
+    out = name.rsplit(".", 1)[1]
+    detail = v.text()
+    if not v.passed:
+        first, *rest = detail.splitlines()
+        detail = "\n".join([first, *(line.strip() for line in context()),
+                            *(line.strip() for line in rest)])
+    return TensorCheck(name, case.checks[out]["metric"], v.passed, v.value, detail)
+
+
+def _once(fn: Callable[[], list[str]]) -> Callable[[], list[str]]:
+    """``fn`` computed on the first call only (a case's diagnosis serves all its outputs)."""
+    memo: list[list[str]] = []
+
+    def once() -> list[str]:
+        if not memo:
+            memo.append(fn())
+        return memo[0]
+
+    return once
 
 
 def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str | torch.device = "cpu",
                    timeout: float | None = DEFAULT_TIMEOUT_S,
-                   contracts: tuple[str, ...] | None = None) -> CompareReport:
+                   contracts: tuple[str, ...] | None = None,
+                   convention: str | None = None) -> CompareReport:
     """Run ``fn`` on the golden inputs of every case of ``contracts`` (default: every contract
     whose name is ``fn``'s ``__name__``) and check its outputs against the golden outputs.
 
-    The kernel is called as ``check_kernel`` calls it (inputs moved to ``device``, a per-call
-    ``timeout`` in seconds, an exception, ``sys.exit`` or a change to an input is a FAIL of
-    every output of that case).
+    Only the cases of ``convention`` (default the newest) run, and those of another convention
+    whose keywords the kernel takes (it is then told which convention to follow): a kernel with
+    an upstream signature implements one convention and is judged by it. The kernel is called
+    as ``check_kernel`` calls it (inputs moved to ``device``, a per-call ``timeout`` in
+    seconds; an exception, ``sys.exit`` or a change to an input is a FAIL of every output of
+    that case).
     """
     manifest, golden = load_golden(golden_dir)
     loaded = load_cases(manifest, golden)
@@ -375,10 +448,22 @@ def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str |
     for c in contracts:
         if c not in known:
             raise ValueError(f"the golden set has no contract {c!r}; one of: {', '.join(sorted(known))}")
-    checks = []
+    wanted = convention or NEWEST
+    for c in contracts:
+        if wanted not in conventions(c):
+            raise ValueError(f"{c} has no convention {wanted!r}; its conventions: "
+                             f"{', '.join(conventions(c))}")
+    checks, checked, not_run = [], set(), {}
     for case, expected in loaded:
         if case.contract not in contracts:
             continue
+        conv = case_convention(case)
+        if conv != wanted and not takes_keywords(fn, case.pinned or tuple(conventions(case.contract)[wanted])):
+            keys = sorted(set(case.pinned) | set(conventions(case.contract)[wanted]))
+            not_run[conv] = (f"the kernel takes no {', '.join(keys)}; --convention {conv} runs "
+                             f"these cases")
+            continue
+        checked.add(conv)
         prefix = f"{case.contract}.{case.name}."
         exp = {n.removeprefix(prefix): t for n, t in expected.items()}
         try:
@@ -387,15 +472,17 @@ def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str |
             checks += [TensorCheck(prefix + n, case.checks[n]["metric"], False, float("nan"), str(e))
                        for n in exp]
             continue
-        for n, v in verdicts_of(case, dict(zip(case.checks, got)), exp).items():
-            checks.append(TensorCheck(prefix + n, case.checks[n]["metric"], v.passed, v.value, v.text()))
-    return CompareReport(tuple(checks), ())
+        got_by_name = dict(zip(case.checks, got))
+        context = _once(lambda: failure_context(case, got_by_name, exp))
+        for n, v in verdicts_of(case, got_by_name, exp).items():
+            checks.append(_tensor_check(case, prefix + n, v, context))
+    return CompareReport(tuple(checks), (), tuple(sorted(checked)), tuple(sorted(not_run.items())))
 
 
 def format_report(report: CompareReport) -> str:
     """One line per checked tensor (PASS / FAIL, name, the deciding criterion; the other
     criteria and a hint indented below a failure) and a summary line."""
-    width = max(len(c.name) for c in report.checks)
+    width = max((len(c.name) for c in report.checks), default=0)
     lines = []
     for c in report.checks:
         first, *rest = c.detail.splitlines() or [""]
@@ -406,5 +493,9 @@ def format_report(report: CompareReport) -> str:
         f"{len(report.checks)} checked: {len(report.checks) - failed} passed, {failed} failed; "
         f"{len(report.not_in_candidate)} golden outputs not in the candidate"
     )
+    if report.conventions:
+        line = f"conventions checked: {', '.join(report.conventions)}"
+        line += "".join(f"; {name} not run ({why})" for name, why in report.not_run)
+        lines.append(line)
     return "\n".join(lines)
 

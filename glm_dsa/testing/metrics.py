@@ -11,7 +11,12 @@ tensors that the caller resolves.
 * ``allclose``: FlashMLA's ``check_is_allclose`` (abs / rel per element, ±inf/NaN positions,
   cos_diff).
 * ``topk_set``: per row, the selected columns as a set, pads counted; a candidate may swap
-  columns of equal score (kernels break ties arbitrarily), nothing else.
+  columns of equal score (kernels break ties arbitrarily), nothing else. For kernels handed
+  the logits (they rank exactly our scores).
+* ``topk_margin``: per row, the same checks of range, repeats and pads, then a member is wrong
+  only if its exact score is below the row's k-th best by more than ``rel_tol`` times the
+  row's largest |score|. For kernels that score the keys themselves (a fused score + top-k
+  kernel ranks its own float32 logits, whose order of summation decides near-ties).
 * ``index_set``: per row, the same multiset of indices (order free).
 """
 
@@ -34,6 +39,8 @@ __all__ = [
     "DECODE_OUT_TOL",
     "DECODE_LSE_TOL",
     "HADAMARD_TOL",
+    "TOPK_REL_TOL",
+    "FLOAT16_MAX",
     "METRICS",
     "Verdict",
     "check_tensor",
@@ -53,7 +60,13 @@ DECODE_LSE_TOL = {"abs_tol": 1e-6, "rel_tol": 8.01 / 65536, "cos_diff_tol": 1e-7
 # 1e-5 absolute for the float32 summation error of entries that cancel to nearly zero.
 HADAMARD_TOL = {"abs_tol": 1e-5, "rel_tol": 2.01 / 256, "cos_diff_tol": 7e-6}
 
-METRICS = ("bitwise", "calc_diff", "allclose", "topk_set", "index_set")
+# A fused score + top-k kernel's float32 logits differ from the exact ones by a few float32
+# roundings of the row's terms (~1e-7 relative each, near-ties 1e-7 apart swap); 1e-5 of the
+# row's largest |score| is about a hundred of those and far below the gap a wrong member makes.
+TOPK_REL_TOL = 1e-5
+FLOAT16_MAX = 65504.0
+
+METRICS = ("bitwise", "calc_diff", "allclose", "topk_set", "topk_margin", "index_set")
 
 
 class Verdict(NamedTuple):
@@ -104,26 +117,43 @@ def _verdict(criteria: list[tuple[bool, float, float, str]], hint: str = "") -> 
 LOG2E = 1 / math.log(2)
 
 
-def _ratio_hint(cand: Tensor, exp: Tensor, where: Tensor) -> str:
-    """A hint when the candidate is the expected value times one constant."""
+def _ratio_hint(cand: Tensor, exp: Tensor, where: Tensor, tol: float) -> str:
+    """A hint when the candidate is the expected value times one constant: every ratio within
+    ``tol`` (relative) of the median, and the median further than that from 1."""
     c, e = cand.double(), exp.double()
     sel = where & torch.isfinite(c) & torch.isfinite(e) & (e.abs() > 1e-6)
     if int(sel.sum()) < 2:
         return ""
     ratio = c[sel] / e[sel]
     med = float(ratio.median())
-    if not math.isfinite(med) or abs(med - 1) < 1e-3 or float((ratio - med).abs().max()) > 1e-3 * abs(med):
+    if not math.isfinite(med) or med == 0:
+        return ""
+    spread = float((ratio - med).abs().max()) / abs(med)
+    if spread > tol or abs(med - 1) <= 4 * max(spread, tol):
         return ""
     if abs(med - LOG2E) < 1e-3:
         return ("every value is 1/ln 2 = 1.4427 times the oracle's: a base-2 lse / max_logits "
-                "where natural log is due (a kernel with that convention pins lse_base='2')")
+                "where natural log is due (a kernel with that convention checks with "
+                "--convention sep2025)")
     if abs(med - 1 / LOG2E) < 1e-3:
         return "every value is ln 2 = 0.6931 times the oracle's: natural log where base 2 is pinned"
-    return (f"every value is {med:.6g} times the oracle's: a uniform scale error (a scale "
-            f"missing, doubled or applied to the wrong operand)")
+    return (f"every value is {med:.6g} times the oracle's (to within {spread:.2g}): a uniform "
+            f"scale error (a scale missing, doubled or applied to the wrong operand)")
 
 
-def _bitwise(cand: Tensor, exp: Tensor) -> Verdict:
+def _regions_line(differ: Tensor, spec: dict) -> str:
+    """How many bytes differ in each named region of a byte format (``spec["regions"]``: name,
+    first byte, end byte over the last ``region_dims`` dims flattened)."""
+    dims = spec.get("region_dims", 1)
+    per = differ.reshape(-1, math.prod(differ.shape[-dims:]))
+    parts = []
+    for name, lo, hi in spec["regions"]:
+        part = per[:, lo:hi]
+        parts.append(f"{name} {int(part.sum())} of {part.numel()}")
+    return "bytes differing by region: " + ", ".join(parts)
+
+
+def _bitwise(cand: Tensor, exp: Tensor, spec: dict) -> Verdict:
     if cand.element_size() != exp.element_size():
         return _verdict([(False, math.nan, 0.0, (
             f"element size: {cand.dtype} has {cand.element_size()}-byte elements, the expected "
@@ -137,9 +167,12 @@ def _bitwise(cand: Tensor, exp: Tensor) -> Verdict:
         return _verdict([(True, 0.0, 0.0, f"bitwise equal ({exp.numel()} elements)")])
     at = _first(differ)
     hex_ = lambda t: "0x" + bytes(t[at].reshape(1).view(torch.uint8).tolist()).hex()  # noqa: E731
-    return _verdict([(False, float(n), 0.0, (
+    criteria = [(False, float(n), 0.0, (
         f"bitwise: {n} of {exp.numel()} elements differ; first at {_pos(at)}: {hex_(cand)} vs "
-        f"{hex_(exp)}"))])
+        f"{hex_(exp)}"))]
+    if "regions" in spec:
+        criteria.append((False, float(n), 0.0, _regions_line(differ, spec)))
+    return _verdict(criteria)
 
 
 def _window_hint(finite: Tensor, mask: Tensor) -> str:
@@ -213,15 +246,27 @@ def _calc_diff(cand: Tensor, exp: Tensor, spec: dict, mask: Tensor) -> Verdict:
     line = (f"calc_diff {d:.3g} {'<' if ok else '>='} {bound:g} inside the valid region "
             f"({'-inf outside exact' if cleaned else 'outside ignored'})")
     if not ok:
-        err = torch.where(mask & finite, (c - e).abs(), 0.0)
+        # A non-finite entry inside the region is the worst error, whatever the finite ones.
+        err = torch.where(mask, torch.where(finite, (c - e).abs(), math.inf), 0.0)
         at = _first(err == err.max())
         line += f"; largest error at {_pos(at)}: {float(c[at])} vs {float(e[at])}"
     criteria.append((ok, d, bound, line))
     # Outside the valid region an uncleaned candidate's entries say nothing about its window.
     hint = _window_hint(finite if cleaned else finite & mask, mask)
     if not hint and not ok:
-        hint = _ratio_hint(c, e, mask)
+        hint = _ratio_hint(c, e, mask, 2.0**-8 if cand.dtype == torch.bfloat16 else 1e-6)
     return _verdict(criteria, hint)
+
+
+def _worst_element(cand: Tensor, exp: Tensor, spec: dict) -> tuple[int, ...]:
+    """The element furthest outside the tolerance (FlashMLA's per-element test: the smaller of
+    abs_err / abs_tol and rel_err / rel_tol), among the elements finite in both."""
+    c, e = cand.double(), exp.double()
+    both = torch.isfinite(c) & torch.isfinite(e)
+    err = torch.where(both, (c - e).abs(), 0.0)
+    rel = err / (e.abs() + 1e-6)
+    over = torch.minimum(err / spec["abs_tol"], rel / spec["rel_tol"])
+    return _first(over == over.max())
 
 
 def _allclose(cand: Tensor, exp: Tensor, spec: dict) -> Verdict:
@@ -246,15 +291,16 @@ def _allclose(cand: Tensor, exp: Tensor, spec: dict) -> Verdict:
     # An element fails only when it is outside both the absolute and the relative tolerance.
     line = (f"elements: {r.num_failed} of {exp.numel()} outside both abs {spec['abs_tol']:g} and rel "
             f"{spec['rel_tol']:.4g} (worst element {r.worst_element:.3g} of its bound, fails at >= 1)")
-    if r.first_failure is not None and r.anomaly is None:
-        at = r.first_failure
-        line += f"; first at {_pos(at)}: {float(cand[at])} vs {float(exp[at])}"
+    if r.num_failed and r.anomaly is None:
+        at = _worst_element(cand, exp, spec)
+        line += f"; worst at {_pos(at)}: {float(cand[at])} vs {float(exp[at])}"
     criteria.append((r.num_failed == 0, float(r.num_failed), 0.0, line))
     cos_ok = abs(r.cos_diff) <= bound
     criteria.append((cos_ok, r.cos_diff, bound, (
         f"cos_diff {r.cos_diff:.3g} {'<=' if cos_ok else '>'} {bound:g} (info: max abs err "
         f"{r.max_abs_err:.3g}, max rel err {r.max_rel_err:.3g})")))
-    verdict = _verdict(criteria, hint or _ratio_hint(cand, exp, torch.ones_like(exp, dtype=torch.bool)))
+    everywhere = torch.ones_like(exp, dtype=torch.bool)
+    verdict = _verdict(criteria, hint or _ratio_hint(cand, exp, everywhere, spec["rel_tol"]))
     if verdict.passed:  # the pass line leads with the metric's value, cos_diff
         return verdict._replace(value=r.cos_diff, bound=bound,
                                 detail=f"{criteria[1][3]}; {criteria[2][3]}")
@@ -327,6 +373,55 @@ def _topk_set(cand: Tensor, exp: Tensor, spec: dict, scores: Tensor, starts: Ten
                       f"rows as sets: {bad} of {exp.shape[0]} rows differ; first {first}")], hint)
 
 
+def _topk_margin(cand: Tensor, exp: Tensor, spec: dict, scores: Tensor, starts: Tensor,
+                 ends: Tensor) -> Verdict:
+    """Per row: ``min(topk, len)`` distinct in-range positions then -1 pads; when the row has
+    more than ``topk`` positions, each member's exact score at most ``rel_tol · max |score|``
+    below the row's k-th best. Value: the worst member's shortfall in units of the row's
+    largest |score|."""
+    if not _is_integer(cand):
+        return _verdict([(False, math.nan, 0.0, f"dtype: {cand.dtype} is not an integer type")])
+    rel_tol, topk = spec["rel_tol"], exp.shape[1]
+    bad, first, worst, dropped_last = 0, None, 0.0, 0
+    for r, row in enumerate(cand.tolist()):
+        s, e = int(starts[r]), int(ends[r])
+        k = min(topk, e - s)
+        picked = _selection(row, k, -1)
+        why = None
+        if picked is None:
+            why = f"fewer than {topk - k} pad entries (-1)"
+        elif any(not 0 <= v < e - s for v in picked):
+            why = f"a position outside the row's [0, {e - s})"
+        elif len(set(picked)) != k:
+            why = "a repeated position"
+        elif e - s > topk:
+            row_scores = scores[r, s:e].double()
+            kth = float(row_scores.topk(topk).values[-1])
+            scale = float(row_scores.abs().max()) or 1.0
+            short = (kth - row_scores[picked]).clamp_min(0) / scale
+            at = int(short.argmax())
+            worst = max(worst, float(short[at]))
+            if float(short[at]) > rel_tol:
+                why = (f"position {picked[at]} scores {float(row_scores[picked[at]]):.9g}, "
+                       f"{float(short[at]):.3g} of the row's largest |score| below the k-th "
+                       f"best {kth:.9g} (tolerance {rel_tol:g})")
+                best = set(row_scores.topk(topk).indices.tolist())
+                dropped_last += (e - s - 1) in best and (e - s - 1) not in picked
+        if why is not None:
+            bad += 1
+            first = first or f"row {r}: {why}"
+    if bad == 0:
+        return _verdict([(True, worst, rel_tol, (
+            f"{exp.shape[0]} rows hold a top-{topk}: worst member {worst:.3g} of the row's "
+            f"largest |score| below the k-th best (tolerance {rel_tol:g})"))])
+    hint = ""
+    if dropped_last == bad:
+        hint = (f"{bad} rows leave out their last position though it ranks in the top-k: the "
+                f"row's range is read as [0, len - 1)")
+    return _verdict([(False, float(bad), 0.0,
+                      f"top-k members: {bad} of {exp.shape[0]} rows wrong; first {first}")], hint)
+
+
 def _index_set(cand: Tensor, exp: Tensor) -> Verdict:
     if not _is_integer(cand):
         return _verdict([(False, math.nan, 0.0, f"dtype: {cand.dtype} is not an integer type")])
@@ -358,7 +453,7 @@ def check_tensor(spec: Mapping, cand: Tensor, exp: Tensor, ref: Callable[[str], 
         return _verdict([(False, math.nan, math.nan,
                           f"shape: {tuple(cand.shape)}, expected {tuple(exp.shape)}")])
     if metric == "bitwise":
-        return _bitwise(cand, exp)
+        return _bitwise(cand, exp, dict(spec))
     if metric == "calc_diff":
         return _calc_diff(cand, exp, dict(spec), ref(spec["mask"]))
     if metric == "allclose":
@@ -366,4 +461,7 @@ def check_tensor(spec: Mapping, cand: Tensor, exp: Tensor, ref: Callable[[str], 
     if metric == "topk_set":
         return _topk_set(cand, exp, dict(spec), ref(spec["scores"]), ref(spec["row_starts"]),
                          ref(spec["row_ends"]))
+    if metric == "topk_margin":
+        return _topk_margin(cand, exp, dict(spec), ref(spec["scores"]), ref(spec["row_starts"]),
+                            ref(spec["row_ends"]))
     return _index_set(cand, exp)
