@@ -1,10 +1,11 @@
 """Which implementation runs a DSA layer's two hot operations: the indexer top-k and attention.
 
-A ``Backend`` is any object with a ``name``, ``require(dtype, kv_dtype)`` (a one-line
-ValueError, before any compute, for a run it cannot do), ``indexer_topk`` (the contract of
-``glm_dsa.indexer.indexer_topk``) and ``attend`` (one layer's attention over its cache,
-choosing the form itself). ``DecoderLayer`` calls only these, so a new implementation is a new
-class here (or anywhere: ``PrefillEngine`` takes a ``Backend`` object as well as a name).
+A ``Backend`` has a ``name``, ``require(dtype, kv_dtype)`` (a one-line ValueError, before any
+compute, for a run it cannot do), ``indexer_topk`` (the contract of
+``glm_dsa.indexer.indexer_topk``), ``attend`` (one layer's attention over its cache, choosing
+the form itself) and the capability attributes below. ``DecoderLayer`` calls only these, so a
+new implementation is a new subclass here (or anywhere: ``PrefillEngine`` takes a ``Backend``
+object as well as a name).
 
 * ``reference`` — the oracle: exact FP8 indexer logits in float64, float32-accurate sparse
   attention over the gathered context, and the MHA one-shot form for short contexts.
@@ -28,58 +29,94 @@ class here (or anywhere: ``PrefillEngine`` takes a ``Backend`` object as well as
 The triton and peers backends take the absorbed sparse form at every length: where a context
 has no more than ``index_topk`` keys the top-k keeps them all and sparse attention is the dense
 result, so the reference's MHA one-shot form (float32, expanded per head) is not needed.
+
+What a backend can do is said by its attributes (``graph_capturable``, ``batch_invariant``,
+``activation_dtypes``, ``kv_dtypes``), read by ``get_backend``, ``glm_dsa.graphs`` and the CLI;
+the model's small fused passes (``glm_dsa.fused``) are its ``passes``. A new built-in backend
+is a subclass here (``for_device`` says what it needs) and a name in ``_CLASSES``; no other
+module names backends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from glm_dsa import fused
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache
 from glm_dsa.indexer import indexer_topk
 from glm_dsa.mla import MLA, MLAProjection
 
 __all__ = ["BACKENDS", "Backend", "ReferenceBackend", "TritonBackend", "PeersBackend",
-           "REFERENCE", "get_backend"]
+           "REFERENCE", "get_backend", "graph_capturable_names"]
 
-BACKENDS = ("auto", "reference", "triton", "peers")
 _log = logging.getLogger(__name__)
 
 
-class Backend(Protocol):
-    """What ``DecoderLayer`` calls; see the module docstring."""
+class Backend:
+    """What ``DecoderLayer`` calls, and what the backend can do; see the module docstring.
 
-    name: str
+    Attributes:
+        name: the ``--backend`` name.
+        graph_capturable: its indexer top-k and attention read nothing on the host during a
+            step, so a step runs from CUDA graphs (``glm_dsa.graphs``).
+        batch_invariant: its results for a row do not depend on the other rows of the step
+            (``glm_dsa.invariant``); batch-invariant mode runs only such a backend.
+        activation_dtypes, kv_dtypes: the activation dtypes and cache formats
+            (``glm_dsa.cache``'s names) it runs; None for any.
+        passes: the model's small fused passes under this backend (``glm_dsa.fused``).
+    """
+
+    name: str = "backend"
+    graph_capturable: bool = False
+    batch_invariant: bool = False
+    activation_dtypes: tuple[torch.dtype, ...] | None = None
+    kv_dtypes: tuple[str, ...] | None = None
+    passes: fused.Passes = fused.TRITON_ON_CUDA
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        """A backend of this class for models on ``device``, or the ValueError (one line)
+        saying what it needs there."""
+        return cls()
 
     def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
         """ValueError (one line, naming the fix) unless this backend runs ``dtype``
-        activations over a ``kv_dtype`` cache (``glm_dsa.cache``'s names)."""
-        ...
+        activations over a ``kv_dtype`` cache."""
+        if self.activation_dtypes is not None and dtype not in self.activation_dtypes:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.activation_dtypes)
+            raise ValueError(f"the {self.name} backend runs {names} activations ({dtype} given): use "
+                             f"--dtype {names.split()[0]} or another backend")
+        if self.kv_dtypes is not None and kv_dtype not in self.kv_dtypes:
+            names = " or ".join(self.kv_dtypes)
+            raise ValueError(f"the {self.name} backend reads {names} KV ({kv_dtype} given): use "
+                             f"--kv-dtype {names}")
 
     def indexer_topk(self, q_fp8: Tensor, weights: Tensor, k_fp8: Tensor, k_scale: Tensor,
                      ks: Tensor, ke: Tensor, topk: int, budget_bytes: int) -> Tensor:
         """``glm_dsa.indexer.indexer_topk``'s arguments and output contract (set semantics)."""
-        ...
+        raise NotImplementedError
 
     def attend(self, attn: MLA, proj: MLAProjection, cache: KVCache, layer_idx: int,
                batch: ForwardBatch, topk_indices: Tensor, budget_bytes: int) -> Tensor:
         """Layer ``layer_idx``'s attention ``[n, hidden]`` of ``proj`` over its cache, with the
         int32 ``[n, index_topk]`` request-relative top-k, temporaries within ``budget_bytes``."""
-        ...
+        raise NotImplementedError
 
 
-class ReferenceBackend:
+class ReferenceBackend(Backend):
     """The oracle: gathers the context, MHA one-shot for short contexts, else absorbed sparse."""
 
     name = "reference"
+    batch_invariant = True
 
-    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
-        pass
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        return REFERENCE
 
     def indexer_topk(self, *args) -> Tensor:
         return indexer_topk(*args)
@@ -101,19 +138,27 @@ def _triton_paged_sparse_mla(query, pool, slots, sm_scale, d_v):
     return kernels.flash_mla_sparse_fwd(query, pool.view(-1, 1, pool.shape[-1]), indices, sm_scale, d_v)
 
 
-class TritonBackend:
+class TritonBackend(Backend):
     """``glm_dsa.kernels``: Triton indexer top-k, sparse attention read from the paged pool."""
 
     name = "triton"
+    graph_capturable = True
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        if not _triton_importable():
+            raise ValueError("the triton backend needs the triton package: pip install triton "
+                             "(or choose the reference backend)")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton backend runs on CUDA devices, not {device.type}; on the CPU "
+                             "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
+        return cls()
 
     def __init__(self) -> None:
         from glm_dsa import kernels
 
         self._kernels = kernels
         self._logged: set[str] = set()
-
-    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
-        pass
 
     def indexer_topk(self, *args) -> Tensor:
         return self._kernels.indexer_topk(*args)
@@ -129,12 +174,9 @@ class TritonBackend:
         """Whether an FP8 pool's attention should run the Gluon bf16 kernel over the context
         dequantized once (it is ~2.5x the FP8 Triton kernel's rate), logged once either way."""
         cfg = attn.config
-        why = self._kernels.sparse_mla.gluon_unavailable(proj.q_latent.device)
-        if why is None and proj.q_latent.dtype != torch.bfloat16:
-            why = f"{proj.q_latent.dtype} activations (the Gluon kernel is bf16)"
-        if why is None and (cfg.num_attention_heads % 64 or cfg.kv_lora_rank != 512
-                            or cfg.qk_rope_head_dim != 64):
-            why = "heads or latent dims outside the Gluon kernel's (h % 64, 512 + 64)"
+        why = self._kernels.sparse_mla.gluon_unsuitable(
+            proj.q_latent.device, proj.q_latent.dtype, cfg.num_attention_heads,
+            cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank)
         message = "FP8 KV attention: " + ("context dequantized to bf16 per step, Gluon kernel"
                                           if why is None else f"FP8 Triton kernel in place ({why})")
         if message not in self._logged:
@@ -157,23 +199,26 @@ def _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices, budge
                                budget_bytes)
 
 
-class PeersBackend:
+class PeersBackend(Backend):
     """DeepGEMM logits + the radix select, FlashMLA sparse prefill (``glm_dsa.peers``)."""
 
     name = "peers"
+    activation_dtypes = (torch.bfloat16,)  # FlashMLA's query
+    kv_dtypes = ("fp8", "bf16")  # FlashMLA reads bf16 rows; FP8 ones are dequantized to them
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> Backend:
+        from glm_dsa import peers
+
+        missing = peers.missing(device)
+        if missing:
+            raise ValueError(f"the peers backend cannot run here: {missing}")
+        return cls()
 
     def __init__(self) -> None:
         from glm_dsa import peers
 
         self._peers = peers
-
-    def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
-        if dtype != torch.bfloat16:
-            raise ValueError(f"the peers backend runs bfloat16 activations (FlashMLA's query), not "
-                             f"{dtype}: use --dtype bfloat16 or another backend")
-        if kv_dtype not in ("fp8", "bf16"):
-            raise ValueError(f"the peers backend reads fp8 or bf16 KV (FlashMLA's bf16 rows), not "
-                             f"{kv_dtype}: use --kv-dtype fp8 or bf16")
 
     def indexer_topk(self, *args) -> Tensor:
         return self._peers.indexer_topk(*args)
@@ -194,35 +239,53 @@ def _triton_importable() -> bool:
     return True
 
 
-def get_backend(name: str | Backend, device: torch.device | str) -> Backend:
-    """The backend ``name`` (one of ``BACKENDS``) for models on ``device``; a ``Backend`` object
-    is returned as it is.
+_CLASSES: dict[str, type[Backend]] = {
+    "reference": ReferenceBackend, "triton": TritonBackend, "peers": PeersBackend}
+BACKENDS = ("auto", *_CLASSES)
 
-    ``auto`` is ``triton`` on a CUDA device when Triton imports, else ``reference``. ``triton``
-    on the CPU needs ``TRITON_INTERPRET=1`` (Triton's interpreter: exact but slow, for tests).
-    ``peers`` needs a CUDA device, Triton, and DeepGEMM and FlashMLA's SM90 sparse prefill
-    importable (``glm_dsa.peers``).
+
+def graph_capturable_names() -> list[str]:
+    """The backends whose steps run from CUDA graphs, by name (for messages)."""
+    return [name for name, cls in _CLASSES.items() if cls.graph_capturable]
+
+
+def _auto(device: torch.device, batch_invariant: bool) -> str:
+    """The one ``auto`` rule: ``reference`` in batch-invariant mode, else ``triton`` on a CUDA
+    device when Triton imports, else ``reference``."""
+    if not batch_invariant and device.type == "cuda" and _triton_importable():
+        return "triton"
+    return "reference"
+
+
+def get_backend(name: str | Backend, device: torch.device | str, dtype: torch.dtype | None = None,
+                kv_dtype: str | None = None, batch_invariant: bool = False) -> Backend:
+    """The backend ``name`` (one of ``BACKENDS``, or a ``Backend`` object, returned as it is)
+    for models on ``device``, checked to run ``dtype`` activations over a ``kv_dtype`` cache
+    (``Backend.require``; skipped when ``dtype`` is None) and, with ``batch_invariant``, to be
+    batch-invariant. Every rule about choosing a backend is here, decided once.
+
+    ``auto`` is ``_auto``'s choice. ``triton`` on the CPU needs ``TRITON_INTERPRET=1`` (Triton's
+    interpreter: exact but slow, for tests). ``peers`` needs a CUDA device, Triton, and DeepGEMM
+    and FlashMLA's SM90 sparse prefill importable (``glm_dsa.peers``).
     """
-    if not isinstance(name, str):
-        return name
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r}: choose one of {', '.join(BACKENDS)}")
     device = torch.device(device)
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_importable() else "reference"
-    if name == "reference":
-        return REFERENCE
-    if name == "peers":
-        from glm_dsa import peers
+    if isinstance(name, str):
+        if name not in BACKENDS:
+            raise ValueError(f"backend={name!r}: choose one of {', '.join(BACKENDS)}")
+        name = _auto(device, batch_invariant) if name == "auto" else name
+        # Refused by the class's attribute, before anything is imported or built for it.
+        _check_invariance(name, _CLASSES[name].batch_invariant, batch_invariant)
+        backend = _CLASSES[name].for_device(device)
+    else:
+        backend = name
+        _check_invariance(backend.name, backend.batch_invariant, batch_invariant)
+    if dtype is not None:
+        backend.require(dtype, kv_dtype if kv_dtype is not None else "fp8")
+    return backend
 
-        missing = peers.missing(device)
-        if missing:
-            raise ValueError(f"the peers backend cannot run here: {missing}")
-        return PeersBackend()
-    if not _triton_importable():
-        raise ValueError("the triton backend needs the triton package: pip install triton "
-                         "(or choose the reference backend)")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"the triton backend runs on CUDA devices, not {device.type}; on the CPU "
-                         "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
-    return TritonBackend()
+
+def _check_invariance(name: str, invariant: bool, batch_invariant: bool) -> None:
+    if batch_invariant and not invariant:
+        kept = " or ".join(n for n, c in _CLASSES.items() if c.batch_invariant)
+        raise ValueError(f"batch-invariant mode (--batch-invariant, batch_invariant=True) runs the {kept} "
+                         f"backend: the {name} kernels are not batch-invariant")

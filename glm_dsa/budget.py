@@ -38,6 +38,7 @@ __all__ = [
     "attention_rows",
     "default_moe_bytes",
     "moe_rows",
+    "rows_within",
 ]
 
 # The host has no allocator whose free memory the CUDA rule could follow; 256 MiB keeps a CPU
@@ -124,6 +125,15 @@ class Budgets:
         return cls(default_logits_bytes(device, mem_fraction_static),
                    default_attention_bytes(device, mem_fraction_static),
                    default_moe_bytes(device, mem_fraction_static))
+
+
+def rows_within(budget_bytes: int, row_bytes: int, num_rows: int | None = None) -> int:
+    """Rows of ``row_bytes`` each whose temporaries fit ``budget_bytes``, at most ``num_rows``
+    when given, and at least one (a row is never split). The rule every row-chunk loop without
+    a rule of its own here (``max_logit_rows``, ``attention_rows``, ``moe_rows``) sizes its
+    chunks by."""
+    rows = budget_bytes // row_bytes
+    return max(1, rows if num_rows is None else min(num_rows, rows))
 
 
 def max_logit_rows(num_q: int, num_k: int, budget_bytes: int) -> int:

@@ -85,7 +85,6 @@ class KVCache:
     ``mla[layer]``: main KV rows, uint8 ``[num_pages, page_size, row_bytes]`` for FP8, or a typed
     ``[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` tensor otherwise.
     ``index_k[layer]`` (full layers only): uint8 ``[num_pages, page_size * (index_head_dim + 4)]``.
-    ``bytes_written`` counts every byte stored, per pool kind, for checks against the ledger.
 
     ``write_mla`` refuses a row holding NaN or inf in every ``kv_dtype`` (the FP8 format cannot
     store one; a bf16 or fp32 row would poison every later query silently). With
@@ -133,7 +132,6 @@ class KVCache:
                     dtype=torch.uint8,
                     device=self.device,
                 )
-        self.bytes_written = {"mla": 0, "index_k": 0}
         self.written: dict[int, torch.Tensor] | None = None
         if track_writes:
             self.written = {layer: torch.zeros(num_pages * self.page_size, dtype=torch.bool, device=self.device)
@@ -156,16 +154,10 @@ class KVCache:
         if slots.dtype != torch.int64 or slots.dim() != 1:
             raise ValueError(f"slots must be a 1-D int64 tensor, got {slots.dtype} {tuple(slots.shape)}")
         capacity = self.num_pages * self.page_size
-        if slots.numel() and syncfree.active():
+        if slots.numel():
             syncfree.check((slots.min() >= 0) & (slots.max() < capacity),
                            f"slot out of the pool: slots must lie in [0, {capacity}) "
                            f"({self.num_pages} pages × {self.page_size})")
-            return
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-            raise ValueError(
-                f"slot out of the pool: slots must lie in [0, {capacity}) "
-                f"({self.num_pages} pages × {self.page_size})"
-            )
 
     def write_mla(self, layer: int, slots: torch.Tensor, kv_latent: torch.Tensor) -> None:
         """Store ``kv_latent [n, kv_lora_rank + rope]`` (``[c | k_pe]``) at ``slots [n]``."""
@@ -175,14 +167,14 @@ class KVCache:
             raise ValueError(
                 f"kv_latent must be [{slots.numel()}, {cfg.kv_latent_dim}], got {tuple(kv_latent.shape)}"
             )
-        if syncfree.active():
-            syncfree.check(torch.isfinite(kv_latent).all(),
-                           f"write_mla of layer {layer}: a kv_latent row holds NaN or inf, which the "
-                           "cache does not store; fix the producer of the latent")
-        elif not bool(torch.isfinite(kv_latent).all()):
+        def first_bad_row() -> str:
             bad = int((~torch.isfinite(kv_latent)).any(dim=-1).nonzero()[0])
-            raise ValueError(f"write_mla of layer {layer}: kv_latent row {bad} (slot {int(slots[bad])}) holds NaN "
-                             "or inf, which the cache does not store; fix the producer of the latent")
+            return (f"write_mla of layer {layer}: kv_latent row {bad} (slot {int(slots[bad])}) holds NaN "
+                    "or inf, which the cache does not store; fix the producer of the latent")
+
+        syncfree.check(torch.isfinite(kv_latent).all(),
+                       f"write_mla of layer {layer}: a kv_latent row holds NaN or inf, which the "
+                       "cache does not store; fix the producer of the latent", first_bad_row)
         pool = self.mla[layer]
         if self.written is not None:
             self.written[layer][slots.to(pool.device)] = True
@@ -192,7 +184,6 @@ class KVCache:
             mla_kv_store(pool, slots.to(pool.device), rows)
         else:
             pool.view(-1, pool.shape[-1])[slots.to(pool.device)] = kv_latent.to(pool.dtype)
-        self.bytes_written["mla"] += slots.numel() * self.mla_row_bytes
 
     def read_mla(self, layer: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The latent rows at ``slots [S]`` as ``[S, kv_lora_rank + rope]`` in ``dtype``.
@@ -213,10 +204,6 @@ class KVCache:
             rows = mla_kv_load(pool, slots.to(pool.device))
             return mla_kv_dequantize(rows, self.config.kv_lora_rank, self.config.qk_rope_head_dim, dtype)
         return pool.view(-1, pool.shape[-1])[slots.to(pool.device)].to(dtype)
-
-    def record_index_k_write(self, num_tokens: int) -> None:
-        """Account ``num_tokens`` index-K rows stored by the indexer (which writes the pages itself)."""
-        self.bytes_written["index_k"] += num_tokens * (self.config.index_head_dim + 4)
 
     def slots_of(self, pages: Iterable[int], length: int) -> torch.Tensor:
         """The first ``length`` token slots of a page table, int64 ``[length]``."""

@@ -23,18 +23,25 @@ import sys
 import threading
 import time
 import warnings
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
 
-from glm_dsa.backend import BACKENDS, get_backend
+import torch
+
+from glm_dsa.backend import BACKENDS, Backend, get_backend
 from glm_dsa import __version__
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
-from glm_dsa.config import get_config
+from glm_dsa.config import DSAConfig, get_config
 from glm_dsa.kv_format import MLA_KV_FORMATS
 from glm_dsa.ledger import GpuSpec, build_ledger
 from glm_dsa.ledger_text import format_ledger
+from glm_dsa.outputs import Terminated, raise_terminated
 from glm_dsa.report import table
 from glm_dsa.testing import cli as testing_cli
+
+if TYPE_CHECKING:
+    from glm_dsa.weights import Checkpoint
 
 __all__ = ["build_parser", "main"]
 
@@ -122,13 +129,10 @@ def _add_ledger(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_ledger)
 
 
-def _add_prefill(sub) -> None:
-    p = sub.add_parser(
-        "prefill",
-        help="run a chunked prefill (the main job)",
-        description="Run requests through the layer stack in page-aligned chunks over paged caches, "
-        "print the per-step timeline and the cache usage.",
-    )
+def _model_and_input_flags() -> argparse.ArgumentParser:
+    """The flags ``prefill`` and ``fidelity`` share (the model, its inputs, where and how it runs),
+    as a parent parser; ``_resolve`` reads them."""
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
     p.add_argument("--weights", metavar="DIR",
                    help="Hugging Face checkpoint directory: config.json and model.safetensors, or shards named by "
@@ -136,13 +140,18 @@ def _add_prefill(sub) -> None:
                         "tensors of --layers and the embedding, final norm and head are read. Random weights if absent")
     p.add_argument("--layers", metavar="SPEC",
                    help="keep only these layers of the config: a count N (the first N) or a range a:b of "
-                        "layer indices, e.g. 6:7 = GLM-5.3's first full MoE layer (default: all)")
+                        "layer indices, e.g. 6:7 = GLM-5.3's first full MoE layer (default: all); outputs name "
+                        "layers by the config's numbering")
     p.add_argument("--tokens", type=int, help="prompt length of each request, in tokens")
-    p.add_argument("--requests", type=int, default=1, help="number of requests (default 1)")
+    p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
+    p.add_argument("--input-hidden", metavar="FILE.safetensors",
+                   help="start from hidden states instead of tokens: request.{i}.hidden [L, hidden_size] is the input "
+                        "of the first kept layer (e.g. request.{i}.layer.{a-1}.hidden of a --save-layer-outputs run)")
+    p.add_argument("--text", metavar="FILE",
+                   help="prefill this UTF-8 text as one request, tokenized with the tokenizer.json of the checkpoint "
+                        "directory (needs the 'text' extra: pip install 'glm-dsa[text]')")
+    p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
     p.add_argument("--chunk", type=int, default=32768, help="chunked_prefill_size: tokens per step (default 32768)")
-    p.add_argument("--prefix", type=int, default=0,
-                   help="the requests share their first P tokens, cached beforehand by a warm-up request; "
-                        "each request then hits floor(P/64)*64 tokens of prefix cache")
     p.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES, help="main KV cache format")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
                    help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
@@ -151,6 +160,27 @@ def _add_prefill(sub) -> None:
                    help="indexer top-k and sparse attention: the reference, the Triton kernels, or the "
                         "DeepGEMM/FlashMLA peers (default auto: triton on CUDA when Triton imports, "
                         "else reference)")
+    p.add_argument("--budget-bytes", type=int,
+                   help="indexer logits, attention row-chunk and MoE row-block budgets in bytes "
+                        "(default: SGLang's rule on CUDA, docs/conventions.md §12, the MoE's capped at 3 GiB; "
+                        "256 MiB on CPU)")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return p
+
+
+def _add_prefill(sub) -> None:
+    p = sub.add_parser(
+        "prefill",
+        parents=[_model_and_input_flags()],
+        help="run a chunked prefill (the main job)",
+        description="Run requests through the layer stack in page-aligned chunks over paged caches, "
+        "print the per-step timeline and the cache usage.",
+    )
+    p.add_argument("--requests", type=int, default=1, help="number of requests (default 1)")
+    p.add_argument("--prefix", type=int, default=0,
+                   help="the requests share their first P tokens, cached beforehand by a warm-up request; "
+                        "each request then hits floor(P/64)*64 tokens of prefix cache")
     p.add_argument("--batch-invariant", action="store_true",
                    help="bitwise the same outputs for a request whatever the chunk size and the requests "
                         "sharing its steps (reference backend; README, Chunked prefill)")
@@ -158,19 +188,6 @@ def _add_prefill(sub) -> None:
                    help="replay steps of up to 16,384 tokens from CUDA graphs captured per padded token bucket "
                         "(default: on with the triton backend on CUDA, one rank, no --save-layer-outputs; "
                         "such steps print no per-component split)")
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights and token ids")
-    p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids to run instead of random tokens")
-    p.add_argument("--input-hidden", metavar="FILE.safetensors",
-                   help="start from hidden states instead of tokens: request.{i}.hidden [L, hidden_size] is the input "
-                        "of the first kept layer (e.g. request.{i}.layer.{a-1}.hidden of a --save-layer-outputs run)")
-    p.add_argument("--text", metavar="FILE",
-                   help="prefill this UTF-8 text as one request, tokenized with the tokenizer.json of the checkpoint "
-                        "directory (needs the 'text' extra: pip install 'glm-dsa[text]')")
-    p.add_argument("--budget-bytes", type=int,
-                   help="indexer logits, attention row-chunk and MoE row-block budgets in bytes "
-                        "(default: SGLang's rule on CUDA, docs/conventions.md §12; 256 MiB on CPU)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA logits budget rule")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
                    help="write request.{i}.input_ids, request.{i}.hidden (every position, last layer before the "
                         "final norm) and request.{i}.logits (float32 [vocab], the last position only)")
@@ -236,7 +253,7 @@ def _cmd_prefill(args) -> int:
     if (args.cp or 1) == 1:
         return _run_prefill(args)
     check_launch(args.cp, device, f"--cp {args.cp}")
-    _preflight_prefill(args, ranks_on_host=args.cp if device.type == "cpu" else 1)
+    _preflight_prefill(args, _resolve(args, device), ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
         launch(_run_prefill, args.cp, args.device, (args,))
     except mp.ProcessRaisedException as e:
@@ -248,26 +265,75 @@ def _cmd_prefill(args) -> int:
     return 0
 
 
-def _load_model(args, device, dtype, quiet: bool = False):
-    """The checkpoint of ``--weights`` (checked against ``--config``; its one-line note of what
-    is read and skipped on stderr unless ``quiet``), or seeded random weights, cut to
-    ``--layers``; parameters are allocated on ``device`` directly, in ``dtype``."""
-    from glm_dsa.config import keep_layers
-    from glm_dsa.weights import build_model, init_weights, open_checkpoint
+@dataclass(frozen=True)
+class _Resolved:
+    """What ``prefill`` and ``fidelity`` share, resolved once from their common flags
+    (``_resolve``): the device; the activation ``dtype``; the ``backend``, checked for the dtype,
+    the KV format and batch invariance; the model ``config``, cut to ``--layers``, whose layer
+    ``i`` is the full config's layer ``first_layer + i``; and the ``checkpoint`` of ``--weights``,
+    opened (its headers checked) once, or None for random weights."""
 
+    device: torch.device
+    dtype: torch.dtype
+    backend: Backend
+    config: DSAConfig
+    first_layer: int
+    checkpoint: Checkpoint | None
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def _resolve(args, device: torch.device) -> _Resolved:
+    """``_Resolved`` from the common flags, for models on ``device``; a ValueError naming the
+    flag otherwise."""
+    from glm_dsa.config import keep_layers, parse_layers
+    from glm_dsa.weights import open_checkpoint
+
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    backend = get_backend(args.backend, device, dtype, args.kv_dtype, args.batch_invariant)
     if args.weights:
-        if args.config != args.weights and get_config(args.config) != get_config(args.weights):
-            raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
-                             "pass the checkpoint directory as --config or leave them consistent")
-        checkpoint = open_checkpoint(args.weights, layers=args.layers)
+        if not os.path.isdir(args.weights):
+            raise ValueError(f"--weights {args.weights} is not a directory (config.json + model.safetensors)")
+        if not os.path.isfile(os.path.join(args.weights, "config.json")):
+            raise ValueError(f"--weights {args.weights} has no config.json")
+    config = get_config(args.weights or args.config)
+    if args.weights and args.config != args.weights:
+        _check_same_model(args.config, args.weights, config)
+    checkpoint = open_checkpoint(args.weights, layers=args.layers) if args.weights else None
+    first_layer = 0
+    if args.layers is not None:
+        first_layer = parse_layers(args.layers, config.num_hidden_layers).start
+        config = keep_layers(config, args.layers)
+    return _Resolved(device, dtype, backend, config, first_layer, checkpoint)
+
+
+def _check_same_model(config_flag: str, weights: str, config: DSAConfig) -> None:
+    """``--config`` describes the model of ``--weights`` (whose ``config`` is given). A config's
+    name is where it was read from, so only the model's fields are compared."""
+    import dataclasses
+
+    given = get_config(config_flag)
+    differ = [f.name for f in dataclasses.fields(config) if f.name != "name"
+              and getattr(given, f.name) != getattr(config, f.name)]
+    if differ:
+        raise ValueError(f"--config {config_flag} differs from {weights}/config.json in {', '.join(differ)}; "
+                         "pass the checkpoint directory as --config or leave them consistent")
+
+
+def _load_model(args, run: _Resolved, quiet: bool = False):
+    """The checkpoint of ``--weights`` (its one-line note of what is read and skipped on stderr
+    unless ``quiet``), or seeded random weights, cut to ``--layers``; parameters are allocated
+    on the run's device directly, in its dtype."""
+    from glm_dsa.weights import build_model, init_weights
+
+    if run.checkpoint is not None:
         if not quiet:
-            print(checkpoint.note, file=sys.stderr)
-        model = checkpoint.load(dtype, device)
+            print(run.checkpoint.note, file=sys.stderr)
+        model = run.checkpoint.load(run.dtype, run.device)
     else:
-        config = get_config(args.config)
-        if args.layers is not None:
-            config = keep_layers(config, args.layers)
-        model = init_weights(build_model(config, dtype, device), args.seed)
+        model = init_weights(build_model(run.config, run.dtype, run.device), args.seed)
     return model.eval()
 
 
@@ -347,26 +413,20 @@ def _text_ids(args, vocab_size: int) -> list[int]:
     return ids
 
 
-def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
-    """Every prefill input, before a model is built; returns the prompt lengths. The memory
-    check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
-    model and caches)."""
-    from glm_dsa.preflight import available_bytes, check_device, check_fits, check_optional_module
+def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int]:
+    """Every prefill input beyond the common flags (``run``), before a model is built; returns
+    the prompt lengths. The memory check counts ``ranks_on_host`` copies of the run's peak
+    (every CP rank holds the whole model and caches)."""
+    from glm_dsa.preflight import available_bytes, check_fits, check_optional_module
     from glm_dsa.ledger import param_counts, prefill_peak_bytes
-    from glm_dsa.budget import Budgets
 
-    if args.batch_invariant and args.backend in ("triton", "peers"):
-        raise ValueError(f"--batch-invariant runs the reference backend; drop --backend {args.backend}")
-    device = check_device("--device", args.device)
+    device, config = run.device, run.config
     if args.cuda_graphs:
         from glm_dsa.cp import launched_by_torchrun
         from glm_dsa.graphs import unsupported
 
-        backend = "reference" if args.batch_invariant else args.backend
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "reference"
-        why = unsupported(device, backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
-                          layer_outputs=args.save_layer_outputs)
+        why = unsupported(device, run.backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
+                          observed=args.save_layer_outputs)
         if why:
             raise ValueError(f"--cuda-graphs: {why}; drop the flag")
     if args.requests < 1:
@@ -375,23 +435,6 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
         raise ValueError(f"--budget-bytes {args.budget_bytes} must be ≥ 1")
     if not 0.0 <= args.mem_fraction_static <= 1.0:
         raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} must lie in [0, 1]")
-    if args.weights:
-        if not os.path.isdir(args.weights):
-            raise ValueError(f"--weights {args.weights} is not a directory (config.json + model.safetensors)")
-        if not os.path.isfile(os.path.join(args.weights, "config.json")):
-            raise ValueError(f"--weights {args.weights} has no config.json")
-    config = get_config(args.weights or args.config)
-    if args.weights and args.config != args.weights and get_config(args.config) != config:
-        raise ValueError(f"--config {args.config} differs from {args.weights}/config.json; "
-                         "pass the checkpoint directory as --config or leave them consistent")
-    if args.weights:  # every tensor name, shape and dtype from the headers, before a model is built
-        from glm_dsa.weights import open_checkpoint
-
-        open_checkpoint(args.weights, layers=args.layers)
-    if args.layers is not None:  # the memory check below is for the layers that will run
-        from glm_dsa.config import keep_layers
-
-        config = keep_layers(config, args.layers)
     _check_chunk(args.chunk, config.page_size)
     given = [flag for flag, v in (("--input-ids", args.input_ids), ("--input-hidden", args.input_hidden),
                                   ("--text", args.text)) if v]
@@ -429,10 +472,9 @@ def _preflight_prefill(args, ranks_on_host: int = 1) -> list[int]:
     _check_prefill_outputs(args)
     if args.plot:
         check_optional_module("--plot", "matplotlib", "plot")
-    dtype_bytes = {"float64": 8, "float32": 4, "bfloat16": 2}[args.dtype or ("bfloat16" if device.type == "cuda"
-                                                                             else "float32")]
+    dtype_bytes = run.dtype.itemsize
     # On CUDA the default budgets follow free memory, so they are what is left, not a demand.
-    budget = (Budgets.default(device, args.budget_bytes, args.mem_fraction_static).logits_bytes
+    budget = (_budgets(args, device).logits_bytes
               if args.budget_bytes or device.type == "cpu" else 0)
     # the kept layers' weights are in the estimate; building them adds one float32 copy of the
     # largest tensor (its random draw, or an FP8 weight being dequantized)
@@ -473,18 +515,17 @@ def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
 
 def _check_prefill_outputs(args) -> None:
     """``--save-outputs`` and ``--plot`` against the run's inputs and each other."""
-    from glm_dsa.outputs import check_outputs
+    from glm_dsa.outputs import check_output_paths
 
     inputs = {"--input-ids": args.input_ids, "--input-hidden": args.input_hidden, "--text": args.text,
               "--weights": args.weights, "--config": args.config if os.path.exists(args.config) else None}
-    check_outputs({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
+    check_output_paths({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
 def _prompts(args, config):
     """``(prompts, shared prefix)``: the ``--input-ids`` file's requests, the ``--input-hidden``
     file's (float ``[L, hidden]`` each), the ``--text`` prompt (no prefix for these), or
     ``--requests`` random prompts of ``--tokens`` sharing their first ``--prefix`` tokens."""
-    import torch
     from safetensors.torch import load_file
 
     if args.input_hidden:
@@ -517,12 +558,18 @@ def _prompts(args, config):
 PREFILL_SCHEMA = "glm-dsa.prefill/1"
 
 
+def _budgets(args, device: torch.device):
+    """The step budgets of ``--budget-bytes`` and ``--mem-fraction-static`` on ``device``
+    (``Budgets.default``: on CUDA from the memory free now, so taken once the weights are in)."""
+    from glm_dsa.budget import Budgets
+
+    return Budgets.default(device, args.budget_bytes, args.mem_fraction_static)
+
+
 def _run_prefill(args) -> int:
-    import torch
     from safetensors.torch import save_file
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
-    from glm_dsa.budget import Budgets
     from glm_dsa.outputs import write_file
     from glm_dsa.prefill import PrefillEngine
 
@@ -534,15 +581,13 @@ def _run_prefill(args) -> int:
         if args.cp not in (None, cp_group.size):
             raise ValueError(f"--cp {args.cp} but torchrun started {cp_group.size} ranks")
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    run = _resolve(args, device)  # before the weights are drawn
     if cp_group is None or cp_group.rank == 0:
-        _preflight_prefill(args, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
-    backend = get_backend("reference" if args.batch_invariant else args.backend, device)
-    backend.require(getattr(torch, dtype_name), args.kv_dtype)  # before the weights are drawn
+        _preflight_prefill(args, run, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    model = _load_model(args, device, getattr(torch, dtype_name), quiet)
+    model = _load_model(args, run, quiet)
     memory = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
               "weights_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
     if cuda:
@@ -553,8 +598,8 @@ def _run_prefill(args) -> int:
     engine = PrefillEngine.for_prompts(
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
         chunked_prefill_size=args.chunk,
-        budget_bytes=Budgets.default(device, args.budget_bytes, args.mem_fraction_static),
-        timing=True, cp_group=cp_group, backend=backend, layer_outputs=args.save_layer_outputs,
+        budget_bytes=_budgets(args, device), timing=True, cp_group=cp_group, backend=run.backend,
+        layer_outputs=args.save_layer_outputs,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
@@ -566,14 +611,13 @@ def _run_prefill(args) -> int:
     memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     weights = args.weights or f"random, seed {args.seed}"
     report = {"schema": PREFILL_SCHEMA, "config": config.name, "weights": weights, "device": str(device),
-              "dtype": dtype_name, "kv_dtype": args.kv_dtype, "backend": backend.name, "chunk": args.chunk,
+              "dtype": run.dtype_name, "kv_dtype": args.kv_dtype, "backend": run.backend.name, "chunk": args.chunk,
               "memory": memory,
               **engine.report(rids)}
     if quiet:
         return 0
     if args.save_outputs:
-        outputs = _config_layer_names(engine.outputs(rids), args.layers,
-                                      get_config(args.weights or args.config).num_hidden_layers)
+        outputs = _config_layer_names(engine.outputs(rids), run.first_layer)
         write_file(args.save_outputs, lambda tmp: save_file(outputs, tmp))
     if args.plot:
         lengths = [r["tokens"] for r in report["requests"]]
@@ -586,7 +630,7 @@ def _run_prefill(args) -> int:
     print(f"prefill: config {config.name}, {len(rids)} request(s) of "
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
-    print(f"weights {weights}; dtype {dtype_name}; KV {args.kv_dtype}; backend {backend.name} on {device}")
+    print(f"weights {weights}; dtype {run.dtype_name}; KV {args.kv_dtype}; backend {run.backend.name} on {device}")
     print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB" + (
         f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
         f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else ""))
@@ -594,14 +638,9 @@ def _run_prefill(args) -> int:
     return 0
 
 
-def _config_layer_names(outputs: dict, layers: str | None, num_hidden_layers: int) -> dict:
+def _config_layer_names(outputs: dict, start: int) -> dict:
     """``request.{i}.layer.{l}.*`` renamed from the kept stack's numbering to the config's (``l +
-    a`` under ``--layers a:b``), so a file names layers as the checkpoint does."""
-    if layers is None:
-        return outputs
-    from glm_dsa.config import parse_layers
-
-    start = parse_layers(layers, num_hidden_layers).start
+    start``, ``a`` under ``--layers a:b``), so a file names layers as the checkpoint does."""
 
     def rename(name: str) -> str:
         m = re.fullmatch(r"(request\.\d+\.layer\.)(\d+)(\..+)", name)
@@ -637,8 +676,8 @@ def _format_prefill_report(report: dict) -> str:
         blocks.append(table(
             f"CUDA graphs (steps marked — in the timeline replayed them; {g['replays']} replays, "
             f"pool {g['pool_bytes'] / 1e6:.1f} MB)",
-            ["tokens", "context rows", "pieces (graph / eager)", "capture s", "pool MB"],
-            [[str(b["tokens"]), str(b["context"]), f"{b['graph_pieces']} / {b['eager_pieces']}",
+            ["tokens", "context rows", "capture s", "pool MB"],
+            [[str(b["tokens"]), str(b["context"]),
               f"{b['capture_seconds']:.3f}", f"{b['pool_bytes'] / 1e6:.1f}"] for b in g["graphs"]],
         ))
     if "context_parallel" in report:
@@ -716,27 +755,26 @@ def _add_golden(sub) -> None:
 
 
 def _cmd_fidelity(args) -> int:
-    import torch
-
-    from glm_dsa.budget import default_logits_bytes
     from glm_dsa.fidelity import format_fidelity, plot_fidelity, selection_fidelity
+    from glm_dsa.preflight import check_device
 
     if args.rows < 1:
         raise ValueError(f"--rows {args.rows} must be ≥ 1")
-    lengths = _preflight_prefill(args)
+    device = check_device("--device", args.device)
+    run = _resolve(args, device)
+    lengths = _preflight_prefill(args, run)
     if not 0 <= args.request < len(lengths):
         raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
-    device = torch.device(args.device)
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    backend = get_backend(args.backend, device)
-    backend.require(getattr(torch, dtype_name), args.kv_dtype)
-    model = _load_model(args, device, getattr(torch, dtype_name))
+    model = _load_model(args, run)
     prompts, _ = _prompts(args, model.config)
-    budget = args.budget_bytes or default_logits_bytes(device, args.mem_fraction_static)
+    measured = selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
+                                  chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=run.backend,
+                                  budget_bytes=_budgets(args, device))
+    for layer in measured["layers"]:  # the config's numbering, as prefill's outputs name layers
+        layer["layer"] += run.first_layer
+        layer["topk_from"] += run.first_layer
     report = {"weights": args.weights or f"random, seed {args.seed}", "random_weights": not args.weights,
-              **selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
-                                   chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=backend,
-                                   budget_bytes=budget)}
+              **measured}
     if args.plot:
         from glm_dsa.outputs import write_file
 
@@ -757,38 +795,17 @@ def _cmd_fidelity(args) -> int:
 def _add_fidelity(sub) -> None:
     p = sub.add_parser(
         "fidelity",
+        parents=[_model_and_input_flags()],
         help="how much attention the FP8 indexer and the shared-layer top-k reuse keep",
         description="Prefill one prompt and, on sampled query rows of every kept layer, measure the "
         "indexer's recall against unquantized scoring, the share of the dense attention mass on the "
         "selected keys beside the best possible share, and the sparse output's calc_diff against "
         "dense attention (docs/fidelity.md). Model and inputs as for glm-dsa prefill.",
     )
-    p.add_argument("--config", required=True, help="preset name or a Hugging Face config.json / directory")
-    p.add_argument("--weights", help="checkpoint directory (config.json + model.safetensors); random weights if absent")
-    p.add_argument("--layers", metavar="SPEC", help="keep only these layers: a count N or a range a:b (as prefill)")
-    p.add_argument("--tokens", type=int, help="prompt length in tokens (random ids unless --input-ids)")
-    p.add_argument("--input-ids", help="safetensors file with request.{i}.input_ids (as prefill's --save-outputs)")
-    p.add_argument("--input-hidden", metavar="FILE.safetensors",
-                   help="safetensors file with request.{i}.hidden [L, hidden], the first kept layer's input "
-                   "(as prefill's --input-hidden: a real layer's inputs from --save-layer-outputs)")
-    p.add_argument("--text", metavar="FILE",
-                   help="a UTF-8 prompt tokenized with --weights' tokenizer.json (as prefill's --text)")
     p.add_argument("--request", type=int, default=0,
                    help="which prompt of --input-ids / --input-hidden to measure (default 0)")
     p.add_argument("--rows", type=int, default=256,
                    help="query rows to sample, one per equal stretch of positions (default 256)")
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights, token ids and the sampled rows")
-    p.add_argument("--chunk", type=int, default=32768, help="chunked_prefill_size: tokens per step (default 32768)")
-    p.add_argument("--kv-dtype", default="fp8", choices=KV_DTYPES, help="main KV cache format")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float64"],
-                   help="weights/activations dtype (default float32 on CPU, bfloat16 on CUDA)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="the prefill's indexer top-k and sparse attention (default auto, as prefill)")
-    p.add_argument("--budget-bytes", type=int,
-                   help="the prefill's budget, and the bound on the dense attention's row chunks (bytes)")
-    p.add_argument("--mem-fraction-static", type=float, default=0.8, help="for the CUDA budget rule")
-    p.add_argument("--json", action="store_true", help="print one JSON object (per-row figures included)")
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
     # _preflight_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
     p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None,
@@ -813,21 +830,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(BaseException):
-    """SIGTERM, raised where the program is, so output temporaries are removed on the way out."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
 @contextlib.contextmanager
 def _signals_unwind(command: str):
     """While a command runs: SIGTERM unwinds like Ctrl-C does, and a library warning prints as
     one line ``glm-dsa <command>: warning: …``. Both are restored afterwards (``main`` may be
     called from Python)."""
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
     show = warnings.showwarning
     warnings.showwarning = lambda message, *rest, **kw: print(f"glm-dsa {command}: warning: {message}",
                                                               file=sys.stderr)
@@ -860,10 +869,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # keep the interpreter's final flush from printing another BrokenPipeError.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except (KeyboardInterrupt, _Terminated) as e:
+    except (KeyboardInterrupt, Terminated) as e:
         if args.debug:
             raise
-        terminated = isinstance(e, _Terminated)
+        terminated = isinstance(e, Terminated)
         print(f"glm-dsa {args.command}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except Exception as e:

@@ -18,8 +18,8 @@ query rows of every kept layer, measures what that costs (docs/fidelity.md):
 * **output error**: ``calc_diff`` of the sparse attention output (``o_proj`` applied) against
   the dense one on the sampled rows.
 
-How the prefill is observed: forward hooks on each layer's ``input_layernorm`` (the attention
-input, step by step) and on each full layer's indexer (the top-k it returned). The layer's
+How the prefill is observed: a step observer (``glm_dsa.layer.StepObserver``) told each layer's
+attention input, step by step, and each full layer's top-k. The layer's
 numerics are untouched; afterwards each step's projections are recomputed from the captured
 input with the same row blocks, so the KV rows (round-tripped through the cache format) and the
 FP8 index keys are the ones the prefill attended over. Dense attention runs only for the sampled
@@ -42,9 +42,9 @@ from glm_dsa.cache import KVCache
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.indexer import indexer_topk, topk_per_row
-from glm_dsa.layer import DecoderLayer, DSAForCausalLM
+from glm_dsa.layer import DecoderLayer, DSAForCausalLM, StepObserver
 from glm_dsa.oracle import calc_diff
-from glm_dsa.budget import default_logits_bytes
+from glm_dsa.budget import Budgets, rows_within
 from glm_dsa.prefill import PrefillEngine, pages_for
 from glm_dsa.report import table
 from glm_dsa.validate import need
@@ -200,7 +200,7 @@ def _attention_mass(query, kv, lengths, topk, sm_scale, index_topk, d_v, budget_
     width = int(lengths.max()) if r else 0
     # The scores, their exponentials and two masked copies of [rows, H, width].
     per_row = 4 * heads * max(width, 1) * cdt.itemsize
-    rows = r if budget_bytes is None else max(1, budget_bytes // per_row)
+    rows = r if budget_bytes is None else rows_within(budget_bytes, per_row)
     keys = kv.to(cdt)
     for r0 in range(0, r, rows):
         r1 = min(r, r0 + rows)
@@ -234,7 +234,7 @@ def _relu_scores(q: Tensor, weights: Tensor, k: Tensor, lengths: Tensor, budget_
     cdt = torch.promote_types(q.dtype, torch.float32)
     width = int(lengths.max())
     out = torch.full((r, width), -math.inf, dtype=cdt, device=q.device)
-    rows = max(1, budget_bytes // (2 * heads * width * cdt.itemsize))
+    rows = rows_within(budget_bytes, 2 * heads * width * cdt.itemsize)
     keys = k[:width].to(cdt)
     for r0 in range(0, r, rows):
         r1 = min(r, r0 + rows)
@@ -246,9 +246,9 @@ def _relu_scores(q: Tensor, weights: Tensor, k: Tensor, lengths: Tensor, budget_
 
 
 # ----------------------------------------------------------------------------- observing a prefill
-class _Capture:
-    """Forward hooks recording, step by step, each layer's attention input (``input_layernorm``'s
-    output) and, for the sampled positions, the top-k each full layer's indexer returned.
+class _Capture(StepObserver):
+    """Records, step by step, each layer's attention input (``input_layernorm``'s output) and,
+    for the sampled positions, the top-k each full layer's indexer returned (``selected``).
 
     One request without prefix-cache hits, so a layer's steps concatenate to positions ``0 … n−1``.
     """
@@ -256,34 +256,23 @@ class _Capture:
     def __init__(self, model: DSAForCausalLM, positions: Tensor) -> None:
         self.positions = positions
         self.inputs: dict[int, list[Tensor]] = {}
-        self.topk: dict[int, list[Tensor]] = {}
+        self.selected: dict[int, list[Tensor]] = {}
         self._start: dict[int, int] = {}
-        self._handles = []
         for layer in model.model.layers:
             assert isinstance(layer, DecoderLayer)  # nn.ModuleList types its items as nn.Module
-            i = layer.layer_idx
-            self.inputs[i] = []
-            self._handles.append(layer.input_layernorm.register_forward_hook(self._input_hook(i)))
-            if layer.self_attn.indexer is not None:
-                self.topk[i] = []
-                self._handles.append(layer.self_attn.indexer.register_forward_hook(self._topk_hook(i)))
+            self.inputs[layer.layer_idx] = []
+            if layer.is_full:
+                self.selected[layer.layer_idx] = []
 
-    def _input_hook(self, i: int):
-        def hook(module, args, output: Tensor) -> None:
-            self._start[i] = sum(h.shape[0] for h in self.inputs[i])
-            self.inputs[i].append(output.detach())
-        return hook
+    def attention_input(self, layer: DecoderLayer, h_in: Tensor) -> None:
+        i = layer.layer_idx
+        self._start[i] = sum(h.shape[0] for h in self.inputs[i])
+        self.inputs[i].append(h_in.detach())
 
-    def _topk_hook(self, i: int):
-        def hook(module, args, output: Tensor) -> None:
-            start = self._start[i]
-            pos = self.positions[(self.positions >= start) & (self.positions < start + output.shape[0])]
-            self.topk[i].append(output[(pos - start).to(output.device)].detach())
-        return hook
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+    def topk(self, layer: DecoderLayer, topk_indices: Tensor) -> None:
+        start = self._start[layer.layer_idx]
+        pos = self.positions[(self.positions >= start) & (self.positions < start + topk_indices.shape[0])]
+        self.selected[layer.layer_idx].append(topk_indices[(pos - start).to(topk_indices.device)].detach())
 
 
 def _step_positions(steps: list[Tensor], device: torch.device) -> list[Tensor]:
@@ -388,7 +377,7 @@ def _layer_figures(layer: DecoderLayer, steps: list[Tensor], positions: Tensor, 
 def _indexer_recalls(t: _IndexerInputs, topk: Tensor, lengths: Tensor, cfg, budget_bytes: int) -> dict[str, Tensor]:
     """Recall of the prefill's FP8 top-k ``topk`` against the unquantized references (rotated,
     and not), of an FP8 indexer without the rotation against the rotated reference, and of the
-    prefill's top-k against the FP8 top-k recomputed from ``t`` (1 when the hooks saw what the
+    prefill's top-k against the FP8 top-k recomputed from ``t`` (1 when the observer saw what the
     prefill ran, with the reference backend)."""
     k, d, heads = cfg.index_topk, cfg.index_head_dim, cfg.index_n_heads
     zeros = torch.zeros_like(lengths, dtype=torch.int32)
@@ -426,7 +415,7 @@ def selection_fidelity(
     chunked_prefill_size: int = 32768,
     kv_dtype: str = "fp8",
     backend: str | Backend = "reference",
-    budget_bytes: int | None = None,
+    budget_bytes: Budgets | int | None = None,
 ) -> dict:
     """Prefill ``inputs`` and measure every layer's selection on ``rows`` sampled positions.
 
@@ -436,8 +425,9 @@ def selection_fidelity(
             ``[n, hidden]`` (``PrefillEngine.add_request``'s ``input_hidden``).
         rows: query rows to sample (``sample_positions``, seeded by ``seed``).
         chunked_prefill_size, kv_dtype, backend: as ``PrefillEngine``'s.
-        budget_bytes: the prefill's budget and the bound on the measurement's row chunks
-            (default ``budget.default_logits_bytes``).
+        budget_bytes: the prefill's budgets (``PrefillEngine``'s argument: a ``Budgets``, one
+            int for all, or None for ``Budgets.default`` on the model's device); their logits
+            budget also bounds the measurement's row chunks.
 
     Returns:
         A JSON-ready dict: ``tokens``, ``seconds`` (``prefill`` and ``measurement``, wall),
@@ -456,31 +446,28 @@ def selection_fidelity(
           f"{tuple(inputs.shape)}")
     need(isinstance(rows, int) and rows >= 1, f"rows={rows!r} must be a positive int")
     device = next(model.parameters()).device
-    if budget_bytes is None:
-        budget_bytes = default_logits_bytes(device)
+    budgets = budget_bytes if isinstance(budget_bytes, Budgets) else Budgets.default(device, budget_bytes)
     n = inputs.shape[0]
     positions = sample_positions(n, rows, seed)
+    pos_dev = positions.to(device)
+    capture = _Capture(model, pos_dev)
     engine = PrefillEngine.for_prompts(model, [n], kv_dtype=kv_dtype,
-                                       chunked_prefill_size=chunked_prefill_size, budget_bytes=budget_bytes,
-                                       prefix_caching=False, compute_logits=False, backend=backend)
+                                       chunked_prefill_size=chunked_prefill_size, budget_bytes=budgets,
+                                       prefix_caching=False, compute_logits=False, backend=backend,
+                                       observer=capture)
     if hidden:
         engine.add_request(None, input_hidden=inputs)
     else:
         engine.add_request(inputs)
-    pos_dev = positions.to(device)
-    capture = _Capture(model, pos_dev)
     t0 = _now(device)
-    try:
-        engine.run()
-    finally:
-        capture.remove()
+    engine.run()
     t1 = _now(device)
     backend_name = engine.backend.name
     del engine
     for i, steps in capture.inputs.items():
         seen = sum(h.shape[0] for h in steps)
         if seen != n:
-            raise RuntimeError(f"layer {i}'s input hook saw {seen} rows of a {n}-token prefill")
+            raise RuntimeError(f"layer {i}'s observer saw {seen} rows of a {n}-token prefill")
     cache = KVCache(cfg, pages_for([n], cfg.page_size), kv_dtype, device)
     buckets = position_buckets(n, cfg.index_topk)
     layers = []
@@ -488,8 +475,8 @@ def selection_fidelity(
         assert isinstance(layer, DecoderLayer)  # nn.ModuleList types its items as nn.Module
         i = layer.layer_idx
         source = cfg.topk_source(i)
-        topk = torch.cat(capture.topk[source])
-        figures = _layer_figures(layer, capture.inputs.pop(i), pos_dev, topk, cache, budget_bytes)
+        topk = torch.cat(capture.selected[source])
+        figures = _layer_figures(layer, capture.inputs.pop(i), pos_dev, topk, cache, budgets.logits_bytes)
         layers.append({
             "layer": i, "kind": "full" if source == i else "shared", "topk_from": source,
             "rows": {k: v.double().cpu().tolist() for k, v in figures.items() if not k.startswith("_")},

@@ -7,21 +7,19 @@ multiples of 4,096 (SGLang pads its piecewise graphs to preset token counts the 
 Steps above ``max_tokens`` tokens or ``max_context`` context rows run eagerly: there the
 launch overhead a graph removes is a small share of the step.
 
-**Pieces.** The step is a list of stages — the embedding, then per layer its attention half
-(norms, projections, KV and index-K writes, indexer, sparse attention, residual;
-``DecoderLayer.attention_block``) and its FFN half (``ffn_block``). Consecutive stages that can
-be captured form one graph piece; an FFN whose module is in ``SPLIT_MODULES`` runs eagerly
-between two pieces, as vLLM keeps the parts it cannot capture outside its piecewise graphs.
-The MoE's CUDA path keeps its expert counts and offsets on the device (no host
-synchronisation), so no module is split today and a one-layer step is a single graph; a module
-whose CUDA path reads data on the host goes into ``SPLIT_MODULES``.
+**One graph per bucket.** The step is a list of stages — the embedding, then per layer its
+attention half (norms, projections, KV and index-K writes, indexer, sparse attention, residual;
+``DecoderLayer.attention_block``) and its FFN half (``ffn_block``) — captured as one graph.
+Every stage can be captured: the MoE's CUDA path keeps its expert counts and offsets on the
+device (no host synchronisation). A module whose CUDA path read data on the host would have to
+run eagerly between graph pieces, as vLLM keeps such parts outside its piecewise graphs.
 
-**What makes a piece capturable.** Captured stages run in ``glm_dsa.syncfree`` mode: their data
-checks stay on the device and are read once after each replay, and the indexer's row-chunk loop
-is planned from sizes alone. The step's metadata lives in static buffers that every replay
-refills. Before the first capture of a bucket the stages run once eagerly in the same mode on a
-side stream, so that Triton compiles and autotunes (and cuBLAS sets up) outside the capture;
-that run is a real run of the step (same inputs, same cache writes).
+**What makes the step capturable.** It runs in ``glm_dsa.syncfree`` mode: its data checks stay
+on the device and are read once after each replay, and the indexer's row-chunk loop is planned
+from sizes alone. The step's metadata lives in static buffers that every replay refills. Before
+the first capture of a bucket the stages run once eagerly in the same mode on a side stream, so
+that Triton compiles and autotunes (and cuBLAS sets up) outside the capture; that run is a real
+run of the step (same inputs, same cache writes).
 
 **Above ``index_topk``.** Inside a capture the indexer cannot read on the host which rows its
 candidate filter must redo, so a captured step takes every row's top-k from the full logits
@@ -39,7 +37,7 @@ FFN's ``row_mask`` keeps them out of MoE routing. Padded context rows read a scr
 lie outside every window. Real rows therefore compute what they compute unpadded, up to the
 row blocking of GEMMs whose row count changed (``tests/test_graphs.py`` measures it).
 
-**Memory.** All graphs of an engine share one memory pool: a piece's temporaries are freed at
+**Memory.** All graphs of an engine share one memory pool: a graph's temporaries are freed at
 the end of its capture and reused by the next capture, so the pool holds about one step's
 temporaries for the largest bucket, plus each graph's static inputs and outputs
 (``StepGraphs.report``).
@@ -49,26 +47,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from glm_dsa import syncfree
-from glm_dsa.backend import Backend
+from glm_dsa.backend import Backend, graph_capturable_names
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache
 from glm_dsa.layer import DSAModel, StepContext
 
-__all__ = ["SPLIT_MODULES", "GRAPH_BACKENDS", "MAX_GRAPH_TOKENS", "MAX_GRAPH_CONTEXT", "LINEAR_BUCKET",
+__all__ = ["MAX_GRAPH_TOKENS", "MAX_GRAPH_CONTEXT", "LINEAR_BUCKET",
            "token_bucket", "max_padding", "unsupported", "StepGraphs"]
 
-# FFN modules run eagerly between graph pieces (host synchronisations on their CUDA path);
-# the MoE's CUDA path has none since its row-block rework.
-SPLIT_MODULES: tuple[type, ...] = ()
-# Backends whose indexer top-k and attention capture (the reference reads windows on the host).
-GRAPH_BACKENDS = ("triton",)
 # Largest step (tokens) and context (rows) run from graphs by default.
 MAX_GRAPH_TOKENS = 16384
 MAX_GRAPH_CONTEXT = 65536
@@ -98,53 +90,20 @@ def _bucket_floors(max_tokens: int, page_size: int) -> list[int]:
     return floors
 
 
-def unsupported(device: torch.device, backend: str, *, cp: bool = False,
-                layer_outputs: bool = False) -> str | None:
-    """Why steps on ``device`` with the backend named ``backend`` cannot run from CUDA graphs
-    (one line), or None when they can."""
+def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
+                observed: bool = False) -> str | None:
+    """Why steps on ``device`` with ``backend`` cannot run from CUDA graphs (one line), or None
+    when they can; ``observed``: a step observer (``glm_dsa.layer.StepObserver``) watches them."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
-    if backend not in GRAPH_BACKENDS:
-        return (f"the {backend} backend reads values on the host during a step; CUDA graphs need "
-                f"backend {' or '.join(GRAPH_BACKENDS)}")
+    if not backend.graph_capturable:
+        return (f"the {backend.name} backend reads values on the host during a step; CUDA graphs need "
+                f"backend {' or '.join(graph_capturable_names())}")
     if cp:
         return "context parallel steps communicate between ranks; CUDA graphs run one rank"
-    if layer_outputs:
-        return "layer_outputs hooks every layer's output, which a replayed graph does not call"
+    if observed:
+        return "a step observer (layer_outputs) sees every layer's tensors, which a replayed graph does not hand out"
     return None
-
-
-@dataclass
-class _Piece:
-    """Stages run together: a captured graph (``graph`` set) or one eager stage."""
-
-    stages: list[Callable]
-    graph: torch.cuda.CUDAGraph | None = None
-    static_in: tuple | None = None
-    static_out: tuple | None = None
-    checks: syncfree.Checks | None = None
-    verdicts: Tensor | None = None
-
-
-def _hooked(model: torch.nn.Module) -> bool:
-    """Any forward (pre-)hook on ``model``'s modules, or a global one."""
-    from torch.nn.modules import module as nn_module
-
-    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-
-
-def _raise_first(pieces: list[_Piece]) -> None:
-    """The first failed data check of the replayed ``pieces`` as its ValueError (one copy)."""
-    if not pieces:
-        return
-    flat = torch.cat([p.verdicts for p in pieces if p.verdicts is not None]).tolist()
-    for piece in pieces:
-        assert piece.checks is not None
-        k = len(piece.checks.flags)
-        piece.checks.raise_first(torch.tensor(flat[:k]))
-        flat = flat[k:]
 
 
 def _run_stages(stages: list[Callable], state: tuple) -> tuple:
@@ -154,7 +113,7 @@ def _run_stages(stages: list[Callable], state: tuple) -> tuple:
 
 
 class _BucketGraph:
-    """The pieces of one bucket ``(tokens, context)`` and their static buffers."""
+    """The graph of one bucket ``(tokens, context)`` and its static buffers."""
 
     def __init__(self, model: DSAModel, cache: KVCache, budgets: Budgets, backend: Backend,
                  scratch_slots: Tensor, tokens: int, context: int, from_ids: bool) -> None:
@@ -162,7 +121,6 @@ class _BucketGraph:
         self.model, self.cache, self.tokens, self.context = model, cache, tokens, context
         self.scratch_slots = scratch_slots
         self._scratch0 = int(scratch_slots[0])  # padded context rows read this slot
-        self.captured = False
         hidden = model.config.hidden_size
         dtype = model.embed_tokens.weight.dtype
         self.inputs = (torch.zeros(tokens, dtype=torch.int64, device=dev) if from_ids
@@ -181,26 +139,24 @@ class _BucketGraph:
             prefix_lens=(context - tokens,), extend_lens=(tokens,),
         )
         step = StepContext(self.batch, cache, budgets, backend, row_mask=self.row_mask)
-        self.pieces = self._pieces(model, step, from_ids)
+        self.stages = self._stages(model, step, from_ids)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_out: tuple | None = None
+        self.checks: syncfree.Checks | None = None
+        self.verdicts: Tensor | None = None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
 
     @staticmethod
-    def _pieces(model: DSAModel, step: StepContext, from_ids: bool) -> list[_Piece]:
-        stages: list[tuple[bool, Callable]] = []
+    def _stages(model: DSAModel, step: StepContext, from_ids: bool) -> list[Callable]:
+        """The step as functions of the state ``(x [tokens, hidden], topk)``."""
+        stages: list[Callable] = []
         if from_ids:
-            stages.append((True, lambda s: (model.embed_tokens(s[0]), None)))
+            stages.append(lambda s: (model.embed_tokens(s[0]), None))
         for layer in model.layers:
-            stages.append((True, lambda s, layer=layer: layer.attention_block(s[0], step, s[1])))
-            stages.append((not isinstance(layer.mlp, SPLIT_MODULES),
-                           lambda s, layer=layer: (layer.ffn_block(s[0], step), s[1])))
-        pieces: list[_Piece] = []
-        for capturable, fn in stages:
-            if capturable and pieces and pieces[-1].checks is not None:
-                pieces[-1].stages.append(fn)
-            else:
-                pieces.append(_Piece([fn], checks=syncfree.Checks() if capturable else None))
-        return pieces
+            stages.append(lambda s, layer=layer: layer.attention_block(s[0], step, s[1]))
+            stages.append(lambda s, layer=layer: (layer.ffn_block(s[0], step), s[1]))
+        return stages
 
     def load(self, inputs: Tensor, batch: ForwardBatch) -> None:
         """Copy the step's inputs and metadata into the static buffers, padded."""
@@ -218,76 +174,47 @@ class _BucketGraph:
         self.row_mask[n:].fill_(False)
 
     def run_eager(self) -> tuple:
-        """Every stage on the loaded buffers without graphs, capturable ones sync-free; the
-        checks are raised at the end. Returns the final state ``(x [tokens, hidden], topk)``."""
-        state: tuple = (self.inputs, None)
-        for piece in self.pieces:
-            if piece.checks is None:
-                state = _run_stages(piece.stages, state)
-                continue
-            with syncfree.sync_free() as checks:
-                state = _run_stages(piece.stages, state)
-            checks.raise_first()
-        return state
-
-    def capture(self, pool) -> None:
-        """Warm up (one eager run of the loaded step on a side stream), then capture each piece."""
-        t0 = time.perf_counter()
-        side = torch.cuda.Stream(self.cache.device)
-        side.wait_stream(torch.cuda.current_stream(self.cache.device))
-        shapes: list[tuple] = []
-        with torch.cuda.stream(side):
-            state: tuple = (self.inputs, None)
-            for piece in self.pieces:
-                shapes.append(state)
-                state = self._run_piece_eagerly(piece, state)
-        torch.cuda.current_stream(self.cache.device).wait_stream(side)
-        torch.cuda.synchronize(self.cache.device)
-        # Without the warm-up's cached blocks (a capture empties the cache itself), so that the
-        # growth of the reserved memory is what the graphs' pool took.
-        torch.cuda.empty_cache()
-        reserved = torch.cuda.memory_reserved(self.cache.device)
-        for i, (piece, before) in enumerate(zip(self.pieces, shapes)):
-            if piece.checks is None:
-                continue
-            piece.static_in = (self.inputs, None) if i == 0 else tuple(
-                None if t is None else torch.empty_like(t) for t in before)
-            piece.graph = torch.cuda.CUDAGraph()
-            with syncfree.sync_free() as checks, torch.cuda.graph(piece.graph, pool=pool):
-                piece.static_out = _run_stages(piece.stages, piece.static_in)
-                piece.verdicts = checks.verdicts()
-            piece.checks = checks
-        torch.cuda.synchronize(self.cache.device)
-        self.pool_bytes = torch.cuda.memory_reserved(self.cache.device) - reserved
-        self.capture_seconds = time.perf_counter() - t0
-        self.captured = True
-
-    def _run_piece_eagerly(self, piece: _Piece, state: tuple) -> tuple:
-        if piece.checks is None:
-            return _run_stages(piece.stages, state)
+        """Every stage on the loaded buffers without graphs, sync-free; the checks are raised at
+        the end. Returns the final state ``(x [tokens, hidden], topk)``."""
         with syncfree.sync_free() as checks:
-            state = _run_stages(piece.stages, state)
+            state = _run_stages(self.stages, (self.inputs, None))
         checks.raise_first()
         return state
 
+    def capture(self, pool) -> None:
+        """Warm up (one eager run of the loaded step on a side stream), then capture the step."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.cache.device)
+        side.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(side):
+            self.run_eager()
+        torch.cuda.current_stream(self.cache.device).wait_stream(side)
+        torch.cuda.synchronize(self.cache.device)
+        # Without the warm-up's cached blocks (a capture empties the cache itself), so that the
+        # growth of the reserved memory is what the graph's pool took.
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(self.cache.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with syncfree.sync_free() as checks, torch.cuda.graph(self.graph, pool=pool):
+            self.static_out = _run_stages(self.stages, (self.inputs, None))
+            self.verdicts = checks.verdicts()
+        self.checks = checks
+        torch.cuda.synchronize(self.cache.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.cache.device) - reserved
+        self.capture_seconds = time.perf_counter() - t0
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
     def replay(self) -> Tensor:
-        """Replay the pieces on the loaded buffers (eager stages between them); raises the first
-        failed data check; returns the final hidden rows ``[tokens, hidden]`` (static memory)."""
-        state: tuple = (self.inputs, None)
-        for i, piece in enumerate(self.pieces):
-            if piece.graph is None:
-                state = _run_stages(piece.stages, state)
-                continue
-            if i > 0:
-                assert piece.static_in is not None
-                for buf, t in zip(piece.static_in, state):
-                    if buf is not None:
-                        buf.copy_(t)
-            piece.graph.replay()
-            assert piece.static_out is not None
-            state = piece.static_out
-        _raise_first([p for p in self.pieces if p.verdicts is not None])
-        return state[0]
+        """Replay the graph on the loaded buffers; raises the first failed data check (one copy
+        of the verdicts); returns the final hidden rows ``[tokens, hidden]`` (static memory)."""
+        assert self.graph is not None and self.static_out is not None and self.checks is not None
+        self.graph.replay()
+        if self.verdicts is not None:
+            self.checks.raise_first(self.verdicts)
+        return self.static_out[0]
 
 
 class StepGraphs:
@@ -316,11 +243,10 @@ class StepGraphs:
         self.replays = 0
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """True when ``batch``'s step runs from graphs: its sizes are within the limits and no
-        module of the model has a forward hook (a replay runs no Python, so a hook would see
-        the capture's tensors once and never again; ``glm_dsa.fidelity`` hooks the layers)."""
-        return (batch.num_tokens <= self.max_tokens and batch.kv_slots.numel() <= self.max_context
-                and not _hooked(self.model))
+        """True when ``batch``'s step runs from graphs: its sizes are within the limits. (A replay
+        runs no Python: a step is observed through a ``StepObserver``, which the engine runs
+        eagerly, never through module hooks, which a replay would not call.)"""
+        return batch.num_tokens <= self.max_tokens and batch.kv_slots.numel() <= self.max_context
 
     def _bucket(self, inputs: Tensor, batch: ForwardBatch) -> _BucketGraph:
         page = self.model.config.page_size
@@ -335,40 +261,24 @@ class StepGraphs:
         """The step's last-layer output ``[n, hidden]`` (a fresh tensor), from its bucket's graphs
         (captured on first use). ``inputs``: token ids ``[n]`` or hidden rows ``[n, hidden]``."""
         graph = self._bucket(inputs, batch)
-        written = dict(self.cache.bytes_written)
         graph.load(inputs, batch)
         if not graph.captured:
             graph.capture(self._pool)
         out = graph.replay()[: batch.num_tokens].clone()
         self.replays += 1
-        self._account_writes(written, batch.num_tokens)
         return out
 
     def run_eager(self, inputs: Tensor, batch: ForwardBatch) -> Tensor:
         """What ``run`` computes, without graphs: the padded step in the bucket's static buffers,
         every stage eager (capturable ones sync-free). Works on any device."""
         graph = self._bucket(inputs, batch)
-        written = dict(self.cache.bytes_written)
         graph.load(inputs, batch)
-        out = graph.run_eager()[0][: batch.num_tokens].clone()
-        self._account_writes(written, batch.num_tokens)
-        return out
-
-    def _account_writes(self, before: dict[str, int], tokens: int) -> None:
-        """The cache's byte counters as the step's real tokens alone would leave them (padded
-        rows and warm-up runs wrote too; a replay runs no Python)."""
-        cache = self.cache
-        cache.bytes_written.update(before)
-        cache.bytes_written["mla"] += tokens * cache.mla_row_bytes * len(cache.mla)
-        for _ in cache.index_k:
-            cache.record_index_k_write(tokens)
+        return graph.run_eager()[0][: batch.num_tokens].clone()
 
     def report(self) -> dict:
-        """``graphs``: per bucket its tokens, context rows, pieces (graph / eager), capture seconds
-        and the pool memory its capture added; ``pool_bytes``, their sum; ``replays``."""
+        """``graphs``: per bucket its tokens, context rows, capture seconds and the pool memory its
+        capture added; ``pool_bytes``, their sum; ``replays``."""
         graphs = [{"tokens": g.tokens, "context": g.context, "from_ids": key[2],
-                   "graph_pieces": sum(p.graph is not None for p in g.pieces),
-                   "eager_pieces": sum(p.checks is None for p in g.pieces),
                    "capture_seconds": g.capture_seconds, "pool_bytes": g.pool_bytes}
                   for key, g in self._graphs.items() if g.captured]
         return {"graphs": graphs, "pool_bytes": sum(g["pool_bytes"] for g in graphs), "replays": self.replays}

@@ -29,20 +29,19 @@ is the logits being returned plus one tile.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from glm_dsa import invariant, syncfree
+from glm_dsa import fused, invariant
 from glm_dsa.batch import INDEX_K_ALLGATHER, ForwardBatch, RowGather
-from glm_dsa.budget import max_logit_rows
+from glm_dsa.budget import rows_within
 from glm_dsa.config import DSAConfig
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
 from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
 from glm_dsa.norm import LayerNorm
+from glm_dsa.row_chunks import RowChunk, chunked_topk, prefix_indices
 from glm_dsa.rope import apply_rope, rope_cos_sin
 from glm_dsa.validate import (
     MAX_EXACT_DIM,
@@ -62,7 +61,6 @@ __all__ = [
     "topk_transform_ragged",
     "topk_transform_paged",
     "indexer_topk",
-    "chunked_topk",
     "Indexer",
 ]
 
@@ -80,7 +78,7 @@ _MAX_TILE_COLS = 1024
 # ----------------------------------------------------------------------------- logits
 def _tile_shape(S: int, H: int, itemsize: int) -> tuple[int, int]:
     """(rows, cols) of one score tile: ``rows * H * cols * itemsize`` ≲ ``TILE_BYTES``."""
-    elems = max(1, TILE_BYTES // itemsize)
+    elems = rows_within(TILE_BYTES, itemsize)  # elements: rows of one
     cols = max(_COL_ALIGN, min(_MAX_TILE_COLS, elems // H) // _COL_ALIGN * _COL_ALIGN)
     rows = max(1, min(S, elems // (H * cols)))
     if rows == S:
@@ -234,7 +232,8 @@ def paged_mqa_logits(
         q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
     )
     return _paged_mqa_logits(
-        q_fp8, index_k_pages, weights, ends, block_table, max_context_len, clean_logits, page_size
+        q_fp8, index_k_pages, weights, ends.tolist(), block_table, max_context_len, clean_logits,
+        page_size
     )
 
 
@@ -267,12 +266,6 @@ def _paged_mqa_logits(q_fp8: Tensor, index_k_pages: Tensor, weights: Tensor, end
 
 
 # ----------------------------------------------------------------------------- top-k
-def _prefix_indices(lens: Tensor, topk: int) -> Tensor:
-    """int32 ``[R, topk]``: ``0 … len − 1`` then ``-1`` (rows with no more than topk keys)."""
-    ar = torch.arange(topk, device=lens.device)
-    return torch.where(ar < lens[:, None], ar, -1).to(torch.int32)
-
-
 def _canonical_topk(vals: Tensor, starts: Tensor, ends: Tensor, k: int, rows: Tensor) -> Tensor:
     """Absolute column indices int64 ``[b, k]`` of the k best valid entries of each row.
 
@@ -343,10 +336,10 @@ def _topk(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
     """``topk_per_row`` on checked inputs (``starts``, ``ends`` int64 ``[R]``): rows with at most
     ``topk`` keys take them all in order; longer rows are ranked in blocks of rows."""
     N = logits.shape[1]
-    out = _prefix_indices(ends - starts, topk)
+    out = prefix_indices(ends - starts, topk)
     long_rows = ((ends - starts) > topk).nonzero().flatten()
     # The [block, N] temporaries (row copy, masked copy, masks) stay within TILE_BYTES.
-    block = max(1, TILE_BYTES // (16 * max(N, 1)))
+    block = rows_within(TILE_BYTES, 16 * max(N, 1))
     for i in range(0, long_rows.numel(), block):
         rows = long_rows[i : i + block]
         idx = _canonical_topk(logits[rows], starts[rows], ends[rows], topk, rows)
@@ -458,83 +451,6 @@ def indexer_topk(
     return chunked_topk(q_fp8, weights, k_fp8, k_scale, ks, ke, topk, budget_bytes, chunk_topk)
 
 
-class RowChunk(NamedTuple):
-    """Rows ``[r0, r1)`` of a budgeted row chunk over key columns ``[lo, hi)``; each row's window
-    ``[starts, ends)`` relative to ``lo`` (int64 ``[r1 − r0]``, on the device)."""
-
-    r0: int
-    r1: int
-    lo: int
-    hi: int
-    starts: Tensor
-    ends: Tensor
-
-
-def chunked_topk(
-    q_fp8: Tensor,
-    weights: Tensor,
-    k_fp8: Tensor,
-    k_scale: Tensor,
-    ks: Tensor,
-    ke: Tensor,
-    topk: int,
-    budget_bytes: int,
-    chunk_topk: Callable[[RowChunk], Tensor],
-    rows: int | None = None,
-) -> Tensor:
-    """The budgeted row-chunk loop of ``indexer_topk``, with the per-chunk scoring passed in.
-
-    On arguments the caller has checked (``validate.check_indexer_topk_inputs``): for each
-    chunk of at most ``rows`` rows (``max_logit_rows`` when None; a scoring that holds less
-    than the float32 logits may take more) either fills ``0 … len − 1`` (every row keeps all
-    its keys) or calls ``chunk_topk(RowChunk)``, which returns int32 ``[r1 − r0, topk]``
-    relative to ``starts``. The reference and the Triton backend share this loop and differ
-    only in ``chunk_topk``; whatever it allocates (the chunk's logits) is freed before the next
-    chunk.
-    """
-    S, S_kv = q_fp8.shape[0], k_fp8.shape[0]
-    if rows is None:
-        rows = max_logit_rows(S, S_kv, budget_bytes)
-    out = torch.empty((S, topk), dtype=torch.int32, device=q_fp8.device)
-    if syncfree.active():
-        return _chunked_topk_by_sizes(ks, ke, S_kv, topk, rows, out, chunk_topk)
-    for r0 in range(0, S, rows):
-        r1 = min(S, r0 + rows)
-        chunk_ks, chunk_ke = ks[r0:r1].long(), ke[r0:r1].long()
-        lens = chunk_ke - chunk_ks
-        # Column span of the chunk's non-empty rows: one host sync of three numbers per chunk.
-        nonempty = lens > 0
-        longest, lo, hi = torch.stack([
-            lens.max(), torch.where(nonempty, chunk_ks, S_kv).min(),
-            torch.where(nonempty, chunk_ke, 0).max(),
-        ]).tolist()
-        if longest <= topk:
-            # Every row keeps all its keys: no scores needed (SGLang's skip path).
-            out[r0:r1] = _prefix_indices(lens, topk)
-            continue
-        # Empty rows get an empty range inside the span.
-        starts = (chunk_ks - lo).clamp(0, hi - lo)
-        ends = torch.where(nonempty, chunk_ke - lo, starts)
-        out[r0:r1] = chunk_topk(RowChunk(r0, r1, lo, hi, starts, ends))
-    return out
-
-
-def _chunked_topk_by_sizes(ks: Tensor, ke: Tensor, S_kv: int, topk: int, rows: int, out: Tensor,
-                           chunk_topk: Callable[[RowChunk], Tensor]) -> Tensor:
-    """``chunked_topk``'s loop planned from the sizes alone (``glm_dsa.syncfree``): each chunk
-    spans every key column ``[0, S_kv)`` rather than its rows' span, and is scored unless no
-    row can have more than ``topk`` keys (``S_kv ≤ topk``). Each row's result is the eager
-    loop's: the same windows, relative to column 0 (the eager span also starts there for a
-    batch's first request), and a row with ``≤ topk`` keys gives ``0 … len − 1`` either way."""
-    if S_kv <= topk:
-        out[:] = _prefix_indices(ke.long() - ks.long(), topk)
-        return out
-    for r0 in range(0, ks.shape[0], rows):
-        r1 = min(ks.shape[0], r0 + rows)
-        out[r0:r1] = chunk_topk(RowChunk(r0, r1, 0, S_kv, ks[r0:r1].long(), ke[r0:r1].long()))
-    return out
-
-
 # ----------------------------------------------------------------------------- module
 class Indexer(nn.Module):
     """The DSA indexer of one full layer (HF names under ``self_attn.indexer``).
@@ -605,11 +521,6 @@ class Indexer(nn.Module):
     def _normed_key(self, x: Tensor, positions: Tensor) -> Tensor:
         return self.k_norm(invariant.linear(x, self.wk.weight, positions))
 
-    def _fused(self, x: Tensor) -> bool:
-        """Whether RoPE, rotation and quantization of ``x`` run as one Triton pass
-        (``glm_dsa.kernels.index_quant``, bitwise the torch form): on CUDA, contiguous rows."""
-        return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.is_contiguous()
-
     def _cos_sin(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.config
         return rope_cos_sin(positions, self.rope_dim, cfg.rope_theta, cfg.rope_scaling,
@@ -617,24 +528,21 @@ class Indexer(nn.Module):
 
     def _rotated_fp8(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """``act_quant(_rope_then_rotate(x))`` of ``[n, D]`` or ``[n, H, D]`` rows, one block of
-        ``D`` each: ``(fp8 like x, float32 scale [..., 1])``."""
+        ``D`` each: ``(fp8 like x, float32 scale [..., 1])``. The active fused pass where it
+        takes the call (``glm_dsa.fused``: on CUDA one Triton pass, bitwise this), else torch."""
         cfg = self.config
-        if self._fused(x):
-            from glm_dsa.kernels.index_quant import rope_hadamard_quant
-
-            return rope_hadamard_quant(x, *self._cos_sin(positions), self.rope_dim,
-                                       cfg.indexer_rope_interleave, cfg.scale_fmt)
+        fast = fused.index_quant(x, lambda: self._cos_sin(positions), self.rope_dim,
+                                 cfg.indexer_rope_interleave, cfg.scale_fmt)
+        if fast is not None:
+            return fast
         return act_quant(self._rope_then_rotate(x, positions), self.head_dim, cfg.scale_fmt)
 
     def _store_keys(self, k_normed: Tensor, positions: Tensor, pages: Tensor, slots: Tensor) -> None:
         """The normed keys ``[n, D]`` RoPE'd, rotated, quantized and written at ``slots``."""
         cfg = self.config
-        if self._fused(k_normed):
-            from glm_dsa.kernels.index_quant import rope_hadamard_quant_store
-
-            rope_hadamard_quant_store(k_normed, *self._cos_sin(positions), self.rope_dim,
-                                      cfg.indexer_rope_interleave, cfg.scale_fmt, pages, slots,
-                                      cfg.page_size)
+        if fused.index_quant_store(k_normed, lambda: self._cos_sin(positions), self.rope_dim,
+                                   cfg.indexer_rope_interleave, cfg.scale_fmt, pages, slots,
+                                   cfg.page_size):
             return
         k_fp8, k_scale = self._rotated_fp8(k_normed, positions)
         index_k_store(pages, slots, k_fp8, k_scale[:, 0], cfg.page_size)

@@ -55,29 +55,23 @@ def _check_slots(slots: Tensor, num_slots: int) -> None:
         )
     if slots.numel() == 0:
         return
-    if syncfree.active():
-        syncfree.check((slots.min() >= 0) & (slots.max() < num_slots),
-                       f"a slot is outside the pool of {num_slots} slots [0, {num_slots}); "
-                       "allocate more pages or fix the slot mapping")
-        return
-    lo, hi = int(slots.min()), int(slots.max())
-    if lo < 0 or hi >= num_slots:
-        bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"slot {bad} is outside the pool of {num_slots} slots [0, {num_slots}); "
-            "allocate more pages or fix the slot mapping"
-        )
+
+    def the_bad_slot() -> str:
+        lo = int(slots.min())
+        bad = lo if lo < 0 else int(slots.max())
+        return (f"slot {bad} is outside the pool of {num_slots} slots [0, {num_slots}); "
+                "allocate more pages or fix the slot mapping")
+
+    syncfree.check((slots.min() >= 0) & (slots.max() < num_slots),
+                   f"a slot is outside the pool of {num_slots} slots [0, {num_slots}); "
+                   "allocate more pages or fix the slot mapping", the_bad_slot)
 
 
 def _check_unique(slots: Tensor) -> None:
     # Two writes to one slot would leave whichever the backend happened to apply last.
-    if syncfree.active():
-        ordered = slots.sort().values
-        syncfree.check((ordered[1:] != ordered[:-1]).all(),
-                       "slots to store must be distinct; one slot was written twice")
-        return
-    if slots.numel() != torch.unique(slots).numel():
-        raise ValueError("slots to store must be distinct; one slot was written twice")
+    ordered = slots.sort().values
+    syncfree.check((ordered[1:] != ordered[:-1]).all(),
+                   "slots to store must be distinct; one slot was written twice")
 
 
 # ------------------------------------------------------------------ index-K pages

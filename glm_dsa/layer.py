@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glm_dsa import invariant
+from glm_dsa import fused, invariant
 from glm_dsa.backend import REFERENCE, Backend
 from glm_dsa.batch import LATENT_ALLGATHER, ForwardBatch, RowGather
 from glm_dsa.budget import Budgets
@@ -25,7 +25,7 @@ from glm_dsa.mla import MLA
 from glm_dsa.moe import MLP, MoE
 from glm_dsa.norm import RMSNorm
 
-__all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes", "StepContext"]
+__all__ = ["DecoderLayer", "DSAModel", "DSAForCausalLM", "LayerTimes", "StepContext", "StepObserver"]
 
 
 @dataclass
@@ -38,6 +38,23 @@ class LayerTimes:
     moe: float = 0.0
 
 
+class StepObserver:
+    """What a step's layers hand to whoever watches the step (``PrefillEngine(observer=)``,
+    ``glm_dsa.fidelity``, the engine's ``layer_outputs``). Each method does nothing here; an
+    observer overrides those it needs. The tensors are the step's own (detach or copy what is
+    kept); a step run from CUDA graphs calls no observer, so an engine with one runs eagerly."""
+
+    def attention_input(self, layer: DecoderLayer, h_in: torch.Tensor) -> None:
+        """``layer``'s attention input ``input_layernorm(x)`` ``[n, hidden]``."""
+
+    def topk(self, layer: DecoderLayer, topk_indices: torch.Tensor) -> None:
+        """A full ``layer``'s indexer top-k, int32 ``[n, index_topk]`` request-relative."""
+
+    def layer_output(self, layer: DecoderLayer, out: torch.Tensor,
+                     topk_indices: torch.Tensor | None) -> None:
+        """``layer``'s output ``[n, hidden]`` and the top-k it attended over."""
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What every layer of one prefill step shares besides its input.
@@ -47,9 +64,11 @@ class StepContext:
             the context is read back through ``kv_slots``.
         cache: the pools.
         budgets: the indexer-logits and attention row-chunk byte budgets (``glm_dsa.budget``).
-        backend: the indexer top-k and attention implementations (``glm_dsa.backend``).
+        backend: the indexer top-k and attention implementations, and the fused passes every
+            layer half runs under (``glm_dsa.backend``).
         row_mask: bool ``[n]``; False rows are padding and stay out of MoE routing.
         times: per-component wall seconds are added here when given.
+        observer: told each layer's attention input, top-k and output when given.
         cp_chunk: context parallel (None: one rank). The step's ``x`` and ``batch`` are then
             this rank's rows; the chunk's latent rows and index keys are gathered from every
             rank and written at the whole chunk's slots.
@@ -62,6 +81,7 @@ class StepContext:
     row_mask: torch.Tensor | None = None
     times: LayerTimes | None = None
     cp_chunk: RowGather | None = None
+    observer: StepObserver | None = None
 
 
 class _Timer:
@@ -118,7 +138,10 @@ class DecoderLayer(nn.Module):
             layer.
         """
         h, topk_indices = self.attention_block(x, step, topk_indices)
-        return self.ffn_block(h, step), topk_indices
+        out = self.ffn_block(h, step)
+        if step.observer is not None:
+            step.observer.layer_output(self, out, topk_indices)
+        return out, topk_indices
 
     def attention_block(
         self, x: torch.Tensor, step: StepContext, topk_indices: torch.Tensor | None
@@ -126,18 +149,27 @@ class DecoderLayer(nn.Module):
         """The first half of ``forward``: ``(h = x + attn(input_layernorm(x)) [n, hidden],
         topk_indices)``, this step's KV (and index K) written. ``glm_dsa.graphs`` captures the
         halves as separate pieces where the FFN cannot be captured."""
+        with fused.using(step.backend.passes):
+            return self._attention_block(x, step, topk_indices)
+
+    def _attention_block(
+        self, x: torch.Tensor, step: StepContext, topk_indices: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attn, batch, cache, cp_chunk = self.self_attn, step.batch, step.cache, step.cp_chunk
         timer = _Timer(step.times, x.device)
         timer.start()
         h_in = self.input_layernorm(x)
+        if step.observer is not None:
+            step.observer.attention_input(self, h_in)
         proj = attn.project(h_in, batch.positions)
         cache.write_mla(self.layer_idx, *_whole_chunk(proj.kv_latent, batch, cp_chunk))
         timer.stop("projections")
         if attn.indexer is not None:  # writes this step's index K, then scores the context
             topk_indices = attn.indexer(h_in, proj.q_latent, batch, cache.index_k[self.layer_idx],
                                         step.budgets.logits_bytes, cp_chunk, step.backend.indexer_topk)
-            cache.record_index_k_write(_chunk_tokens(batch, cp_chunk))
             timer.stop("indexer")
+            if step.observer is not None:
+                step.observer.topk(self, topk_indices)
         elif topk_indices is None:
             raise ValueError(f"shared layer {self.layer_idx} needs the top-k of an earlier full layer")
         h = x + step.backend.attend(attn, proj, cache, self.layer_idx, batch, topk_indices,
@@ -149,8 +181,9 @@ class DecoderLayer(nn.Module):
         """The second half of ``forward``: ``h + ffn(post_attention_layernorm(h))`` ``[n, hidden]``."""
         timer = _Timer(step.times, h.device)
         timer.start()
-        out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask, step.batch.positions,
-                            step.budgets.moe_bytes)
+        with fused.using(step.backend.passes):
+            out = h + self._ffn(self.post_attention_layernorm(h), step.row_mask,
+                                step.batch.positions, step.budgets.moe_bytes)
         timer.stop("moe")
         return out
 
@@ -169,11 +202,6 @@ def _whole_chunk(kv_latent: torch.Tensor, batch: ForwardBatch, cp_chunk: RowGath
     if cp_chunk is None:
         return batch.out_slots, kv_latent
     return cp_chunk.out_slots, cp_chunk.gather(kv_latent, LATENT_ALLGATHER)
-
-
-def _chunk_tokens(batch: ForwardBatch, cp_chunk: RowGather | None) -> int:
-    """Tokens the step stores (the whole chunk under CP, where every rank stores every row)."""
-    return (batch.out_slots if cp_chunk is None else cp_chunk.out_slots).numel()
 
 
 class DSAModel(nn.Module):

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from glm_dsa import invariant
 from glm_dsa.batch import ForwardBatch
-from glm_dsa.budget import attention_rows
+from glm_dsa.budget import attention_rows, rows_within
 from glm_dsa.config import DSAConfig
 from glm_dsa.indexer import Indexer
 from glm_dsa.invariant import BATCH_TILE, batch_tiled
@@ -244,7 +244,7 @@ def _row_chunks(ks: list[int], ke: list[int], heads: int, itemsize: int):
         while seg_end < n and ks[seg_end] == ks[r0]:
             seg_end += 1
         span = max(1, max(ke[r0:seg_end]) - ks[r0])
-        step = max(1, _DENSE_SCORE_BYTES // (heads * span * itemsize))
+        step = rows_within(_DENSE_SCORE_BYTES, heads * span * itemsize)
         for c0 in range(r0, seg_end, step):
             yield c0, min(seg_end, c0 + step)
         r0 = seg_end

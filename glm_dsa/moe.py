@@ -13,9 +13,9 @@ activations (the DeepSeek/HF convention ``x.float() @ gate.weight.float().T``), 
 float64 activations so that float64 tests reach ~1e-12.
 
 A layer's MoE runs in row blocks whose temporaries fit the step's MoE budget
-(``glm_dsa.budget.moe_rows``). On CUDA its SwiGLU and combine are single Triton passes
-(``glm_dsa.kernels.swiglu``, ``moe_combine``) and nothing in it reads the device from the host,
-so a CUDA graph can capture it.
+(``glm_dsa.budget.moe_rows``). Its SwiGLU, combine and row gather go through
+``glm_dsa.fused`` (on CUDA single Triton passes under every built-in backend), and nothing in
+it reads the device from the host, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glm_dsa import invariant
+from glm_dsa import fused, invariant
 from glm_dsa.budget import moe_rows
 from glm_dsa.config import DSAConfig
 
@@ -226,21 +226,14 @@ class MLP(nn.Module):
         return F.linear(swiglu(gate, up, x.dtype), self.down_proj.weight)
 
 
-def _fused(t: Tensor) -> bool:
-    """Whether ``t``'s small passes run as the Triton kernels (``glm_dsa.kernels.swiglu``,
-    ``moe_combine``): on CUDA, for the dtypes they take. Everything else runs in torch."""
-    return t.is_cuda and t.dtype in GROUPED_MM_DTYPES
-
-
 def swiglu(gate: Tensor, up: Tensor, dtype: torch.dtype) -> Tensor:
     """``silu(gate) * up`` formed in the compute dtype and rounded once to ``dtype`` (DeepSeek's
     ``Expert``): ``gate, up: [m, I]`` of one dtype (views with unit column stride are fine) →
-    ``[m, I]`` in ``dtype``. On CUDA one Triton pass (``glm_dsa.kernels.swiglu``, torch's silu
-    formula), else torch."""
-    if _fused(gate) and dtype in GROUPED_MM_DTYPES and gate.stride(-1) == up.stride(-1) == 1:
-        from glm_dsa.kernels.swiglu import swiglu as fused
-
-        return fused(gate, up, dtype)
+    ``[m, I]`` in ``dtype``. The active fused pass where it takes the call (``glm_dsa.fused``:
+    on CUDA one Triton pass, torch's silu formula), else torch."""
+    fast = fused.swiglu(gate, up, dtype)
+    if fast is not None:
+        return fast
     cd = _compute_dtype(dtype)
     return (F.silu(gate.to(cd)) * up.to(cd)).to(dtype)
 
@@ -262,16 +255,15 @@ def combine_experts(expert_out: Tensor, position: Tensor, weights: Tensor, share
     top_k-1`` (each product rounded, then added: DeepSeek's loop when ``position`` ascends with
     the expert), then ``acc += shared[t]``; rows with ``row_mask`` False are 0 and their pairs'
     rows are never used (they may hold anything). Returns ``[n, H]`` in ``expert_out.dtype``,
-    written to ``out`` when given. On CUDA one Triton pass (``glm_dsa.kernels.moe_combine``,
-    bitwise this), else torch.
+    written to ``out`` when given. The active fused pass where it takes the call
+    (``glm_dsa.fused``: on CUDA one Triton pass, bitwise this), else torch.
     """
     n, hidden = position.shape[0], expert_out.shape[1]
     if out is None:
         out = expert_out.new_empty(n, hidden)
-    if _fused(expert_out) and weights.dtype == torch.float32:
-        from glm_dsa.kernels.moe_combine import combine_experts as fused
-
-        return fused(expert_out, position, weights, shared, row_mask, out)
+    fast = fused.combine_experts(expert_out, position, weights, shared, row_mask, out)
+    if fast is not None:
+        return fast
     acc = torch.zeros(n, hidden, dtype=weights.dtype, device=expert_out.device)
     for slot in range(position.shape[1]):
         acc += expert_out[position[:, slot]].to(acc.dtype) * weights[:, slot, None]
@@ -340,12 +332,9 @@ def experts_grouped_mm(
     # grouped_mm multiplies by mat_b [E, K, N]: the transposed views of the [E, N, K] weights.
     if rows is None:
         pairs = x
-    elif x.is_cuda:  # one Triton copy at bandwidth (glm_dsa.kernels.gather_rows)
-        from glm_dsa.kernels.gather_rows import gather_rows
-
-        pairs = gather_rows(x, rows)  # [P, H]
-    else:
-        pairs = x.index_select(0, rows)
+    else:  # on CUDA one Triton copy at bandwidth (glm_dsa.fused)
+        gathered = fused.gather_rows(x, rows)
+        pairs = x.index_select(0, rows) if gathered is None else gathered  # [P, H]
     gate_up = F.grouped_mm(pairs, gate_up_proj.transpose(1, 2), offs=offsets)  # [P, 2I]
     del pairs
     h = _swiglu(gate_up, x.dtype)  # [P, I]
@@ -607,10 +596,9 @@ class MoE(nn.Module):
         batch-invariant mode whole ``invariant.ROW_TILE`` tiles (at least one): every product
         there runs on such tiles, so a smaller block would only pad them."""
         c = self.config
-        fused = torch.device(device).type == "cuda" and dtype in GROUPED_MM_DTYPES
         rows = moe_rows(n, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
                         c.n_shared_experts * c.moe_intermediate_size, c.n_routed_experts,
-                        dtype, fused, budget_bytes)
+                        dtype, fused.moe_single_pass(torch.device(device), dtype), budget_bytes)
         if invariant.active() and rows < n:
             rows = max(invariant.ROW_TILE, rows // invariant.ROW_TILE * invariant.ROW_TILE)
         return rows

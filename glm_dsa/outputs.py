@@ -33,10 +33,12 @@ from typing import Callable, Iterator, Mapping, TypeVar
 __all__ = [
     "PARTIAL_SUFFIX",
     "check_output_file",
-    "check_outputs",
+    "check_output_paths",
     "check_output_dir",
     "write_file",
     "replace_dir",
+    "Terminated",
+    "raise_terminated",
     "sweep_partials",
 ]
 
@@ -102,7 +104,7 @@ def check_output_file(flag: str, path: str, inputs: Mapping[str, str | None] | N
         raise ValueError(f"{flag} {path} is not writable; choose another path")
 
 
-def check_outputs(outputs: Mapping[str, str | None], inputs: Mapping[str, str | None] | None = None) -> None:
+def check_output_paths(outputs: Mapping[str, str | None], inputs: Mapping[str, str | None] | None = None) -> None:
     """Every given path of ``outputs`` (``{flag: path}``) as :func:`check_output_file` checks it,
     and no two of them the same file."""
     written: dict[str, str] = {}
@@ -165,12 +167,14 @@ def sweep_partials(path: str) -> list[str]:
     return removed
 
 
-class _Terminated(SystemExit):
-    """SIGTERM during a write: unwinds like ``sys.exit(143)`` so the temporary is removed."""
+class Terminated(SystemExit):
+    """SIGTERM, raised where the program is: unwinds like ``sys.exit(143)``, so temporaries are
+    removed on the way out (here during a write; ``glm-dsa`` for a whole command)."""
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated(128 + signum)
+def raise_terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler raising ``Terminated``."""
+    raise Terminated(128 + signum)
 
 
 @contextlib.contextmanager
@@ -181,7 +185,7 @@ def _sigterm_unwinds() -> Iterator[None]:
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
         return
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ adapter says how:
   ``kv`` must be bf16, ``d_qk = 576``, ``h_q`` 64 or 128 (the SM90 build).
 
 For the ``peers`` backend (``glm_dsa.backend``) it also has the layer's two operations in the
-backend's signatures: ``indexer_topk`` (DeepGEMM logits in ``indexer.chunked_topk``'s budgeted
+backend's signatures: ``indexer_topk`` (DeepGEMM logits in ``row_chunks.chunked_topk``'s budgeted
 row chunks, each chunk's top-k by the triton backend's radix select) and ``paged_sparse_mla``
 (FlashMLA over a bf16 pool read in place through slot numbers).
 """
@@ -30,6 +30,7 @@ from torch import Tensor
 __all__ = ["available", "missing", "fp8_mqa_logits", "fp8_paged_mqa_logits", "flash_mla_sparse_fwd",
            "indexer_topk", "paged_sparse_mla"]
 
+TRITON = "triton"  # the package the radix select needs
 DEEP_GEMM = "deep_gemm"
 FLASH_MLA = "flash_mla_sparse_sm90"
 
@@ -47,7 +48,7 @@ def missing(device: torch.device | str) -> str:
     """Why the peer kernels cannot run on ``device`` (one line naming the fix), or ``""``."""
     if torch.device(device).type != "cuda":
         return f"DeepGEMM and FlashMLA run on CUDA devices, not {torch.device(device).type}; use --device cuda"
-    absent = [m for m in ("triton", DEEP_GEMM, FLASH_MLA) if not available(m)]
+    absent = [m for m in (TRITON, DEEP_GEMM, FLASH_MLA) if not available(m)]
     if absent:
         return (f"{', '.join(absent)} do(es) not import; build the peer kernels (peer/build_peers.py) "
                 "and put them on PYTHONPATH, or choose the triton backend")

@@ -14,7 +14,6 @@ every later query's context).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,19 +27,62 @@ from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache, PageAllocator
 from glm_dsa.kv_format import index_k_page_bytes
-from glm_dsa.layer import DSAForCausalLM, LayerTimes, StepContext
+from glm_dsa.layer import DecoderLayer, DSAForCausalLM, LayerTimes, StepContext, StepObserver
 
 if TYPE_CHECKING:
     from glm_dsa.cp import CPGroup
 
 __all__ = [
     "Request",
+    "ScheduledStep",
     "StepRecord",
     "PrefixCache",
     "PrefillEngine",
     "plan_step",
     "pages_for",
 ]
+
+@dataclass
+class ScheduledStep:
+    """One step's work: ``plan``, each request's chunk ``(request, tokens)``; the requests'
+    ``prefix_lens`` at the start of the step; the ragged ``batch``; and the model ``inputs``,
+    token ids ``[n]`` or hidden rows ``[n, hidden]``."""
+
+    plan: list[tuple[Request, int]]
+    prefix_lens: list[int]
+    batch: ForwardBatch
+    inputs: torch.Tensor
+
+    def rows(self) -> list[tuple[int, int]]:
+        """``(first row, tokens)`` of each request's chunk in the step's rows."""
+        return [(int(self.batch.cu_seqlens_q[i]), e) for i, (_, e) in enumerate(self.plan)]
+
+
+@dataclass
+class _Ran:
+    """A step's last-layer output ``hidden [n, hidden]``, its per-component ``times`` (zeros
+    from CUDA graphs or without timing) and whether it ran from CUDA graphs."""
+
+    hidden: torch.Tensor
+    times: LayerTimes
+    cuda_graph: bool
+
+
+class _LayerOutputs(StepObserver):
+    """``layer_outputs``: each layer's output rows (and a full layer's top-k rows) of a step
+    appended to the step's requests."""
+
+    def __init__(self, scheduled: ScheduledStep) -> None:
+        self.requests = [r for r, _ in scheduled.plan]
+        self.rows = scheduled.rows()
+
+    def layer_output(self, layer: DecoderLayer, out: torch.Tensor, topk_indices: torch.Tensor | None) -> None:
+        for req, (q0, e) in zip(self.requests, self.rows):
+            req.layer_hidden.setdefault(layer.layer_idx, []).append(out[q0 : q0 + e].detach())
+            if layer.is_full:
+                assert topk_indices is not None  # a full layer's indexer gave it
+                req.layer_topk.setdefault(layer.layer_idx, []).append(topk_indices[q0 : q0 + e].detach())
+
 
 def pages_for(lengths: Sequence[int], page_size: int) -> int:
     """Pages that hold prompts of ``lengths`` tokens all at once, none shared (an upper bound
@@ -179,6 +221,8 @@ class PrefillEngine:
             (DeepGEMM and FlashMLA), or a ``Backend`` object; see ``glm_dsa.backend``.
         layer_outputs: keep every layer's output and every full layer's top-k of each request
             (``outputs`` writes them; one rank only).
+        observer: a ``glm_dsa.layer.StepObserver`` told each layer's attention input, top-k and
+            output at every step (one rank only; not with ``layer_outputs``, which is one).
         batch_invariant: every product row-tiled on the tokens' positions and the absorbed
             attention at every length (``glm_dsa.invariant``), so a request's outputs are
             bitwise the same whatever the chunk size, the requests sharing its steps and its
@@ -186,13 +230,14 @@ class PrefillEngine:
         cuda_graphs: replay steps of up to ``graphs.MAX_GRAPH_TOKENS`` tokens over up to
             ``graphs.MAX_GRAPH_CONTEXT`` context rows from CUDA graphs captured per padded
             bucket (``glm_dsa.graphs``; the results are the eager step's on the padded inputs).
-            None (default): on wherever it can run — CUDA, the triton backend, one rank, no
-            ``layer_outputs``; True there or a ValueError saying why not; False: every step
+            None (default): on wherever it can run — CUDA, a graph-capturable backend (triton),
+            one rank, no ``layer_outputs`` or ``observer``; True there or a ValueError saying why not; False: every step
             eager. Steps from graphs have no per-component ``timing`` split. The pool gets
             ``graphs.max_padding`` scratch slots more, outside the allocator, for padded rows.
     """
 
     pages_peak: int  # most pages in use at once since the last reset_stats
+    bytes_written: dict[str, int]  # per pool kind ("mla", "index_k"), since the last reset_stats
 
     def __init__(
         self,
@@ -209,10 +254,13 @@ class PrefillEngine:
         layer_outputs: bool = False,
         batch_invariant: bool = False,
         cuda_graphs: bool | None = None,
+        observer: StepObserver | None = None,
     ) -> None:
         cfg = model.config
         if layer_outputs and cp_group is not None:
             raise ValueError("layer_outputs is for one rank: a context-parallel rank sees only its share of the rows")
+        if observer is not None and (cp_group is not None or layer_outputs):
+            raise ValueError("a step observer runs on one rank without layer_outputs (itself an observer)")
         if chunked_prefill_size < cfg.page_size or chunked_prefill_size % cfg.page_size:
             raise ValueError(
                 f"chunked_prefill_size={chunked_prefill_size} must be a positive multiple of "
@@ -221,16 +269,10 @@ class PrefillEngine:
         self.model, self.config = model, cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # auto picks what the run can do: batch invariance is the reference's alone
-        self.backend = get_backend("reference" if batch_invariant and backend == "auto" else backend,
-                                   self.device)
-        self.backend.require(self.dtype, kv_dtype)
-        if batch_invariant and self.backend.name != "reference":
-            raise ValueError(f"batch_invariant=True needs backend='reference' (the {self.backend.name} "
-                             "kernels are not batch-invariant)")
+        self.backend = get_backend(backend, self.device, self.dtype, kv_dtype, batch_invariant)
         self.batch_invariant = batch_invariant
-        why_not = graphs.unsupported(self.device, self.backend.name, cp=cp_group is not None,
-                                     layer_outputs=layer_outputs)
+        why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,
+                                     observed=layer_outputs or observer is not None)
         if cuda_graphs and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")
         use_graphs = why_not is None and cuda_graphs is not False
@@ -253,6 +295,7 @@ class PrefillEngine:
         self.timing = timing
         self.cp_group = cp_group
         self.layer_outputs = layer_outputs
+        self.observer = observer
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -342,7 +385,22 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> StepRecord | None:
-        """Plan and run one step; None when nothing is left to run."""
+        """Schedule, run and collect one step (nano-vllm's ``schedule → run → postprocess``);
+        None when nothing is left to run."""
+        scheduled = self._schedule()
+        if scheduled is None:
+            return None
+        t0 = time.perf_counter()
+        with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
+            ran = self._run(scheduled)
+            self._collect(scheduled, ran.hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._record(scheduled, ran, time.perf_counter() - t0)
+
+    def _schedule(self) -> ScheduledStep | None:
+        """Admit what fits, plan the step's chunks and build its batch and input; None when
+        nothing is left to run."""
         self._admit()
         if not self.running:
             if self.waiting:
@@ -351,55 +409,59 @@ class PrefillEngine:
         plan = plan_step(self.running, self.chunked_prefill_size, self.config.page_size)
         if not plan:
             raise RuntimeError("the planner scheduled no tokens; chunked_prefill_size is too small")
-        cache = self.cache
         prefix_lens = [r.prefix_len for r, _ in plan]
-        extend_lens = [e for _, e in plan]
-        context_slots = [cache.slots_of(r.pages, r.prefix_len + e) for r, e in plan]
-        batch = ForwardBatch.from_slots(prefix_lens, extend_lens, context_slots, device=self.device)
-        inputs = self._step_inputs(plan)
+        context_slots = [self.cache.slots_of(r.pages, r.prefix_len + e) for r, e in plan]
+        batch = ForwardBatch.from_slots(prefix_lens, [e for _, e in plan], context_slots, device=self.device)
+        return ScheduledStep(plan, prefix_lens, batch, self._step_inputs(plan))
+
+    def _run(self, scheduled: ScheduledStep) -> _Ran:
+        """The step's last-layer output: from CUDA graphs when its bucket fits, else eagerly
+        (split over the ranks under CP), observed by the step's observer."""
+        batch = scheduled.batch
+        if self.graphs is not None and self.graphs.fits(batch):
+            return _Ran(self.graphs.run(scheduled.inputs, batch), LayerTimes(), cuda_graph=True)
         times = LayerTimes() if self.timing else None
-        t0 = time.perf_counter()
-        step = StepContext(batch, cache, self.budgets, self.backend, times=times)
-        with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
-            from_graph = self.graphs is not None and self.graphs.fits(batch)
-            if from_graph:
-                assert self.graphs is not None
-                hidden = self.graphs.run(inputs, batch)
-            elif self.cp_group is None:
-                with self._layer_capture(plan, batch):
-                    hidden = self.model.model(inputs, step)
-            else:
-                hidden = self.cp_group.forward(self.model.model, inputs, step)
-            last_rows = []
-            for i, (req, e) in enumerate(plan):
-                q0 = int(batch.cu_seqlens_q[i])
-                # Kept on the model's device: a per-step copy to the host costs more than the
-                # step's attention at a few thousand tokens (pageable copies are slow).
-                req.hidden.append(hidden[q0 : q0 + e].detach())
-                req.prefix_len += e
-                if req.done:
-                    last_rows.append((req, q0 + e - 1))
-            if self.compute_logits and last_rows:
-                rows = [row for _, row in last_rows]
-                logits = self.model.logits(hidden[rows], batch.positions[rows])
-                for (req, _), lg in zip(last_rows, logits):
-                    req.logits = lg.cpu()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
-        t = LayerTimes() if times is None or from_graph else times
+        observer = _LayerOutputs(scheduled) if self.layer_outputs else self.observer
+        step = StepContext(batch, self.cache, self.budgets, self.backend, times=times, observer=observer)
+        if self.cp_group is None:
+            hidden = self.model.model(scheduled.inputs, step)
+        else:
+            hidden = self.cp_group.forward(self.model.model, scheduled.inputs, step)
+        return _Ran(hidden, times or LayerTimes(), cuda_graph=False)
+
+    def _collect(self, scheduled: ScheduledStep, hidden: torch.Tensor) -> None:
+        """Each request's rows of ``hidden [n, hidden]``, its progress, and the logits of the
+        requests the step completes."""
+        last_rows = []
+        for (req, _), (q0, e) in zip(scheduled.plan, scheduled.rows()):
+            # Kept on the model's device: a per-step copy to the host costs more than the
+            # step's attention at a few thousand tokens (pageable copies are slow).
+            req.hidden.append(hidden[q0 : q0 + e].detach())
+            req.prefix_len += e
+            if req.done:
+                last_rows.append((req, q0 + e - 1))
+        if self.compute_logits and last_rows:
+            rows = [row for _, row in last_rows]
+            logits = self.model.logits(hidden[rows], scheduled.batch.positions[rows])
+            for (req, _), lg in zip(last_rows, logits):
+                req.logits = lg.cpu()
+
+    def _record(self, scheduled: ScheduledStep, ran: _Ran, seconds: float) -> StepRecord:
+        """The step's timeline record; the requests it completed are finished."""
+        plan, t = scheduled.plan, ran.times
         record = StepRecord(
             step=len(self.timeline) + 1,
-            chunks=tuple((r.rid, p, p + e) for (r, e), p in zip(plan, prefix_lens)),
-            prefix_at_start=tuple(prefix_lens),
+            chunks=tuple((r.rid, p, p + e) for (r, e), p in zip(plan, scheduled.prefix_lens)),
+            prefix_at_start=tuple(scheduled.prefix_lens),
             seconds=seconds,
             projections=t.projections,
             indexer=t.indexer,
             attention=t.attention,
             moe=t.moe,
-            cuda_graph=from_graph,
+            cuda_graph=ran.cuda_graph,
         )
         self.timeline.append(record)
+        self._count_writes(scheduled.batch.num_tokens)
         for req, _ in plan:
             if req.done:
                 self._finish(req)
@@ -407,6 +469,14 @@ class PrefillEngine:
         self.running.sort(key=lambda r: r.prefix_len == 0)
         self.pages_peak = max(self.pages_peak, self.allocator.num_pages - self.allocator.num_free)
         return record
+
+    def _count_writes(self, tokens: int) -> None:
+        """Bytes the step stored: ``tokens`` rows of main KV in every layer and of index K in
+        every full layer (under CP every rank stores the whole chunk; a step from CUDA graphs
+        also wrote its padded rows, to scratch slots, which are not counted)."""
+        cache = self.cache
+        self.bytes_written["mla"] += tokens * cache.mla_row_bytes * len(cache.mla)
+        self.bytes_written["index_k"] += tokens * (self.config.index_head_dim + 4) * len(cache.index_k)
 
     def _step_inputs(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
         """The step's model input: token ids ``[n]``, or hidden rows ``[n, hidden]`` in the model's
@@ -420,29 +490,6 @@ class PrefillEngine:
             else:
                 rows.append(r.input_hidden[r.prefix_len : r.prefix_len + e].to(self.device, self.dtype))
         return torch.cat(rows)
-
-    @contextlib.contextmanager
-    def _layer_capture(self, plan: list[tuple[Request, int]], batch: ForwardBatch):
-        """With ``layer_outputs``, hooks on the layers that append each layer's output rows (and a
-        full layer's top-k rows) of the step to the requests of ``plan``; removed on exit."""
-        if not self.layer_outputs:
-            yield
-            return
-
-        def keep(layer, args, output) -> None:
-            out, topk = output
-            for i, (req, e) in enumerate(plan):
-                q0 = int(batch.cu_seqlens_q[i])
-                req.layer_hidden.setdefault(layer.layer_idx, []).append(out[q0 : q0 + e].detach())
-                if layer.is_full:
-                    req.layer_topk.setdefault(layer.layer_idx, []).append(topk[q0 : q0 + e].detach())
-
-        handles = [layer.register_forward_hook(keep) for layer in self.model.model.layers]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
@@ -461,11 +508,11 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ warm-up and reports
     def reset_stats(self) -> None:
-        """Start the timeline, the peak page count, the bytes-written baseline and the CP
+        """Start the timeline, the peak page count, the bytes-written counts and the CP
         counters afresh (e.g. after a warm-up run)."""
         self.timeline.clear()
         self.pages_peak = 0
-        self._written_at_reset = dict(self.cache.bytes_written)
+        self.bytes_written = {"mla": 0, "index_k": 0}
         if self.cp_group is not None:
             self.cp_group.reset_counters()
 
@@ -499,7 +546,6 @@ class PrefillEngine:
         capture seconds and pool memory), and under CP ``context_parallel`` with every rank's
         counters (a collective: every rank must call it)."""
         cache, page = self.cache, self.config.page_size
-        written = {k: cache.bytes_written[k] - self._written_at_reset[k] for k in cache.bytes_written}
         pool = cache.pool_bytes()
         report = {
             "requests": [{"tokens": self._finished(r).length, "cached": self._finished(r).cached_len}
@@ -515,8 +561,8 @@ class PrefillEngine:
                 "page_bytes_index_k": index_k_page_bytes(page, self.config.index_head_dim),
                 "pool_bytes_main_kv": pool["mla"],
                 "pool_bytes_index_k": pool["index_k"],
-                "bytes_written_main_kv": written["mla"],
-                "bytes_written_index_k": written["index_k"],
+                "bytes_written_main_kv": self.bytes_written["mla"],
+                "bytes_written_index_k": self.bytes_written["index_k"],
             },
         }
         if self.graphs is not None:

@@ -5,14 +5,14 @@ Eagerly, a data check reads its verdict on the host (``bool(bad.any())``: the ho
 the GPU) and a few loops size their work from device values (``.tolist()``). Inside
 ``sync_free()`` neither happens:
 
-* a data check is recorded instead, ``check(ok, message)``: ``ok`` is a 0-dim bool tensor left
-  on the device; ``Checks.raise_first`` reads every recorded verdict with one copy after the
+* a data check, written once as ``check(ok, message, detail)`` for both modes, is recorded
+  instead of read: ``ok`` is a 0-dim bool tensor left on the device; ``Checks.raise_first`` reads every recorded verdict with one copy after the
   step (after each replay of a captured graph, where the same kernels recompute them) and raises
   the first failed check's ``ValueError``. The condition is the eager check's; the message names
   what failed but not the first offending row (finding it would cost another synchronisation),
   and it comes after the step's compute rather than before it.
 * code whose shapes follow device values takes a plan from the tensors' sizes alone
-  (``glm_dsa.indexer.chunked_topk``: every row chunk over all key columns).
+  (``glm_dsa.row_chunks.chunked_topk``: every row chunk over all key columns).
 
 Nothing else changes: the kernels, their arguments and so their results are the eager ones.
 """
@@ -20,7 +20,7 @@ Nothing else changes: the kernels, their arguments and so their results are the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -75,11 +75,13 @@ def active() -> bool:
     return _checks is not None
 
 
-def check(ok: Tensor, message: str) -> None:
-    """Inside ``sync_free()``: record the 0-dim bool device verdict ``ok`` with ``message`` (the
-    ValueError ``Checks.raise_first`` raises if it is False). Outside: raise it now if False."""
+def check(ok: Tensor, message: str, detail: Callable[[], str] | None = None) -> None:
+    """A data check in either mode. Inside ``sync_free()``: record the 0-dim bool device verdict
+    ``ok`` with ``message`` (the ValueError ``Checks.raise_first`` raises if it is False).
+    Outside: read ``ok`` now (one synchronisation) and, if False, raise ``detail()`` (a message
+    naming the offending row, found with more host reads, only on failure) or ``message``."""
     if _checks is None:
         if not bool(ok):
-            raise ValueError(message)
+            raise ValueError(message if detail is None else detail())
         return
     _checks.flags.append((ok, message))

@@ -54,15 +54,12 @@ def check_ranges(ks: Tensor, ke: Tensor, num_cols: int, what: str) -> None:
     """Every row's window satisfies ``0 ≤ ks ≤ ke ≤ num_cols`` (``what`` names ``num_cols``);
     the first bad row is named."""
     bad = (ks < 0) | (ks > ke) | (ke > num_cols)
-    if syncfree.active():
-        syncfree.check(~bad.any(), f"a row's [ks, ke) breaks 0 ≤ ks ≤ ke ≤ {what}={num_cols}")
-        return
-    if bool(bad.any()):
+
+    def first_bad_row() -> str:
         m = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"row {m}: [ks, ke) = [{int(ks[m])}, {int(ke[m])}) must satisfy 0 ≤ ks ≤ ke ≤ "
-            f"{what}={num_cols}"
-        )
+        return f"row {m}: [ks, ke) = [{int(ks[m])}, {int(ke[m])}) must satisfy 0 ≤ ks ≤ ke ≤ {what}={num_cols}"
+
+    syncfree.check(~bad.any(), f"a row's [ks, ke) breaks 0 ≤ ks ≤ ke ≤ {what}={num_cols}", first_bad_row)
 
 
 def check_index_vector(name: str, t: Tensor, n: int, device: torch.device) -> None:
@@ -121,9 +118,10 @@ def check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk) -> N
 
 def check_paged_inputs(
     q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
-) -> list[list[int]]:
-    """Check ``paged_mqa_logits``' inputs; returns each request's row ends ``[B][next_n]``
-    (row ``(b, j)`` sees positions ``< ends[b][j]``)."""
+) -> Tensor:
+    """Check ``paged_mqa_logits``' inputs; returns each request's row ends, int64 ``[B, next_n]``
+    on the inputs' device (row ``(b, j)`` sees positions ``< ends[b, j]``). The ends are checked
+    there; only a failing row's numbers come to the host, to be named."""
     need(
         q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
         f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {q_fp8.dtype} {tuple(q_fp8.shape)}",
@@ -168,24 +166,22 @@ def check_paged_inputs(
         ("block_table", block_table),
     ):
         need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
-    lens = context_lens.tolist()
+    ends = context_lens.long()
     if context_lens.dim() == 1:
         # The last next_n context tokens are this step's queries, each seeing itself.
-        lens = [[max(0, n - next_n + j + 1) for j in range(next_n)] for n in lens]
-    for b, ends in enumerate(lens):
-        for j, e in enumerate(ends):
-            need(
-                0 <= e <= max_context_len,
-                f"row (b={b}, j={j}) sees {e} tokens, outside [0, max_context_len="
-                f"{max_context_len}]",
-            )
-        n_blocks = -(-max(ends) // page_size)
-        need(
-            n_blocks <= block_table.shape[1],
-            f"request {b} needs {n_blocks} pages for {max(ends)} tokens; block_table has "
-            f"{block_table.shape[1]} columns",
-        )
-    return lens
+        ends = (ends[:, None] - next_n + 1 + torch.arange(next_n, device=dev)).clamp_min(0)
+    bad = (ends < 0) | (ends > max_context_len)
+    if bool(bad.any()):
+        b, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"row (b={b}, j={j}) sees {int(ends[b, j])} tokens, outside [0, "
+                         f"max_context_len={max_context_len}]")
+    longest = ends.amax(dim=1) if next_n else ends.new_zeros(B)  # [B]
+    short = -(-longest // page_size) > block_table.shape[1]
+    if bool(short.any()):
+        b = int(short.nonzero()[0, 0])
+        raise ValueError(f"request {b} needs {-(-int(longest[b]) // page_size)} pages for {int(longest[b])} "
+                         f"tokens; block_table has {block_table.shape[1]} columns")
+    return ends
 
 
 def check_mqa_logits_mode(kv, clean_logits: bool, max_seqlen_k: int) -> None:

@@ -39,38 +39,20 @@ from glm_dsa.ledger import op_flops, sparse_mla_keys
 from glm_dsa.mla import sparse_mla_fwd
 from glm_dsa.prefill import PrefillEngine
 
+from benchlib import calc_diff, median_seconds, sync
+
 GLM = PRESETS["glm-5.3"]
 GB = 1e9
 
 
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
-def _timed(fn, warmup: int = 1, reps: int = 3) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup`` (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    _sync()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        _sync()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def _peak(fn) -> tuple[float, int, int]:
     """(seconds, bytes allocated before, peak bytes during) of one call of ``fn``."""
-    _sync()
+    sync()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     t = time.perf_counter()
     fn()
-    _sync()
+    sync()
     return time.perf_counter() - t, before, torch.cuda.max_memory_allocated()
 
 
@@ -78,16 +60,16 @@ def ceilings() -> dict:
     dev = "cuda"
     x = torch.empty(int(4e9), dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    t = _timed(lambda: y.copy_(x), warmup=2, reps=5)
+    t = median_seconds(lambda: y.copy_(x), warmup=2, reps=5)
     copy_bw = 2 * x.numel() / t
     del x, y
     n = 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    bf16 = 2 * n**3 / _timed(lambda: a @ b, warmup=3, reps=10)
+    bf16 = 2 * n**3 / median_seconds(lambda: a @ b, warmup=3, reps=10)
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
     one = torch.ones((), device=dev)
-    fp8 = 2 * n**3 / _timed(
+    fp8 = 2 * n**3 / median_seconds(
         lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), warmup=3, reps=10
     )
     return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": bf16, "fp8_flops_per_s": fp8}
@@ -114,7 +96,7 @@ def bench_moe(ceil: dict, tokens: int = 32768) -> dict:
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
     budget = Budgets.default("cuda").moe_bytes  # as a prefill step runs it
     with torch.no_grad():
-        t = _timed(lambda: moe(x, budget_bytes=budget), warmup=1, reps=3)
+        t = median_seconds(lambda: moe(x, budget_bytes=budget), warmup=1, reps=3)
         _, before, peak = _peak(lambda: moe(x, budget_bytes=budget))
     f = {op.op: op.flops_per_token for op in op_flops(cfg)}
     flops = tokens * (f["moe_experts"] + f["shared_experts"] + f["router_gate"])
@@ -148,10 +130,10 @@ def bench_indexer(ceil: dict, queries: int, keys: int) -> dict:
     r0, hi = queries - rows, keys
     starts = ks[r0:]
     ends = ke[r0:]
-    logits_s = _timed(lambda: mqa_logits(q_fp8[r0:], k_fp8[:hi], k_scale[:hi], w[r0:], starts, ends,
+    logits_s = median_seconds(lambda: mqa_logits(q_fp8[r0:], k_fp8[:hi], k_scale[:hi], w[r0:], starts, ends,
                                          clean_logits=False), warmup=1, reps=2)
     logits = mqa_logits(q_fp8[r0:], k_fp8[:hi], k_scale[:hi], w[r0:], starts, ends, clean_logits=False)
-    topk_s = _timed(lambda: topk_per_row(logits, starts, ends, cfg.index_topk), warmup=1, reps=2)
+    topk_s = median_seconds(lambda: topk_per_row(logits, starts, ends, cfg.index_topk), warmup=1, reps=2)
     del logits
     out_bytes = queries * cfg.index_topk * 4
     return {
@@ -226,7 +208,7 @@ def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768
     floors = {k: flops[k][0] / ceil["bf16_flops_per_s"] + flops[k][1] / ceil["fp8_flops_per_s"] for k in flops}
     entry.update(tokens=tokens, chunk=chunk, backend=backend, steps=[], floor_seconds=sum(floors.values()),
                  component_floor_seconds=floors, component_flops=flops)
-    _sync()
+    sync()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
 
@@ -316,11 +298,11 @@ def _run_ours(model, ids: Tensor, kv_dtype: str, timing: bool = False, chunk: in
                                            prefix_caching=False, compute_logits=False, timing=timing,
                                            backend=backend, cuda_graphs=cuda_graphs)
     rid = engine.add_request(ids)
-    _sync()
+    sync()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     engine.run()
-    _sync()
+    sync()
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated(), engine.output_hidden(rid), engine
 
 
@@ -350,7 +332,6 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
     after a warm-up; the eager hidden states are compared with the graphs' bitwise.
     """
     from glm_dsa.hf import hf_model
-    from glm_dsa.oracle import calc_diff
 
     model = _one_layer_model(rms_norm_eps=1e-6)
     cfg = model.config
@@ -371,7 +352,7 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
         with torch.no_grad():
             # glm-dsa as configured (CUDA graphs by default on the triton backend), then eagerly;
             # each engine is reused after a warm-up run, as a server reuses its engine and graphs.
-            # The top-k is read by a hook, on the eager runs only: a module with a hook runs eagerly.
+            # The top-k is read by a hook, on the eager run only (cuda_graphs=False): a replay calls no hook.
             hook = indexer.register_forward_hook(lambda m, a, out: captured.__setitem__("ours", out))
             eager = _time_ours(model, ids, backend, cuda_graphs=False)
             hook.remove()
@@ -410,14 +391,14 @@ def bench_vs_hf(lengths: list[int], out_dir: str, profile: bool, backend: str = 
             dev_ids = ids.cuda()[None]
             try:
                 hf(input_ids=dev_ids)  # warm-up
-                _sync()
+                sync()
                 times = []
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 for _ in range(2):
                     t0 = time.perf_counter()
                     hf_hidden = hf(input_ids=dev_ids).last_hidden_state[0]
-                    _sync()
+                    sync()
                     times.append(time.perf_counter() - t0)
                 row["hf_seconds"] = min(times)
                 row["hf_peak_gb"] = (torch.cuda.max_memory_allocated() - base + hf_w) / GB
@@ -485,7 +466,7 @@ def _triton(name: str):
 
 def _time_impls(impls: dict, args: tuple) -> dict[str, float]:
     """Median seconds of each available implementation on ``args``; the slow reference runs once."""
-    return {name: _timed(lambda fn=fn: fn(*args), *((0, 1) if name == "reference" else (2, 5)))
+    return {name: median_seconds(lambda fn=fn: fn(*args), *((0, 1) if name == "reference" else (2, 5)))
             for name, fn in impls.items() if fn is not None}
 
 

@@ -30,22 +30,25 @@ import time
 import torch
 from torch import Tensor
 
-from glm_dsa.backend import REFERENCE, get_backend
+from glm_dsa.backend import REFERENCE, Backend, get_backend
 from glm_dsa.config import get_config, keep_layers
 from glm_dsa.prefill import PrefillEngine
 from glm_dsa.weights import build_model, init_weights
 
+from benchlib import calc_diff, sync
+
 GB = 1e9
 
 
-class Recording:
-    """A backend that records every top-k its ``base`` returns (on the device)."""
+class Recording(Backend):
+    """A backend that records every top-k its ``base`` returns (on the device); it can do what
+    ``base`` can."""
 
-    def __init__(self, base) -> None:
+    def __init__(self, base: Backend) -> None:
         self.base, self.name, self.topk = base, base.name, []
-
-    def require(self, dtype, kv_dtype) -> None:
-        self.base.require(dtype, kv_dtype)
+        self.graph_capturable, self.batch_invariant = base.graph_capturable, base.batch_invariant
+        self.activation_dtypes, self.kv_dtypes = base.activation_dtypes, base.kv_dtypes
+        self.passes = base.passes
 
     def indexer_topk(self, *args) -> Tensor:
         out = self.base.indexer_topk(*args)
@@ -71,16 +74,6 @@ class Replaying(Recording):
         return picked
 
 
-def calc_diff(x: Tensor, y: Tensor, rows: int = 4096) -> float:
-    """DeepGEMM's ``calc_diff`` ``1 − 2 Σxy / Σ(x² + y²)`` in float64, row block by row block."""
-    xy = sq = 0.0
-    for r0 in range(0, x.shape[0], rows):
-        a, b = x[r0 : r0 + rows].double(), y[r0 : r0 + rows].double()
-        xy += float((a * b).sum())
-        sq += float((a * a + b * b).sum())
-    return 0.0 if sq == 0 else 1.0 - 2.0 * xy / sq
-
-
 def topk_overlap(a: list[Tensor], b: list[Tensor], rows: int = 1024) -> float:
     """Mean over rows of ``|A ∩ B| / |A|`` (``-1`` padding ignored; an empty row counts 1)."""
     total, count = 0.0, 0
@@ -98,11 +91,6 @@ def topk_overlap(a: list[Tensor], b: list[Tensor], rows: int = 1024) -> float:
     return total / max(count, 1)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def prefill(model, ids: Tensor, backend, args, timing: bool) -> dict:
     """One prefill of ``ids``; its hidden states, steps, seconds and peak memory."""
     device = next(model.parameters()).device
@@ -110,12 +98,12 @@ def prefill(model, ids: Tensor, backend, args, timing: bool) -> dict:
                                        chunked_prefill_size=args.chunk, prefix_caching=False,
                                        compute_logits=False, timing=timing, backend=backend)
     rid = engine.add_request(ids)
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     engine.run()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {"hidden": engine.output_hidden(rid), "seconds": seconds, "peak_bytes": peak,
@@ -145,7 +133,7 @@ def main() -> None:
     config = keep_layers(get_config(args.config), args.layers)
     t0 = time.perf_counter()
     model = init_weights(build_model(config, getattr(torch, args.dtype), device), args.seed).eval()
-    _sync(device)
+    sync(device)
     log: dict = {"config": config.name, "tokens": args.tokens, "chunk": args.chunk,
                  "kv_dtype": args.kv_dtype, "dtype": args.dtype, "device": str(device),
                  "torch": torch.__version__, "weights_s": time.perf_counter() - t0, "runs": []}

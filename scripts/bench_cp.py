@@ -33,6 +33,8 @@ from glm_dsa.ledger import cp_comm_bytes_per_chunk, cp_indexer_pairs_per_rank
 from glm_dsa.prefill import PrefillEngine
 from glm_dsa.weights import init_weights
 
+from benchlib import sync
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -55,11 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.layers < 1 or args.tokens < 1:
         ap.error("--layers and --tokens must be ≥ 1")
     return args
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _peak_bytes(device: torch.device) -> int:
@@ -152,10 +149,10 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict | None:
     if not args.no_check:
         alone = _engine(model, args, device, None)
         ref_rid = alone.add_request(ids)
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         alone.run()
-        _sync(device)
+        sync(device)
         ref = alone.output_hidden(ref_rid)
         diff = (hidden.double() - ref.double())
         check = {

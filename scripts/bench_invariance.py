@@ -27,10 +27,7 @@ from glm_dsa.config import PRESETS, keep_layers
 from glm_dsa.prefill import PrefillEngine
 from glm_dsa.weights import build_model, init_weights
 
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from benchlib import sync
 
 
 def _engine(model, kv, invariant, pages):
@@ -47,10 +44,10 @@ def _step_seconds(model, prefix, new, kv, invariant, device, repeat):
         if prefix.numel():
             eng.warm_up(prefix)
         rid = eng.add_request(torch.cat([prefix, new]).to(device))
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         eng.run()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t)
         out = eng.output_hidden(rid)
     return best, out

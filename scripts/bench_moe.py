@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-from bench import _peak, _timed, ceilings, random_moe  # noqa: E402
+from bench import _peak, ceilings, random_moe  # noqa: E402
+from benchlib import calc_diff, median_seconds  # noqa: E402
 
 from glm_dsa.budget import Budgets  # noqa: E402
 from glm_dsa.config import PRESETS  # noqa: E402
@@ -54,11 +55,6 @@ def _load_before(path: str, cfg, moe: MoE) -> torch.nn.Module:
         owner_name, _, leaf = name.rpartition(".")
         setattr(before.get_submodule(owner_name), leaf, param)
     return before
-
-
-def _calc_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float(1 - 2 * (a * b).sum() / (a * a + b * b).sum())
 
 
 def _kernel_checks() -> dict:
@@ -109,7 +105,7 @@ def _graph_check(moe: MoE, x: torch.Tensor, budget: int) -> dict:
         torch.cuda.synchronize()
         out["graph_replay_bitwise"] = bool(torch.equal(captured[0], eager[0])
                                            and torch.equal(captured[1], eager[1]))
-        out["graph_replay_seconds"] = _timed(graph.replay, warmup=1, reps=5)
+        out["graph_replay_seconds"] = median_seconds(graph.replay, warmup=1, reps=5)
     except RuntimeError as e:
         out["graph_error"] = str(e).splitlines()[0]
     return out
@@ -161,7 +157,7 @@ def main() -> int:
             for name, module, kwargs in (("now", moe, {"budget_bytes": budget}), ("before", before, {})):
                 if module is None:
                     continue
-                t = _timed(lambda: module(x, **kwargs), warmup=1, reps=3)
+                t = median_seconds(lambda: module(x, **kwargs), warmup=1, reps=3)
                 torch.cuda.empty_cache()
                 _, held, peak = _peak(lambda: module(x, **kwargs))
                 row[name] = {"seconds": t, "tflops": flops / t / 1e12,
@@ -170,7 +166,7 @@ def main() -> int:
             if before is not None:
                 a, ca = moe(x, budget_bytes=budget)
                 b, cb = before(x)
-                row["calc_diff_vs_before"] = _calc_diff(a, b)
+                row["calc_diff_vs_before"] = calc_diff(a, b)
                 row["counts_equal_before"] = bool(torch.equal(ca, cb))
                 del a, b
             print("moe", json.dumps(row), flush=True)

@@ -31,6 +31,8 @@ import torch
 from glm_dsa import mla, oracle
 from glm_dsa.testing.metrics import SPARSE_OUT_TOL, SPARSE_STAT_TOL
 
+from benchlib import median_seconds
+
 TOPK, D_QK, D_V = 2048, 576, 512
 FORMS = ("gluon", "gluon_fp8", "triton", "triton_fp8", "flashmla", "reference")
 SM_SCALE = 1 / 16  # GLM-5.3: qk_head_dim ** -0.5
@@ -40,21 +42,6 @@ REF_BUDGET_BYTES = 8 << 30  # the reference's row-chunk temporaries (it gathers 
 
 def _flops(s_q: int, h: int) -> float:
     return 2.0 * s_q * TOPK * h * (D_QK + D_V)
-
-
-def _time(fn, reps: int = 5) -> float:
-    """Median seconds of ``fn()`` over ``reps`` CUDA-event-timed runs, after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _gather_tbps(s_q: int, h: int, row_bytes: int, seconds: float) -> float:
@@ -150,7 +137,7 @@ def main() -> None:
             q = (torch.randn(s_q, h, D_QK, device="cuda", generator=gen) / 10).to(torch.bfloat16)
             row = {"s_q": s_q, "h_q": h, "gflop": _flops(s_q, h) / 1e9}
             rows = torch.linspace(0, s_q - 1, CHECK_ROWS, device="cuda").long()
-            time_it = lambda fn: _time(fn, args.reps)  # noqa: E731
+            time_it = lambda fn: median_seconds(fn, reps=args.reps)  # noqa: E731
             runs = {}
             if "gluon" in forms and gluon_ok:
                 runs["gluon"] = lambda: flash_mla_sparse_fwd_gluon(
@@ -182,7 +169,7 @@ def main() -> None:
                 rows_kv = kv_fp8_deq.view(-1, 1, D_QK) if form.endswith("fp8") else kv
                 _guard(row, f"{form}_check", lambda: _check(fn(), q, rows_kv, idx, rows))
             if "reference" in forms and s_q == 32768 and h == 64:
-                _guard(row, "reference_s", lambda: _time(
+                _guard(row, "reference_s", lambda: median_seconds(
                     lambda: mla.sparse_mla_fwd(q, kv, idx, SM_SCALE, D_V,
                                                budget_bytes=REF_BUDGET_BYTES), reps=1))
             for form in FORMS:

@@ -3,7 +3,7 @@
 ``python scripts/probe_graphs.py --part syncs|equal|time --out DIR`` (one part per process so that a
 time limit on one keeps the others). ``syncs``: every synchronising CUDA call of one eager step of
 ``small`` (triton backend), by source line, then the same for a step run from graphs (only the
-eager pieces may sync). ``equal``: engines with and without graphs on the same prompts (one
+metadata copies and the one read of the check verdicts may sync). ``equal``: engines with and without graphs on the same prompts (one
 request on a bucket, a padded one, three requests over several chunked steps with prefix-cache
 hits), each request's hidden rows compared bitwise, and eager against eager. ``time``: one
 GLM-5.3 layer (bench.py's) at ``--tokens``, eager and graphs, each engine reused for a warm-up
@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import glm_dsa  # noqa: E402
 from glm_dsa.prefill import PrefillEngine  # noqa: E402
+
+from benchlib import calc_diff  # noqa: E402
 
 GB = 1e9
 
@@ -143,11 +145,6 @@ def part_equal(out: str) -> list[dict]:
     return rows
 
 
-def _calc_diff(x, y) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
 def part_time(out: str, tokens: list[int], reps: int) -> list[dict]:
     from bench import _one_layer_model
 
@@ -180,8 +177,8 @@ def part_time(out: str, tokens: list[int], reps: int) -> list[dict]:
                 torch.cuda.empty_cache()
         row["equal"] = torch.equal(outs[False], outs[True])
         row["eager_equal_eager"] = torch.equal(outs[False], outs["eager_first"])
-        row["calc_diff_graphs_eager"] = _calc_diff(outs[False], outs[True])
-        row["calc_diff_eager_eager"] = _calc_diff(outs[False], outs["eager_first"])
+        row["calc_diff_graphs_eager"] = calc_diff(outs[False], outs[True])
+        row["calc_diff_eager_eager"] = calc_diff(outs[False], outs["eager_first"])
         row["max_abs_diff"] = float((outs[False].float() - outs[True].float()).abs().max())
         row["eager_over_graphs"] = min(row["eager_s"]) / min(row["graphs_s"])
         print("time", json.dumps(row), flush=True)

@@ -19,6 +19,8 @@ import glm_dsa
 from glm_dsa import backend as backend_mod
 from glm_dsa.prefill import PrefillEngine
 
+from benchlib import calc_diff
+
 
 def digest(t: torch.Tensor) -> int:
     b = t.detach().contiguous().view(torch.uint8).flatten().to(torch.int64)
@@ -28,11 +30,6 @@ def digest(t: torch.Tensor) -> int:
 
 def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def calc_diff(x, y) -> float:
-    x, y = x.double(), y.double()
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from glm_dsa.backend import REFERENCE, ReferenceBackend, TritonBackend, get_backend
+from glm_dsa.backend import REFERENCE, Backend, ReferenceBackend, TritonBackend, get_backend
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.config import PRESETS, YarnScaling
 from glm_dsa.indexer import mqa_logits
@@ -92,7 +92,7 @@ def test_peers_backend_refuses_what_flashmla_cannot_read_before_any_compute():
         PrefillEngine(model, num_pages=8, backend=peers_backend)
 
 
-class _CountingBackend:
+class _CountingBackend(Backend):
     """A backend from outside glm_dsa: the reference's operations, counted. The seam is right
     when such an object runs the layer with no change anywhere else."""
 

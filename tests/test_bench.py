@@ -3,6 +3,7 @@ the H200 only): the top-k overlap against HF and the per-component FLOP split.""
 
 import importlib.util
 import pathlib
+import sys
 
 import torch
 from hypothesis import given, settings
@@ -12,9 +13,11 @@ from glm_dsa.config import PRESETS
 from glm_dsa.ledger import layer_flops_per_token, op_flops
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+sys.path.insert(0, str(_PATH.parent))  # as when a script runs: its folder first (benchlib)
 _SPEC = importlib.util.spec_from_file_location("glm_dsa_bench", _PATH)
 bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
+import benchlib  # noqa: E402
 
 
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 60), topk=st.integers(1, 12))
@@ -153,3 +156,13 @@ def test_bench_refuses_a_missing_out_directory_before_any_work(tmp_path, monkeyp
         bench.main()
     assert info.value.code == 2
     assert f"--out {missing} is not a writable directory; create it first" in capsys.readouterr().err
+
+
+def test_the_bench_metric_is_the_oracles_calc_diff_in_row_blocks():
+    from glm_dsa.oracle import calc_diff
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 7, generator=gen)
+    y = x + 1e-3 * torch.randn(1000, 7, generator=gen)
+    assert abs(benchlib.calc_diff(x, y, rows=64) - calc_diff(x, y)) < 1e-12
+    assert benchlib.calc_diff(torch.zeros(3, 2), torch.zeros(3, 2)) == 0.0

@@ -8,7 +8,6 @@ import json
 import warnings
 
 import pytest
-import torch
 
 from glm_dsa.cli import main
 from glm_dsa.config import PRESETS, SCHEMA, YarnScaling, from_hf_config, get_config, to_hf_config
@@ -164,21 +163,3 @@ def test_a_file_that_is_not_utf8_or_a_directory_without_config_json_is_named(tmp
     (tmp_path / "d").mkdir()
     with pytest.raises(ValueError, match=f"^config {tmp_path / 'd'} is a directory without a config.json$"):
         get_config(str(tmp_path / "d"))
-
-
-def test_the_model_runs_where_grouped_mm_cannot_take_the_row_widths():
-    """hidden_size 3 (12-byte float32 rows) used to fail inside the forward with "strides should
-    be multiple of 16 bytes"; the routed experts then run in the per-expert loop, which equals a
-    float64 computation of the same experts."""
-    from glm_dsa.moe import experts_loop
-    from glm_dsa.weights import build_model, init_weights
-
-    config = get_config("tiny").replace(hidden_size=3, moe_intermediate_size=5)
-    experts = init_weights(build_model(config), 0).model.layers[1].mlp.experts
-    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
-    counts = [1, 0, 2, 0, 0, 3, 0, 0]
-    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
-    with torch.no_grad():
-        got = experts(x, torch.arange(6), offsets)  # pairs = the rows, in order
-        want = experts_loop(x.double(), experts.gate_up_proj.double(), experts.down_proj.double(), counts)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

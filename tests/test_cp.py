@@ -132,7 +132,7 @@ def _run(scenario: str, dtype: str, kv_dtype: str, group: CPGroup | None) -> dic
         "logits": [eng.finished[r].logits for r in rids],
         "mla": {k: v.clone() for k, v in eng.cache.mla.items()},
         "index_k": {k: v.clone() for k, v in eng.cache.index_k.items()},
-        "bytes_written": dict(eng.cache.bytes_written),
+        "bytes_written": dict(eng.bytes_written),
         "steps": steps,
     }
 

@@ -17,7 +17,7 @@ from glm_dsa import syncfree
 from glm_dsa.backend import get_backend
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
-from glm_dsa.cache import KVCache
+from glm_dsa.cache import KVCache, PageAllocator
 from glm_dsa.fp8 import act_quant
 from glm_dsa.graphs import StepGraphs, max_padding, token_bucket
 from glm_dsa.kv_format import index_k_page_bytes, index_k_store
@@ -164,7 +164,32 @@ def test_padded_step_gives_the_unpadded_rows():
     for layer in caches[0].index_k:
         a, b = (c.index_k[layer] for c in caches)
         assert bool((a[pages:] == 0).all()) and bool((b[pages:] != 0).any())
-    assert caches[0].bytes_written == caches[1].bytes_written
+
+
+
+def test_a_padded_step_counts_the_bytes_of_its_real_rows():
+    """An engine whose steps run padded in a bucket (``StepGraphs.run_eager``, what a replay
+    computes) reports the bytes written of its real rows, as the eager engine does: the padded
+    rows' scratch writes are not counted."""
+    model = _tiny_two_layers()
+    page = model.config.page_size
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (90, 30)]
+    counts = []
+    for padded in (False, True):
+        eng = PrefillEngine(model, 8, kv_dtype="fp32", chunked_prefill_size=128, budget_bytes=1 << 24,
+                            backend="triton", cuda_graphs=False, prefix_caching=False)
+        if padded:  # the pool's last 4 pages serve as the scratch slots no request is given
+            eng.allocator = PageAllocator(4)
+            eng.graphs = StepGraphs(model.model, eng.cache, eng.budgets, eng.backend,
+                                    torch.arange(4 * page, 8 * page), max_tokens=128)
+            eng.graphs.run = eng.graphs.run_eager  # type: ignore[method-assign]
+        for p in prompts:
+            eng.add_request(p)
+        eng.run()
+        counts.append(dict(eng.bytes_written))
+        assert all(s.cuda_graph == padded for s in eng.timeline)
+    assert counts[0] == counts[1] and counts[0]["mla"] > 0
 
 
 # ----------------------------------------------------------------------------- the engine switch

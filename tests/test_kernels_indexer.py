@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from glm_dsa import indexer, oracle, testing  # noqa: E402
+from glm_dsa import budget, indexer, oracle, testing  # noqa: E402
 from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
 from glm_dsa.kernels.topk import COUNTERS, select_rows  # noqa: E402
 from test_kernels_topk import ascending  # noqa: E402
@@ -239,7 +239,7 @@ def test_indexer_topk_selects_the_reference_sets(monkeypatch, rows_per_chunk):
     ke[1] = ks[1] + 3  # a row with fewer keys than topk
     if rows_per_chunk is not None:
         # Real budgets chunk only above 8e6 logits; force the chunk loop at a small shape.
-        monkeypatch.setattr(indexer, "max_logit_rows", lambda *a: rows_per_chunk)
+        monkeypatch.setattr(budget, "max_logit_rows", lambda *a: rows_per_chunk)
     ref = indexer.indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
     fast = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
     assert fast.shape == (S, topk) and fast.dtype == torch.int32
@@ -266,7 +266,7 @@ def test_indexer_topk_keeps_every_rows_last_keys_when_they_score_highest(monkeyp
     ks = torch.zeros(S, dtype=torch.int32, device=DEV)
     ke = torch.arange(prefix + 1, N + 1, dtype=torch.int32, device=DEV)
     if rows_per_chunk is not None:
-        monkeypatch.setattr(indexer, "max_logit_rows", lambda *a: rows_per_chunk)
+        monkeypatch.setattr(budget, "max_logit_rows", lambda *a: rows_per_chunk)
     fast = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30).cpu()
     for m in range(S):
         n = prefix + m + 1
@@ -279,7 +279,7 @@ def test_indexer_topk_names_the_first_row_whose_logits_are_nan(monkeypatch):
     q, k, k_scale, w = _inputs(S, H, D, N, seed=21)
     ks, ke = _windows("causal", S, N, seed=22)
     w[17, 2] = float("nan")
-    monkeypatch.setattr(indexer, "max_logit_rows", lambda *a: 7)  # row 17 is in the third chunk
+    monkeypatch.setattr(budget, "max_logit_rows", lambda *a: 7)  # row 17 is in the third chunk
     with pytest.raises(ValueError, match="logits row 17 holds NaN"):
         indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
 

@@ -243,3 +243,18 @@ def test_triton_backend_attends_an_fp8_pool_with_gluon_over_the_dequantized_cont
     assert "FP8 KV attention: context dequantized to bf16 per step, Gluon kernel" in [
         r.getMessage() for r in caplog.records]
     assert calc_diff(over_dequantized, hidden(gluon=False)) <= 1e-4
+
+
+def test_one_rule_says_which_calls_the_gluon_kernel_can_take(monkeypatch):
+    """``gluon_unsuitable``: bf16 queries, heads a multiple of 64, GLM's 576 / 512 dims, on a
+    device where the kernel runs (stood in here); the per-call dispatch and the triton
+    backend's choice for FP8 pools both read it."""
+    monkeypatch.setattr(sparse_mla, "gluon_unavailable", lambda device: None)
+    cpu = torch.device("cpu")
+    assert sparse_mla.gluon_unsuitable(cpu, torch.bfloat16, 128, 576, 512) is None
+    assert "float32 activations" in sparse_mla.gluon_unsuitable(cpu, torch.float32, 128, 576, 512)
+    assert "h_q 16" in sparse_mla.gluon_unsuitable(cpu, torch.bfloat16, 16, 576, 512)
+    assert "d_qk 192" in sparse_mla.gluon_unsuitable(cpu, torch.bfloat16, 64, 192, 128)
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    rows = torch.zeros(4, 576, dtype=torch.float32)
+    assert "float32 rows" in sparse_mla._gluon_unsuitable(q, rows, 576, None, 512, False)

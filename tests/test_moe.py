@@ -829,3 +829,20 @@ def test_packed_top_equals_the_stable_sort_with_ties_zeros_and_infinities():
     for k in (1, 8, 48):
         want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         assert torch.equal(_packed_top(scores, k), want), k
+
+
+def test_the_model_runs_where_grouped_mm_cannot_take_the_row_widths():
+    """hidden_size 3 (12-byte float32 rows) used to fail inside the forward with "strides should
+    be multiple of 16 bytes"; the routed experts then run in the per-expert loop, which equals a
+    float64 computation of the same experts."""
+    from glm_dsa.weights import build_model, init_weights
+
+    config = get_config("tiny").replace(hidden_size=3, moe_intermediate_size=5)
+    experts = init_weights(build_model(config), 0).model.layers[1].mlp.experts
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    counts = [1, 0, 2, 0, 0, 3, 0, 0]
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    with torch.no_grad():
+        got = experts(x, torch.arange(6), offsets)  # pairs = the rows, in order
+        want = experts_loop(x.double(), experts.gate_up_proj.double(), experts.down_proj.double(), counts)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)

@@ -194,13 +194,30 @@ def test_cache_bytes_written_equal_the_ledger():
             eng.add_request(_ids(n, n))
         eng.run()
         expected = cache_bytes_written(CFG, 377, kv_dtype)
-        assert eng.cache.bytes_written["mla"] == expected["main_kv"]
-        assert eng.cache.bytes_written["index_k"] == expected["index_k"]
+        assert eng.bytes_written["mla"] == expected["main_kv"]
+        assert eng.bytes_written["index_k"] == expected["index_k"]
         # independent count: 377 tokens × (rows of every layer + index rows of full layers);
         # tiny: kv_lora 128 (one FP8 tile + one scale), rope 16 in bf16.
         row = {"fp8": 128 + 4 + 2 * 16, "bf16": 2 * (128 + 16)}[kv_dtype]
-        assert eng.cache.bytes_written["mla"] == 377 * CFG.num_hidden_layers * row
-        assert eng.cache.bytes_written["index_k"] == 377 * len(CFG.full_layers) * 132
+        assert eng.bytes_written["mla"] == 377 * CFG.num_hidden_layers * row
+        assert eng.bytes_written["index_k"] == 377 * len(CFG.full_layers) * 132
+
+
+def test_a_step_that_fails_counts_no_bytes_written(monkeypatch):
+    """The counts are of steps that completed: a write refused inside a step (a non-finite row,
+    ``KVCache.write_mla``) leaves them as they were."""
+    from glm_dsa.cache import KVCache
+
+    eng = _engine(128, "fp8", prefix_caching=False)
+    eng.add_request(_ids(100, 1))
+
+    def refuse(self, layer, slots, kv_latent):
+        raise ValueError("write_mla of layer 0: refused")
+
+    monkeypatch.setattr(KVCache, "write_mla", refuse)
+    with pytest.raises(ValueError, match="refused"):
+        eng.step()
+    assert eng.bytes_written == {"mla": 0, "index_k": 0}
 
 
 def test_bad_requests_are_rejected_with_a_reason():

@@ -23,7 +23,7 @@ exact top-k of the kernel's own float32 logits. How good the sample is decides o
 a row whose candidates cannot hold its top-k (fewer than ``topk``: the threshold came out too
 high; more than ``cand``: heavy ties) is redone after the last launch by full logits and the
 radix select over the row (``select_in_chunks``), in the reference's budgeted row chunks.
-The launches are ``indexer.chunked_topk``'s row chunks (of ``candidate_rows`` rows), so its host
+The launches are ``row_chunks.chunked_topk``'s row chunks (of ``candidate_rows`` rows), so its host
 syncs are the reference's (the span of each chunk, three numbers), plus one for the redone rows.
 
 Memory: a launch holds its rows' sample logits (4 bytes × ≤ ``SAMPLE``), candidate buffers
@@ -41,11 +41,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from glm_dsa import indexer as reference
-from glm_dsa import syncfree
-from glm_dsa.indexer import RowChunk, chunked_topk
+from glm_dsa import budget, syncfree
 from glm_dsa.kernels.mqa_logits import (
-    check_device,
+    check_cuda_tensor,
     check_kernel_shapes,
     launch_mqa_candidates,
     launch_mqa_logits,
@@ -59,6 +57,7 @@ from glm_dsa.kernels.topk import (
     launch_thresholds,
     raise_on_nan,
 )
+from glm_dsa.row_chunks import RowChunk, chunked_topk
 from glm_dsa.validate import check_indexer_topk_inputs
 
 __all__ = ["indexer_topk", "select_in_chunks", "candidate_rows", "candidate_row_bytes"]
@@ -77,10 +76,9 @@ def candidate_rows(num_q: int, num_k: int, D: int, topk: int, budget_bytes: int)
     """Query rows per launch: as many as fit the bytes the logits budget lets ``num_q × num_k``
     float32 logits hold (``4 · max_logit_rows · num_k``, SGLang's rule), after the sampled keys
     (``D + 4`` bytes each); at least one."""
-    logits_bytes = 4 * reference.max_logit_rows(num_q, num_k, budget_bytes) * num_k
+    logits_bytes = 4 * budget.max_logit_rows(num_q, num_k, budget_bytes) * num_k
     sampled_keys = min(SAMPLE, num_k) * (D + 4)
-    rows = (logits_bytes - sampled_keys) // candidate_row_bytes(num_k, topk)
-    return max(1, min(num_q, rows))
+    return budget.rows_within(logits_bytes - sampled_keys, candidate_row_bytes(num_k, topk), num_q)
 
 
 def indexer_topk(
@@ -114,7 +112,7 @@ def indexer_topk(
     """
     check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk)
     check_kernel_shapes(q_fp8.shape[1], q_fp8.shape[2], weights)
-    check_device(q_fp8)
+    check_cuda_tensor(q_fp8)
     if syncfree.active():
         # Which rows the candidate filter must redo is read on the host (``nonzero``), which a
         # captured step cannot do: there every row chunk takes the logits and the radix select.
@@ -201,7 +199,7 @@ def select_in_chunks(
     budget_bytes: int,
     chunk_logits: Callable[[RowChunk], Tensor],
 ) -> Tensor:
-    """``indexer.chunked_topk`` with the radix select on each chunk's float32 logits
+    """``row_chunks.chunked_topk`` with the radix select on each chunk's float32 logits
     ``chunk_logits(chunk)`` ``[r1 − r0, ≥ hi − lo]`` (entries outside each row's window unread),
     on checked arguments; ValueError afterwards on NaN inside a row that was read. The peers
     backend runs it on DeepGEMM's logits; ``indexer_topk`` on the rows it redoes."""

@@ -324,7 +324,7 @@ def _size_class(rows: int, cols: int) -> int:
     return (rows * cols).bit_length() // 4
 
 
-def check_device(t: Tensor) -> None:
+def check_cuda_tensor(t: Tensor) -> None:
     need(
         _INTERPRET or t.is_cuda,
         f"the Triton kernels need CUDA tensors, got {t.device}; on the CPU set "
@@ -460,7 +460,7 @@ def fp8_mqa_logits(
     k_fp8, k_scale = kv
     S, H, D, S_kv = check_logits_inputs(q, k_fp8, k_scale, weights)
     check_kernel_shapes(H, D, weights)
-    check_device(q)
+    check_cuda_tensor(q)
     check_index_vector("cu_seqlen_ks", cu_seqlen_ks, S, q.device)
     check_index_vector("cu_seqlen_ke", cu_seqlen_ke, S, q.device)
     check_ranges(cu_seqlen_ks, cu_seqlen_ke, S_kv, "S_kv")
@@ -504,12 +504,11 @@ def fp8_paged_mqa_logits(
         f"4 bytes; got strides {kv_cache.stride()}",
     )
     # The reference's checks, on the blocks viewed as its [num_blocks, page bytes] pages.
-    lens = check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
-                               max_context_len, page)
+    ends = check_paged_inputs(q, kv_cache.flatten(1), weights, context_lens, block_table,
+                              max_context_len, page)
     B, next_n, H = q.shape[:3]
     check_kernel_shapes(H, D, weights)
-    check_device(q)
-    ends = torch.tensor(lens, dtype=torch.int32, device=q.device).reshape(B, next_n)
+    check_cuda_tensor(q)
     if ends.numel():
         # The kernel reads pages through the table unchecked: an entry out of range would
         # read another allocation's bytes, so every entry a row can reach is checked here.

@@ -43,12 +43,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm_dsa.kernels.launch import launch_buffers
 from glm_dsa.kernels.numerics import round_rne
 from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
-           "gluon_unavailable", "launch_buffers"]
+           "gluon_unavailable", "gluon_unsuitable"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -103,17 +104,29 @@ def gluon_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def gluon_unsuitable(device: torch.device, dtype: torch.dtype, h_q: int, d_qk: int,
+                     d_v: int) -> str | None:
+    """Why sparse MLA of ``dtype`` queries with ``h_q`` heads and ``d_qk`` / ``d_v`` dims on
+    ``device`` cannot take the Gluon kernel, whatever its rows (None when it can). The one rule:
+    each call's dispatch here and the triton backend's choice for an FP8 pool both read it."""
+    why = gluon_unavailable(device)
+    if why is not None:
+        return why
+    if dtype != torch.bfloat16:
+        return f"{dtype} activations (the Gluon kernel is bf16)"
+    if h_q % 64 or d_qk != 576 or d_v != 512:
+        return f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
+    return None
+
+
 def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
                       fp8: bool) -> str | None:
     """Why this call cannot take the Gluon kernel (None when it can)."""
-    why = gluon_unavailable(q.device)
+    why = gluon_unsuitable(q.device, q.dtype, q.shape[1], q.shape[2], d_v)
     if why is not None:
         return why
-    if q.dtype != torch.bfloat16 or (not fp8 and kv_rows.dtype != torch.bfloat16):
-        return f"{q.dtype} activations, {kv_rows.dtype} rows (the Gluon kernel is bf16)"
-    h_q, d_qk = q.shape[1], q.shape[2]
-    if h_q % 64 or d_qk != 576 or d_v != 512:
-        return f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
+    if not fp8 and kv_rows.dtype != torch.bfloat16:
+        return f"{kv_rows.dtype} rows (the Gluon kernel is bf16)"
     # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
     strides = (q.stride(0), q.stride(1), stride_kv)
     if any(st % 16 for st in strides) or any(t.data_ptr() % 16 for t in (q, kv_rows)):
@@ -300,20 +313,6 @@ def _launch(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk
     _log_once(f"sparse MLA: Triton kernel ({why_not})")
     return _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink,
                           topk_length, fp8)
-
-
-def launch_buffers(q: Tensor, d_v: int, indices: Tensor, attn_sink: Tensor | None,
-                   topk_length: Tensor | None):
-    """What both kernels' launches take: empty ``out [s_q, h_q, d_v]`` (q's dtype),
-    ``max_logits`` and ``lse [s_q, h_q]`` float32, the float32 sink (or None), contiguous
-    lengths (or None) and the indices as ``[s_q, topk]``."""
-    s_q, h_q, _ = q.shape
-    out = torch.empty((s_q, h_q, d_v), dtype=q.dtype, device=q.device)
-    max_logits = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    lse = torch.empty((s_q, h_q), dtype=torch.float32, device=q.device)
-    sink = None if attn_sink is None else attn_sink.to(torch.float32).contiguous()
-    lengths = None if topk_length is None else topk_length.contiguous()
-    return out, max_logits, lse, sink, lengths, indices[:, 0, :]
 
 
 def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sink, topk_length,

@@ -49,7 +49,7 @@ Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared m
 227 KB an sm_90 block may take. The split (one warpgroup scores, both multiply by V) is
 TileLang's ``sparse_mla_fwd_pipelined``; FlashMLA's seesaw (both warpgroups score alternate
 tiles and exchange the max) is the known next step. ``CONFIG`` is the launch configuration;
-``MEASURED`` records what its choices were measured at.
+what its choices were measured at is in bench/RESULTS.md (the Gluon variants table).
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG", "MEASURED"]
+from glm_dsa.kernels.launch import launch_buffers
+
+__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG"]
 
 _LOG2E = math.log2(math.e)
 BLOCK_H = 64      # heads per CTA: the wgmma M
@@ -81,29 +83,8 @@ D_V, D_TAIL = 512, 64
 # ptxas -v): no spills in either form; the FP8 gather spilled 44 bytes at 48 registers.
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0}
-# Measurements behind CONFIG: one H200 (nvidia-h200, torch 2.11, triton 3.6.0), 2026-12-01,
-# 16,384 queries x top-2048 of 131,072 keys, bf16 rows, TFLOP/s beside FlashMLA 9241ae3 in the
-# same run (bench/logs/2026-12-01-h200-G-r1*.log, driver ...-G-r1-variants.py: the inputs, timer
-# and oracle check of scripts/bench_sparse_mla.py).
-MEASURED = (
-    {"run": "R1", "kernel": "v2, L2 prefetch 1 tile ahead", "h_q": 64, "tflops": 396,
-     "flashmla": 539},
-    {"run": "R1", "kernel": "v2, L2 prefetch 2 tiles ahead", "h_q": 64, "tflops": 385,
-     "flashmla": 539},
-    {"run": "R1", "kernel": "v2, no L2 prefetch", "h_q": 64, "tflops": 499, "flashmla": 539},
-    {"run": "R1", "kernel": "v2, no L2 prefetch", "h_q": 128, "tflops": 493, "flashmla": 558},
-    {"run": "R1", "kernel": "v1: both warpgroups score each tile (32 keys each), exchange max "
-     "and sum", "h_q": 64, "tflops": 422, "flashmla": 537},
-    {"run": "R1b", "kernel": "v2, indices a tile ahead (CONFIG)", "h_q": 64, "tflops": 478,
-     "flashmla": 522},
-    {"run": "R1b", "kernel": "v2 as in R1", "h_q": 64, "tflops": 477, "flashmla": 522},
-    {"run": "R1b", "kernel": "v2, indices a tile ahead (CONFIG)", "h_q": 128, "tflops": 468,
-     "flashmla": 521},
-    {"run": "R1b", "kernel": "v2 as in R1", "h_q": 128, "tflops": 454, "flashmla": 521},
-    {"run": "R1b", "kernel": "32-key tiles, 4 stages", "h_q": 64, "tflops": 405, "flashmla": 522},
-    {"run": "R1b", "kernel": "FP8 rows, one barrier for bytes and RoPE", "h_q": 64,
-     "tflops": 309, "flashmla": 522},
-)
+# CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
+# Gluon variants table (runs R1, R1b).
 
 
 @gluon.jit
@@ -625,8 +606,6 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     ``[s_q]`` or None; config: entries overriding ``CONFIG`` (for measurements).
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
-    from glm_dsa.kernels.sparse_mla import launch_buffers
-
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
     out, max_logits, lse, sink, lengths, idx = launch_buffers(q, D_V, indices, attn_sink,

@@ -363,12 +363,9 @@ def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tu
 def raise_on_nan(nans: Tensor, first_row: int = 0) -> None:
     """ValueError naming the first row (``first_row`` + its index) whose ``nans`` count is not 0."""
     bad = nans > 0
-    if syncfree.active():
-        syncfree.check(~bad.any(), "logits hold NaN inside [row_start, row_end) of a row")
-        return
-    if bool(bad.any()):
-        row = first_row + int(bad.nonzero()[0, 0])
-        raise ValueError(f"logits row {row} holds NaN inside [row_start, row_end)")
+    syncfree.check(~bad.any(), "logits hold NaN inside [row_start, row_end) of a row",
+                   lambda: f"logits row {first_row + int(bad.nonzero()[0, 0])} holds NaN inside "
+                           "[row_start, row_end)")
 
 
 def select_rows(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> Tensor:
