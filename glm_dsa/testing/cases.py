@@ -36,8 +36,8 @@ from glm_dsa.testing.metrics import (
 )
 
 __all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "NEWEST", "Case", "clauses", "conventions",
-           "convention_of", "invalid_indices", "index_queries", "index_weights", "Pick",
-           "edge_case_names", "make_case", "build_case"]
+           "convention_of", "expected_outputs", "invalid_indices", "index_queries", "index_weights",
+           "Pick", "edge_case_names", "make_case", "build_case"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -788,6 +788,16 @@ def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
     kwargs = {**kwargs, **opts}
     return Case(contract, name or (edge or "random"), tuple(args), kwargs, spec.checks(kwargs),
                 spec.dtypes, aux, clause=spec.edges.get(edge, "") if edge else "", pinned=tuple(opts))
+
+
+def expected_outputs(case: Case) -> tuple[Tensor, ...]:
+    """The oracle's outputs on ``case`` (CPU), in the order of ``case.checks``."""
+    fn = getattr(oracle, case.contract)
+    args = case.args
+    if case.contract == "hadamard_transform":
+        args = (args[0].float(),) + args[1:]  # the float32 truth a bf16 output is rounded from
+    out = fn(*args, **case.kwargs)
+    return out if isinstance(out, tuple) else (out,)
 
 
 def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "small",

@@ -20,8 +20,17 @@ import torch
 from torch import Tensor
 
 from glm_dsa import oracle
-from glm_dsa.testing.cases import NEWEST, Case, convention_of, conventions, edge_case_names, make_case
+from glm_dsa.testing.cases import (
+    NEWEST,
+    Case,
+    convention_of,
+    conventions,
+    edge_case_names,
+    expected_outputs,
+    make_case,
+)
 from glm_dsa.testing.metrics import Verdict, check_tensor
+from glm_dsa.testing.mistakes import diagnose
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Worst", "CheckReport", "check_case", "check_kernel", "run_checks",
            "expected_outputs", "kernel_outputs", "verdicts_of", "failure_context",
@@ -124,16 +133,6 @@ def _to(x, device):
     if isinstance(x, dict):
         return {k: _to(v, device) for k, v in x.items()}
     return x
-
-
-def expected_outputs(case: Case) -> tuple[Tensor, ...]:
-    """The oracle's outputs on ``case`` (CPU), in the order of ``case.checks``."""
-    fn = getattr(oracle, case.contract)
-    args = case.args
-    if case.contract == "hadamard_transform":
-        args = (args[0].float(),) + args[1:]  # the float32 truth a bf16 output is rounded from
-    out = fn(*args, **case.kwargs)
-    return out if isinstance(out, tuple) else (out,)
 
 
 def _one_line(e: BaseException) -> str:
@@ -349,8 +348,6 @@ def failure_context(case: Case, got: Mapping[str, Tensor], expected: Mapping[str
     """The lines that lead a failure's explanation: each diagnosed cause (a classic mistake
     whose recomputed outputs the kernel's match, ``glm_dsa.testing.mistakes``), then the clause
     of the contract the edge case holds."""
-    from glm_dsa.testing.mistakes import diagnose
-
     lines = [f"  cause: {c}" for c in diagnose(case, got, expected)]
     if case.clause:
         lines.append(f"  clause: {case.clause}")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from glm_dsa import oracle
-from glm_dsa.testing.cases import CONTRACTS, Case, conventions
+from glm_dsa.testing.cases import CONTRACTS, Case, conventions, expected_outputs
 from glm_dsa.testing.metrics import FLOAT16_MAX, check_tensor
 
 __all__ = ["Mistake", "MISTAKES", "diagnose"]
@@ -190,8 +190,6 @@ def _k_scales(case: Case, f: Callable[[Tensor], Tensor]) -> Case:
 def _without_relu(case: Case) -> dict[str, Tensor]:
     """The logits with the ReLU left out: relu(x) - relu(-x) = x, so they are the oracle's on q
     minus the oracle's on -q (a sign flip is exact in e4m3)."""
-    from glm_dsa.testing.check import expected_outputs
-
     (pos,) = expected_outputs(case)
     q = case.args[0]
     (neg,) = expected_outputs(replace(case, args=((-q.float()).to(q.dtype), *case.args[1:])))
@@ -343,8 +341,6 @@ def _undone(case: Case, undo: dict) -> Case:
 
 
 def _outputs(case: Case, variant: Case | dict[str, Tensor]) -> tuple[dict[str, Tensor], dict]:
-    from glm_dsa.testing.check import expected_outputs
-
     if isinstance(variant, Case):
         return dict(zip(variant.checks, expected_outputs(variant))), variant.checks
     return dict(variant), case.checks
