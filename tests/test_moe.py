@@ -846,3 +846,32 @@ def test_the_model_runs_where_grouped_mm_cannot_take_the_row_widths():
         got = experts(x, torch.arange(6), offsets)  # pairs = the rows, in order
         want = experts_loop(x.double(), experts.gate_up_proj.double(), experts.down_proj.double(), counts)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gathered_pairs_are_freed_before_the_swiglu():
+    """The gathered pairs ``[P, H]`` are the MoE's largest temporary, and its budget counts them
+    freed once the first GEMM has run: by the SwiGLU nothing may hold them. (A second name for
+    the fused pass's copy kept them alive: 62 MB over the budget on the H200, 2026-12-02.)"""
+    import weakref
+
+    from glm_dsa import fused
+
+    seen = {}
+
+    class Spy(fused.Passes):
+        def gather_rows(self, x, rows):
+            pairs = x.index_select(0, rows)
+            seen["pairs"] = weakref.ref(pairs)
+            return pairs
+
+        def swiglu(self, gate, up, dtype):
+            seen["alive at the swiglu"] = seen["pairs"]() is not None
+            return None
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=g)
+    gate_up, down = torch.randn(2, 24, 16, generator=g), torch.randn(2, 16, 12, generator=g)
+    rows = torch.tensor([0, 3, 5, 1, 1])
+    with fused.using(Spy()):
+        experts_grouped_mm(x, gate_up, down, torch.tensor([2, 5], dtype=torch.int32), rows)
+    assert seen == {"pairs": seen["pairs"], "alive at the swiglu": False}
