@@ -51,6 +51,7 @@ __all__ = [
     "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
     "topk_per_row",
+    "fp8_mqa_topk",
     "fp8_paged_mqa_topk",
     "topk_transform_ragged",
     "topk_transform_paged",
@@ -278,6 +279,40 @@ def topk_per_row(
     if base == "absolute":
         out = out + row_starts.long()[:, None]
     return torch.where(rel >= 0, out, pad).to(torch.int32)
+
+
+def fp8_mqa_topk(
+    q: Tensor,
+    kv: tuple[Tensor, Tensor],
+    weights: Tensor,
+    cu_seqlen_ks: Tensor,
+    cu_seqlen_ke: Tensor,
+    topk: int,
+) -> Tensor:
+    """The ragged (prefill) indexer end to end: ``fp8_mqa_logits`` and each row's top-k keys.
+
+    What a fused score + top-k prefill kernel computes without writing the logits (LiteTopK,
+    vllm-project/vllm #48726 and sglang #32094 / #40461; vLLM RFC #53563's exact fused SM90
+    indexer, whose baseline is ``fp8_mqa_logits`` then ``top_k_per_row_prefill``): row ``i``
+    scores keys ``[ks[i], ke[i])`` and keeps its ``topk`` best. Indices are relative to
+    ``ks[i]``, as ``top_k_per_row_prefill`` and SGLang's ``fast_topk_v2`` return them; the
+    metric is ``topk_margin``, as for ``fp8_paged_mqa_topk`` (a fused kernel ranks its own
+    float32 scores, so near-ties within float32 rounding may come out either way).
+
+    Args:
+        q, kv, weights, cu_seqlen_ks, cu_seqlen_ke: as ``fp8_mqa_logits`` (q ``[S, H, D]``
+            e4m3, kv ``(k_fp8 [S_kv, D] e4m3, k_scale [S_kv] float32)``, weights ``[S, H]``
+            float32 with q's scale folded in, ks / ke int32 ``[S]``).
+        topk: keys per row.
+
+    Returns:
+        int32 ``[S, topk]``: key positions relative to ``ks`` (``0 … ke − ks − 1``), ``-1``
+        padded; a row with ``ke − ks ≤ topk`` lists ``0 … ke − ks − 1``.
+    """
+    need(isinstance(topk, int) and not isinstance(topk, bool) and topk >= 1,
+         f"topk={topk!r} must be a positive int")
+    logits = fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
+    return indexer.topk_per_row(logits, cu_seqlen_ks, cu_seqlen_ke, topk)
 
 
 def fp8_paged_mqa_topk(

@@ -90,8 +90,9 @@ def test_golden_set_covers_the_contracts_head_counts_and_edge_cases(loaded, gold
     assert heads("fp8_mqa_logits", 1) == {32, 64}
     assert heads("fp8_paged_mqa_logits", 2) == {32, 64}
     assert heads("fp8_paged_mqa_topk", 2) == {32, 64}
+    assert heads("fp8_mqa_topk", 1) == {32, 64}
     # The indexer's real ranges: act_quant payloads reach e4m3's 448 in queries and keys.
-    for contract in ("fp8_mqa_logits", "fp8_paged_mqa_logits", "fp8_paged_mqa_topk"):
+    for contract in ("fp8_mqa_logits", "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk"):
         q_max = max(float(golden[f"{c['contract']}.{c['case']}.q"].float().abs().max())
                     for c in manifest["cases"] if c["contract"] == contract)
         assert q_max == 448.0, contract
@@ -162,7 +163,7 @@ NOT_IN_CONVENTION = {"sep2025": ("attn_sink", "topk_length")}
 
 CONTRACTS_ALL = (
     "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "fp8_mqa_logits",
-    "fp8_paged_mqa_logits", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
+    "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
     "topk_transform_paged",
     "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "flash_mla_sparse_decode",
 )

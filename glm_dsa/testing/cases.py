@@ -9,7 +9,9 @@ always built on the CPU; the checker moves them to the kernel's device.
 Size tables (``SHAPES``): ``"small"`` for CPU runs (head counts 8-32, top-k 16-128, a few hundred
 keys); ``"glm-5.3"`` for GPU runs with GLM-5.3 / DeepSeek-V3.2 head counts (32 / 64 index heads,
 64 / 128 MLA heads), index_topk 2048, their softmax scales, and contexts of a few thousand keys;
-``"golden"`` (the golden vectors') those head counts and scales over the small contexts.
+``"golden"`` (the golden vectors') those head counts and scales over the small contexts;
+``"tp"`` the tensor-parallel shards' head counts (index 8-64, MLA 8-128) and top-k 256-2048 over
+the GLM-5.3 contexts, ``"h8"`` … ``"h128"`` one shard's head count each.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from glm_dsa.testing.metrics import (
 
 __all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "NEWEST", "Case", "clauses", "conventions",
            "convention_of", "invalid_indices", "index_queries", "index_weights", "Pick",
-           "edge_case_names", "make_case", "build_case"]
+           "edge_case_names", "make_case", "build_case", "topk_scores", "TP_TOPK"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -64,6 +66,18 @@ SHAPES: dict[str, dict[str, Any]] = {
 # small table's contexts and top-k (a few MB on disk, seconds on a CPU).
 SHAPES["golden"] = {**SHAPES["small"], **{k: SHAPES["glm-5.3"][k] for k in
                                           ("index_heads", "mla_heads", "sm_scale")}}
+
+# Tensor-parallel shards: DeepSeek-V3.2 at TP8 holds 16 MLA heads per rank, GLM-5.3 8;
+# flashinfer-bench's DSA definitions are h16 (attention) and h64 (indexer) with top-k 256 and
+# 2048. Index heads stop at 64: DeepGEMM 54e2261 (csrc/apis/attention.hpp) takes 8/16/32/64 on
+# SM100 and 32/64 on SM90. FlashMLA 9241ae3 instantiates its sparse kernels for h_q 64 and 128
+# (csrc/api/sparse_fwd.h); a shard of 8 or 16 heads is padded to 64 by its caller, so the
+# contract is the same at any head count. "tp" draws every count; "h<N>" pins one shard.
+TP_TOPK = (256, 512, 1024, 2048)
+SHAPES["tp"] = {**SHAPES["glm-5.3"], "index_heads": (8, 16, 32, 64),
+                "mla_heads": (8, 16, 32, 64, 128), "topk": TP_TOPK, "mla_topk": TP_TOPK}
+for _h in (8, 16, 32, 64, 128):
+    SHAPES[f"h{_h}"] = {**SHAPES["tp"], "index_heads": (min(_h, 64),), "mla_heads": (_h,)}
 
 # FlashMLA's sparse prefill tests draw q and kv as randn / 10 (docs/conventions.md §7).
 MLA_INPUT_STD = 0.1
@@ -305,6 +319,46 @@ def _paged_logits(g, pick, shp, edge):
     return args, kwargs, {"mask": torch.isfinite(oracle.fp8_paged_mqa_logits(*args))}
 
 
+def topk_scores(contract: str, args: tuple) -> dict[str, Tensor]:
+    """The aux tensors ``topk_margin`` reads for a fused top-k call: float64 scores of every
+    key (``scores``, the logits oracle with float64 gates) and each row's range
+    (``row_starts``, ``row_ends``; a paged row's positions start at 0)."""
+    if contract == "fp8_mqa_topk":
+        q, kv, weights, ks, ke, _ = args
+        return {"scores": oracle.fp8_mqa_logits(q, kv, weights.double(), ks, ke),
+                "row_starts": ks, "row_ends": ke}
+    q, kv_cache, weights, ctx, table, _ = args
+    ends = oracle.visible_lens(ctx, q.shape[1])
+    width = _ceil_page(max(int(ctx.max()), 1))
+    scores = oracle.fp8_paged_mqa_logits(q, kv_cache, weights.double(), ctx, table, width)
+    return {"scores": scores, "row_starts": torch.zeros_like(ends), "row_ends": ends}
+
+
+def _mqa_topk(g, pick, shp, edge):
+    heads, topk = pick.choice(shp["index_heads"]), pick.choice(shp["topk"])
+    requests = [(pick.int(0, shp["max_prefix"]), pick.int(1, shp["max_extend"]))
+                for _ in range(pick.int(1, 3))]
+    if edge == "window_shorter_than_k":
+        requests = [(topk - 4, 3)]  # rows see k - 3, k - 2, k - 1 keys
+    if edge == "window_k_and_k_plus_1":
+        requests = [(topk - 1, 2)]
+    if edge == "second_request":
+        requests = [(topk + 20, 2), (2 * topk + 5, 3)]  # rows of the second start past key 0
+    if edge in ("tied_keys", "empty_window"):
+        requests = [(2 * topk + 37, 2)]
+    ks, ke, s_kv = ragged_rows(requests)
+    if edge == "empty_window":
+        ke[0] = ks[0]
+    keys = _index_keys(g, s_kv)
+    if edge == "tied_keys":  # every key one of eight: many keys share the k-th score exactly
+        keys = keys[torch.randint(0, 8, (s_kv,), generator=g)]
+    k_fmt = pick.choice((None, "ue8m0"))
+    k_fp8, k_scale = oracle.act_quant(keys, INDEX_DIM, k_fmt)
+    q, q_scale = index_queries(g, (len(ks),), heads)
+    args = (q, (k_fp8, k_scale[:, 0]), index_weights(g, q_scale), ks, ke, topk)
+    return args, {}, topk_scores("fp8_mqa_topk", args)
+
+
 def _paged_topk(g, pick, shp, edge):
     heads, topk = pick.choice(shp["index_heads"]), pick.choice(shp["topk"])
     next_n = pick.choice((1, 2))
@@ -320,12 +374,8 @@ def _paged_topk(g, pick, shp, edge):
     # tied_keys: every key is one of eight, so many positions share the k-th score exactly.
     distinct = 8 if edge == "tied_keys" else None
     kv_cache, table, q, weights = _paged_inputs(g, lens, next_n, heads, distinct=distinct)
-    ctx = _i32(lens)
-    args = (q, kv_cache, weights, ctx, table, topk)
-    ends = oracle.visible_lens(ctx, next_n)
-    width = _ceil_page(max(lens))
-    scores = oracle.fp8_paged_mqa_logits(q, kv_cache, weights.double(), ctx, table, width)
-    return args, {}, {"scores": scores, "row_starts": torch.zeros_like(ends), "row_ends": ends}
+    args = (q, kv_cache, weights, _i32(lens), table, topk)
+    return args, {}, topk_scores("fp8_paged_mqa_topk", args)
 
 
 def _logits_checks(call: dict) -> dict:
@@ -557,6 +607,11 @@ def _topk_checks(call: dict) -> dict:
                         "pad": call.get("pad", -1)}}
 
 
+def _margin_checks(call: dict) -> dict:
+    return {"indices": {"metric": "topk_margin", "scores": "scores", "row_starts": "row_starts",
+                        "row_ends": "row_ends", "rel_tol": TOPK_REL_TOL}}
+
+
 CONTRACTS: dict[str, Contract] = {
     "hadamard_transform": Contract(
         _hadamard, {
@@ -610,6 +665,17 @@ CONTRACTS: dict[str, Contract] = {
                                 "65504; the kernel accumulates in float32",
         },
         _logits_checks, {"logits": (_F32, _BF16)}),
+    "fp8_mqa_topk": Contract(
+        _mqa_topk, {
+            "window_shorter_than_k": "rows that see fewer than k keys: each key once (relative "
+                                     "to ks), then -1",
+            "window_k_and_k_plus_1": "exactly k keys (all of them), and k + 1 (one left out)",
+            "second_request": "rows of a second request: positions relative to its ks, not "
+                              "key numbers",
+            "empty_window": "a row with ke == ks: all -1",
+            "tied_keys": "eight distinct keys: keys of equal score are interchangeable",
+        },
+        _margin_checks, {"indices": (torch.int32,)}),
     "fp8_paged_mqa_topk": Contract(
         _paged_topk, {
             "context_shorter_than_k": "rows that see fewer than k positions: each position "
@@ -618,10 +684,7 @@ CONTRACTS: dict[str, Contract] = {
             "mtp_rows": "next_n=2: row (b, j) ranks positions <= ctx_b - 2 + j",
             "tied_keys": "eight distinct keys: positions of equal score are interchangeable",
         },
-        lambda call: {"indices": {"metric": "topk_margin", "scores": "scores",
-                                  "row_starts": "row_starts", "row_ends": "row_ends",
-                                  "rel_tol": TOPK_REL_TOL}},
-        {"indices": (torch.int32,)}),
+        _margin_checks, {"indices": (torch.int32,)}),
     "topk_per_row": Contract(
         _topk, {
             "ties_at_kth": "the k-th value tied with unselected columns: any of them may be taken",

@@ -159,7 +159,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cases", type=int, default=50, metavar="N",
                    help="cases in all, edge cases included (default 50)")
     p.add_argument("--shapes", default="small", metavar="NAME",
-                   help="size table: small (CPU), golden or glm-5.3 (GPU) (default small)")
+                   help="size table: small (CPU), golden or glm-5.3 (GPU); tp (every tensor-parallel "
+                   "shard: heads 8-128, top-k 256-2048) or h8, h16, h32, h64, h128 (one shard) "
+                   "(default small)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random cases")
     _common(p)
     p.set_defaults(func=run)

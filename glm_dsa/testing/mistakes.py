@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from glm_dsa import oracle
-from glm_dsa.testing.cases import CONTRACTS, Case, conventions
+from glm_dsa.testing.cases import CONTRACTS, Case, conventions, topk_scores
 from glm_dsa.testing.metrics import FLOAT16_MAX, check_tensor
 
 __all__ = ["Mistake", "MISTAKES", "diagnose"]
@@ -154,7 +154,7 @@ _DECODE = (
 def _max_dot(case: Case) -> float:
     """The largest |q · k| of FP8 payloads the case's kernel must form."""
     q = case.args[0].float()
-    if case.contract == "fp8_mqa_logits":
+    if isinstance(case.args[1], tuple):
         k = case.args[1][0].float()
     else:
         cache = case.args[1]
@@ -176,7 +176,7 @@ def _overflowed(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Te
 
 
 def _k_scales(case: Case, f: Callable[[Tensor], Tensor]) -> Case:
-    if case.contract == "fp8_mqa_logits":
+    if isinstance(case.args[1], tuple):  # ragged: (k_fp8, k_scale)
         k_fp8, k_scale = case.args[1]
         return _with_args(case, kv=(k_fp8, f(k_scale)))
     cache = case.args[1].clone()
@@ -209,6 +209,94 @@ _LOGITS = (
     Mistake("the key scales are applied twice", lambda case: _k_scales(case, lambda s: s * s)),
     Mistake("the head gates (weights) are not applied: each head's ReLU score is weighted",
             lambda case: _with_args(case, weights=torch.ones_like(case.args[2]))),
+)
+
+
+# ----------------------------------------------------------------------------- fused top-k
+def _ranks(made: Callable[[Case], dict[str, Tensor] | None]) -> Callable[..., bool]:
+    """A fused top-k mistake as a test of the outputs: the kernel's indices pass the contract's
+    ``topk_margin`` against the scores and row ranges of the mistaken computation ``made(case)``
+    (the margin metric reads the scores, not one expected selection)."""
+    def matches(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> bool:
+        aux = made(case) if "indices" in got else None
+        if aux is None:
+            return False
+        spec = case.checks["indices"]
+        refs = {spec[k]: aux[k] for k in ("scores", "row_starts", "row_ends")}
+        return check_tensor(spec, got["indices"], expected["indices"], refs.__getitem__).passed
+    return matches
+
+
+def _scored(change: Callable[[Case], Case]) -> Callable[[Case], dict[str, Tensor]]:
+    return lambda case: topk_scores(case.contract, change(case).args)
+
+
+def _no_relu_scores(case: Case) -> dict[str, Tensor]:
+    """Scores without the ReLU: relu(x) - relu(-x) = x, the scores on q minus those on -q."""
+    q = case.args[0]
+    pos = topk_scores(case.contract, case.args)
+    neg = topk_scores(case.contract, ((-q.float()).to(q.dtype), *case.args[1:]))["scores"]
+    return {**pos, "scores": torch.where(torch.isfinite(pos["scores"]), pos["scores"] - neg, -math.inf)}
+
+
+def _last_left_out(case: Case) -> dict[str, Tensor]:
+    aux = topk_scores(case.contract, case.args)
+    return {**aux, "row_ends": torch.maximum(aux["row_ends"] - 1, aux["row_starts"])}
+
+
+def _relative(convert: Callable[[Case, Tensor], Tensor | None]) -> Callable[..., bool]:
+    """The kernel's indices pass the contract once ``convert`` maps them back to positions."""
+    def matches(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> bool:
+        if "indices" not in got:
+            return False
+        back = convert(case, got["indices"].long())
+        if back is None:
+            return False
+        aux = case.aux.__getitem__
+        return check_tensor(case.checks["indices"], back.to(torch.int32), expected["indices"], aux).passed
+    return matches
+
+
+def _from_key_numbers(case: Case, idx: Tensor) -> Tensor | None:
+    ks = case.args[3].long()[:, None]
+    return torch.where(idx >= 0, idx - ks, idx) if bool((ks > 0).any()) else None
+
+
+def _from_slots(case: Case, idx: Tensor) -> Tensor | None:
+    """Physical slots (block * block_size + offset) back to positions through the block table."""
+    kv_cache, table = case.args[1], case.args[4].long()
+    bs, next_n = kv_cache.shape[1], case.args[0].shape[1]
+    out = torch.full_like(idx, -1)
+    for r in range(idx.shape[0]):
+        where = {int(b): i for i, b in enumerate(table[r // next_n].tolist())}
+        for j, v in enumerate(idx[r].tolist()):
+            if v >= 0:
+                if v // bs not in where:
+                    return None
+                out[r, j] = where[v // bs] * bs + v % bs
+    return out
+
+
+_TOPK = (
+    Mistake("each row's last key is never ranked (the row's range read as [start, end - 1)): "
+            "a row sees keys up to end - 1 inclusive", matches=_ranks(_last_left_out)),
+    Mistake("the ReLU is left out: each head's score is relu(q · k) before the gate",
+            matches=_ranks(_no_relu_scores)),
+    Mistake("the head gates (weights) are not applied: each head's ReLU score is weighted",
+            matches=_ranks(_scored(lambda c: _with_args(c, weights=torch.ones_like(c.args[2]))))),
+    Mistake("the key scales are not applied (each key's score needs its k_scale)",
+            matches=_ranks(_scored(lambda c: _k_scales(c, torch.ones_like)))),
+)
+
+_RAGGED_TOPK = _TOPK + (
+    Mistake("the indices are key numbers (ks + position): the contract's are relative to the "
+            "row's ks, as top_k_per_row_prefill returns them", matches=_relative(_from_key_numbers)),
+)
+
+_PAGED_TOPK = _TOPK + (
+    Mistake("the indices are physical slots (block * block_size + offset, flashinfer-bench's "
+            "output): the contract's are positions in the request (its --definition mapping "
+            "converts)", matches=_relative(_from_slots)),
 )
 
 
@@ -315,6 +403,8 @@ MISTAKES: dict[str, tuple[Mistake, ...]] = {
     "kv_cache_cast_to_fp8": _INDEX_K_CACHE,
     "fp8_mqa_logits": _LOGITS,
     "fp8_paged_mqa_logits": _LOGITS,
+    "fp8_mqa_topk": _RAGGED_TOPK,
+    "fp8_paged_mqa_topk": _PAGED_TOPK,
     "quantize_k_cache": _MLA_CACHE,
     "flash_mla_sparse_fwd": _SPARSE,
     "flash_mla_sparse_decode": _DECODE,

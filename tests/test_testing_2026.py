@@ -1,0 +1,158 @@
+"""The contracts of the kernels written in 2026 (issue #39): a fused ragged score + top-k
+(``fp8_mqa_topk``) beside the paged one, tensor-parallel shard shapes, and the planted bugs each
+fused top-k contract names.
+
+Each passing kernel here is written from the upstream description (dequantize the keys, float32
+scores, ``torch.topk`` over the row's window), never from the oracle; each failing one is that
+kernel with one bug planted, and the test asserts the cause the harness prints for it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glm_dsa.testing import SHAPES, check_kernel, edge_case_names, make_case
+from glm_dsa.testing.check import run_checks
+from glm_dsa.testing.metrics import TOPK_REL_TOL
+from test_testing_conventions import paged_indexer  # noqa: E402
+
+
+# ------------------------------------------------------------------ fused ragged top-k
+def ragged_indexer(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, topk, *, relu=True, gates=True,
+                   k_scales=True, end_shift=0, key_numbers=False):
+    """vLLM's prefill indexer as its RFC describes it (fp8_mqa_logits, then
+    top_k_per_row_prefill), fused: per row, float32 scores of keys [ks, ke) from dequantized
+    keys, heads summed by a matmul, torch.topk; positions relative to ks, -1 padded. The
+    keywords plant one bug each."""
+    k_fp8, k_scale = kv
+    keys = k_fp8.float() * (k_scale[:, None] if k_scales else 1.0)
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32)
+    for r in range(q.shape[0]):
+        s, e = int(cu_seqlen_ks[r]), int(cu_seqlen_ke[r]) + end_shift
+        n = max(e - s, 0)
+        if n == 0:
+            continue
+        dots = q[r].float() @ keys[s:e].T  # [H, n]
+        if relu:
+            dots = dots.relu()
+        w = weights[r].float() if gates else torch.ones(q.shape[1])
+        score = w[None, :] @ dots  # [1, n]
+        picked = torch.arange(n) if n <= topk else score[0].topk(topk).indices
+        out[r, : picked.numel()] = (picked + (s if key_numbers else 0)).to(torch.int32)
+    return out
+
+
+def _failure(contract, fn):
+    with pytest.raises(AssertionError) as info:
+        check_kernel(contract, fn, cases=len(edge_case_names(contract)) + 2)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_fused_ragged_indexer_written_from_the_description_passes(seed):
+    report = check_kernel("fp8_mqa_topk", ragged_indexer, cases=10, seed=seed)
+    assert report.passed and report.worst["indices"].value <= TOPK_REL_TOL
+
+
+RAGGED_BUGS = {
+    "the k-th member dropped (range read as [ks, ke - 1))": (
+        dict(end_shift=-1), "each row's last key is never ranked"),
+    "the ReLU left out": (dict(relu=False), "the ReLU is left out"),
+    "the head gates ignored": (dict(gates=False), "the head gates (weights) are not applied"),
+    "the key scales ignored": (dict(k_scales=False), "the key scales are not applied"),
+    "key numbers returned": (dict(key_numbers=True), "the indices are key numbers (ks + position)"),
+}
+
+
+@pytest.mark.parametrize("bug", list(RAGGED_BUGS))
+def test_a_fused_ragged_indexer_bug_fails_with_its_cause_and_no_other(bug):
+    planted, cause = RAGGED_BUGS[bug]
+    message = _failure("fp8_mqa_topk",
+                       lambda *a: ragged_indexer(*a, **planted))
+    causes = [line for line in message.splitlines() if line.startswith("  cause: ")]
+    assert causes and all(cause in line for line in causes), (bug, message)
+    assert "fails topk_margin" in message.splitlines()[0]
+
+
+# ------------------------------------------------------------------ fused paged top-k
+def _paged_with(bug):
+    def kernel(q, kv_cache, weights, context_lens, block_table, topk):
+        if bug == "relu":  # relu(x) - relu(-x) = x: the same kernel on -q, subtracted per head
+            return paged_indexer_scored(q, kv_cache, weights, context_lens, block_table, topk,
+                                        relu=False)
+        if bug == "gates":
+            return paged_indexer(q, kv_cache, torch.ones_like(weights), context_lens, block_table, topk)
+        out = paged_indexer(q, kv_cache, weights, context_lens, block_table, topk)
+        bs = kv_cache.shape[1]  # "slots": flashinfer-bench's global slot indices
+        for r in range(out.shape[0]):
+            row = out[r].long()
+            pages = block_table[r // q.shape[1]].long()[row.clamp_min(0) // bs]
+            out[r] = torch.where(row >= 0, pages * bs + row % bs, -1).to(torch.int32)
+        return out
+    return kernel
+
+
+def paged_indexer_scored(q, kv_cache, weights, context_lens, block_table, topk, relu=True):
+    """``paged_indexer`` with the ReLU optional (one planted bug), 1-D context_lens."""
+    b, next_n, h, d = q.shape
+    bs = kv_cache.shape[1]
+    flat = kv_cache.reshape(kv_cache.shape[0], -1)
+    payload = flat[:, : bs * d].reshape(-1, bs, d).contiguous().view(torch.float8_e4m3fn).float()
+    keys = payload * flat[:, bs * d:].contiguous().view(torch.float32).reshape(-1, bs, 1)
+    out = torch.full((b * next_n, topk), -1, dtype=torch.int32)
+    for bi in range(b):
+        for j in range(next_n):
+            r, n = bi * next_n + j, int(context_lens[bi]) - next_n + j + 1
+            k = keys[block_table[bi, : -(-n // bs)].long()].reshape(-1, d)[:n]
+            s = q[bi, j].float() @ k.T
+            score = weights[r].float()[None, :] @ (s.relu() if relu else s)
+            picked = torch.arange(n) if n <= topk else score[0].topk(topk).indices
+            out[r, : picked.numel()] = picked.to(torch.int32)
+    return out
+
+
+PAGED_BUGS = {
+    "the ReLU left out": ("relu", "the ReLU is left out"),
+    "the head gates ignored": ("gates", "the head gates (weights) are not applied"),
+    "physical slots returned": ("slots", "the indices are physical slots"),
+}
+
+
+@pytest.mark.parametrize("bug", list(PAGED_BUGS))
+def test_a_fused_paged_indexer_bug_fails_with_its_cause_and_no_other(bug):
+    planted, cause = PAGED_BUGS[bug]
+    message = _failure("fp8_paged_mqa_topk", _paged_with(planted))
+    causes = [line for line in message.splitlines() if line.startswith("  cause: ")]
+    assert causes and all(cause in line for line in causes), (bug, message)
+
+
+def test_the_paged_indexer_with_an_optional_relu_passes_with_it():
+    """The planted-bug kernel is the passing kernel with one keyword changed."""
+    assert check_kernel("fp8_paged_mqa_topk", paged_indexer_scored, cases=6).passed
+
+
+# ------------------------------------------------------------------ tensor-parallel shards
+def test_shard_tables_cover_the_head_counts_and_top_k_widths_upstream_allows():
+    assert set(SHAPES["tp"]["index_heads"]) == {8, 16, 32, 64}  # DeepGEMM: at most 64
+    assert set(SHAPES["tp"]["mla_heads"]) == {8, 16, 32, 64, 128}
+    assert set(SHAPES["tp"]["topk"]) == set(SHAPES["tp"]["mla_topk"]) == {256, 512, 1024, 2048}
+    for h in (8, 16, 32, 64, 128):
+        assert SHAPES[f"h{h}"]["mla_heads"] == (h,)
+        assert SHAPES[f"h{h}"]["index_heads"] == (min(h, 64),)
+
+
+@pytest.mark.parametrize("contract, dim", [("fp8_mqa_topk", 1), ("fp8_paged_mqa_topk", 2),
+                                           ("flash_mla_sparse_fwd", 1)])
+def test_a_shard_table_builds_that_shards_head_count(contract, dim):
+    for which in ("tied_keys" if "topk" in contract else "invalid_indices", 0):
+        case = make_case(contract, which, shapes="h16")
+        assert case.args[0].shape[dim] == 16, (contract, which)
+
+
+def test_check_runs_a_fused_indexer_at_an_h8_shard_with_top_k_256_to_2048():
+    report = run_checks("fp8_mqa_topk", ragged_indexer, cases=len(edge_case_names("fp8_mqa_topk")),
+                        shapes="h8")
+    assert report.passed, report.failure
+    widths = {make_case("fp8_mqa_topk", e, shapes="h8").args[5] for e in edge_case_names("fp8_mqa_topk")}
+    assert widths <= {256, 512, 1024, 2048} and len(widths) >= 2
