@@ -361,7 +361,7 @@ def _mqa_topk(g, pick, shp, edge):
 
 def _paged_topk(g, pick, shp, edge):
     heads, topk = pick.choice(shp["index_heads"]), pick.choice(shp["topk"])
-    next_n = pick.choice((1, 2))
+    next_n = pick.choice(shp.get("next_n", (1, 2)))
     lens = [pick.int(next_n, shp["max_context"]) for _ in range(pick.int(1, 3))]
     if edge == "context_shorter_than_k":
         next_n, lens = 1, [topk - 1, 1]
@@ -799,7 +799,9 @@ def _contract(name: str) -> Contract:
     return CONTRACTS[name]
 
 
-def _shapes(name: str) -> dict:
+def _shapes(name: str | dict) -> dict:
+    if isinstance(name, dict):  # a table of its own (a flashinfer-bench definition's axes)
+        return name
     if name not in SHAPES:
         raise ValueError(f"unknown shapes {name!r}; one of: {', '.join(SHAPES)}")
     return SHAPES[name]
@@ -820,7 +822,7 @@ def _mix(seed: int, *parts) -> int:
     return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(text.encode())) % 2**63
 
 
-def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
+def build_case(contract: str, pick: Pick, data_seed: int, shapes: str | dict = "small",
                edge: str | None = None, name: str | None = None,
                kernel_options: dict | None = None) -> Case:
     """A case of ``contract`` with sizes from ``pick`` and tensor values from ``data_seed``.
@@ -846,7 +848,7 @@ def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
                 spec.dtypes, aux, clause=spec.edges.get(edge, "") if edge else "", pinned=tuple(opts))
 
 
-def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "small",
+def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str | dict = "small",
               **kernel_options) -> Case:
     """Edge case ``which`` (a name) or random case number ``which`` (an int) of ``check_kernel``'s
     run with ``seed`` and ``shapes``; the same inputs as that run."""

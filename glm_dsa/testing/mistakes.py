@@ -262,19 +262,11 @@ def _from_key_numbers(case: Case, idx: Tensor) -> Tensor | None:
     return torch.where(idx >= 0, idx - ks, idx) if bool((ks > 0).any()) else None
 
 
-def _from_slots(case: Case, idx: Tensor) -> Tensor | None:
+def _from_slots(case: Case, idx: Tensor) -> Tensor:
     """Physical slots (block * block_size + offset) back to positions through the block table."""
-    kv_cache, table = case.args[1], case.args[4].long()
-    bs, next_n = kv_cache.shape[1], case.args[0].shape[1]
-    out = torch.full_like(idx, -1)
-    for r in range(idx.shape[0]):
-        where = {int(b): i for i, b in enumerate(table[r // next_n].tolist())}
-        for j, v in enumerate(idx[r].tolist()):
-            if v >= 0:
-                if v // bs not in where:
-                    return None
-                out[r, j] = where[v // bs] * bs + v % bs
-    return out
+    from glm_dsa.testing.definitions import positions_of_slots
+
+    return positions_of_slots(idx, case.args[4], case.args[1].shape[1], case.args[0].shape[1])
 
 
 _TOPK = (
