@@ -58,6 +58,7 @@ __all__ = [
     "quantize_k_cache",
     "dequantize_k_cache",
     "flash_mla_sparse_fwd",
+    "sparse_mla_q8kv8_prefill_fwd",
     "flash_mla_sparse_decode",
     "calc_diff",
     "AllcloseResult",
@@ -464,6 +465,63 @@ def flash_mla_sparse_fwd(
     return mla.sparse_mla_fwd(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse, budget_bytes
     )
+
+
+def sparse_mla_q8kv8_prefill_fwd(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    q_scale: Tensor,
+    kv_scale: Tensor,
+    d_v: int = 512,
+    attn_sink: Tensor | None = None,
+    topk_length: Tensor | None = None,
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SGLang's FP8-query × FP8-KV sparse MLA prefill (Q8KV8), ``sparse_mla_q8kv8_prefill_fwd``.
+
+    sgl-project/sglang #25751 (SM90 kernel), served since #30514 as ``--dsa-prefill-backend
+    flashmla_sparse_q8``: ``python/sglang/jit_kernel/sparse_mla_q8kv8_prefill_sm90.py`` and its
+    test ``tests/test_sparse_mla_q8kv8_prefill_sm90.py`` (read 2026-12-02). Both operands are
+    e4m3 payloads with one float32 scale each for the whole tensor: the values are
+    ``q.float() * q_scale`` and ``kv.float() * kv_scale`` (the RoPE dims quantized with the
+    rest, unlike the 656-byte cache), and the attention is ``flash_mla_sparse_fwd``'s on those
+    dequantized values (FlashMLA 9241ae3's conventions: natural-log ``lse``, a row with no
+    valid index gives ``out = 0``, ``max_logits = −inf``, ``lse = +inf``; indices ``< 0`` or
+    ``≥ s_kv`` skipped). This is the "dequantized-FP8 float32 reference" SGLang measures the
+    kernel against; the kernel also rounds the softmax weights to e4m3 for its second FP8 GEMM,
+    which is what the contract's tolerance on ``out`` allows for (``Q8KV8_OUT_TOL``).
+
+    Args:
+        q: float8_e4m3fn ``[s_q, h_q, d_qk]`` (d_qk 576, or 512 without RoPE).
+        kv: float8_e4m3fn ``[s_kv, 1, d_qk]``; values are ``kv[..., :d_v]``.
+        indices: int32 ``[s_q, 1, topk]`` (the kernel takes topk a multiple of 128).
+        sm_scale: the softmax scale, applied to the dequantized scores.
+        q_scale, kv_scale: float32 one-element tensors (float64 gives float64 outputs).
+        d_v: 512 (the only value the kernel takes).
+        attn_sink: float32 ``[h_q]`` and topk_length: int32 ``[s_q]``, both or neither (the
+            kernel's full path takes the two together).
+        budget_bytes: as ``flash_mla_sparse_fwd``.
+
+    Returns:
+        ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])`` in float32 (float64
+        with float64 scales); the kernel returns ``out`` in bf16.
+    """
+    for name, t in (("q", q), ("kv", kv)):
+        need(isinstance(t, Tensor) and t.dtype == torch.float8_e4m3fn and t.dim() == 3,
+             f"{name} must be float8_e4m3fn with 3 dims, got {getattr(t, 'dtype', None)} {shape_of(t)}")
+    for name, t in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+        need(isinstance(t, Tensor) and t.numel() == 1 and t.dtype in (torch.float32, torch.float64),
+             f"{name} must be a one-element float32 tensor (one scale per tensor), got "
+             f"{getattr(t, 'dtype', None)} {shape_of(t)}")
+    need((attn_sink is None) == (topk_length is None),
+         "attn_sink and topk_length go together (the kernel's full path takes both): pass both or neither")
+    dtype = torch.float64 if torch.float64 in (q_scale.dtype, kv_scale.dtype) else torch.float32
+    q_values = q.to(dtype) * q_scale.to(dtype).reshape(())
+    kv_values = kv.to(dtype) * kv_scale.to(dtype).reshape(())
+    return mla.sparse_mla_fwd(q_values, kv_values, indices, sm_scale, d_v, attn_sink, topk_length,
+                              budget_bytes=budget_bytes)
 
 
 def flash_mla_sparse_decode(

@@ -97,6 +97,7 @@ def test_golden_set_covers_the_contracts_head_counts_and_edge_cases(loaded, gold
                     for c in manifest["cases"] if c["contract"] == contract)
         assert q_max == 448.0, contract
     assert heads("flash_mla_sparse_fwd", 1) == {64, 128}
+    assert heads("sparse_mla_q8kv8_prefill_fwd", 1) == {64, 128}
     assert heads("flash_mla_sparse_decode", 2) == {64, 128}
     # A prefix: some row sees more keys than the request has query rows.
     assert any(int((golden[f"fp8_mqa_logits.{c}.cu_seqlen_ke"] - golden[f"fp8_mqa_logits.{c}.cu_seqlen_ks"]).max())
@@ -165,7 +166,8 @@ CONTRACTS_ALL = (
     "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
     "topk_transform_paged",
-    "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "flash_mla_sparse_decode",
+    "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "sparse_mla_q8kv8_prefill_fwd",
+    "flash_mla_sparse_decode",
 )
 
 

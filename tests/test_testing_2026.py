@@ -9,9 +9,12 @@ kernel with one bug planted, and the test asserts the cause the harness prints f
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+from glm_dsa import oracle
 from glm_dsa.testing import SHAPES, check_kernel, edge_case_names, make_case
 from glm_dsa.testing.check import run_checks
 from glm_dsa.testing.metrics import TOPK_REL_TOL
@@ -43,6 +46,12 @@ def ragged_indexer(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, topk, *, relu=Tru
     return out
 
 
+def assert_only_cause(message: str, cause: str) -> None:
+    """The failure names ``cause`` and no other."""
+    causes = [line for line in message.splitlines() if line.startswith("  cause: ")]
+    assert causes and all(cause in line for line in causes), message
+
+
 def _failure(contract, fn):
     with pytest.raises(AssertionError) as info:
         check_kernel(contract, fn, cases=len(edge_case_names(contract)) + 2)
@@ -70,8 +79,7 @@ def test_a_fused_ragged_indexer_bug_fails_with_its_cause_and_no_other(bug):
     planted, cause = RAGGED_BUGS[bug]
     message = _failure("fp8_mqa_topk",
                        lambda *a: ragged_indexer(*a, **planted))
-    causes = [line for line in message.splitlines() if line.startswith("  cause: ")]
-    assert causes and all(cause in line for line in causes), (bug, message)
+    assert_only_cause(message, cause)
     assert "fails topk_margin" in message.splitlines()[0]
 
 
@@ -123,8 +131,7 @@ PAGED_BUGS = {
 def test_a_fused_paged_indexer_bug_fails_with_its_cause_and_no_other(bug):
     planted, cause = PAGED_BUGS[bug]
     message = _failure("fp8_paged_mqa_topk", _paged_with(planted))
-    causes = [line for line in message.splitlines() if line.startswith("  cause: ")]
-    assert causes and all(cause in line for line in causes), (bug, message)
+    assert_only_cause(message, cause)
 
 
 def test_the_paged_indexer_with_an_optional_relu_passes_with_it():
@@ -156,3 +163,71 @@ def test_check_runs_a_fused_indexer_at_an_h8_shard_with_top_k_256_to_2048():
     assert report.passed, report.failure
     widths = {make_case("fp8_mqa_topk", e, shapes="h8").args[5] for e in edge_case_names("fp8_mqa_topk")}
     assert widths <= {256, 512, 1024, 2048} and len(widths) >= 2
+
+
+# ------------------------------------------------------------------ FP8-query sparse prefill (Q8KV8)
+def q8kv8_prefill(q, kv, indices, sm_scale, q_scale, kv_scale, d_v=512, attn_sink=None,
+                  topk_length=None, *, q_scale_twice=False, kv_scale_twice=False, d_qk_scale=False,
+                  minus_one_is_key_0=False):
+    """SGLang's Q8KV8 kernel as its PR describes it: e4m3 q and kv, one float32 scale each;
+    float32 scores of the dequantized values; the softmax weights rounded to e4m3 (their max is
+    1) for the second FP8 GEMM, the normaliser summed in float32; bf16 out, float32 max_logits
+    and natural-log lse, +inf lse / -inf max / 0 out for a row with no valid index. Keywords
+    plant one bug each."""
+    qs = float(q_scale) ** (2 if q_scale_twice else 1)
+    ks = float(kv_scale) ** (2 if kv_scale_twice else 1)
+    scale = q.shape[-1] ** -0.5 if d_qk_scale else sm_scale
+    qv, kvv = q.float() * qs, kv[:, 0].float() * ks
+    s_q, h_q, _ = q.shape
+    out = torch.zeros(s_q, h_q, d_v)
+    m_out = torch.full((s_q, h_q), -math.inf)
+    lse = torch.full((s_q, h_q), math.inf)
+    for i in range(s_q):
+        idx = indices[i, 0].long()
+        n = idx.numel() if topk_length is None else int(topk_length[i])
+        idx = idx[:n]
+        if minus_one_is_key_0:
+            idx = torch.where(idx == -1, 0, idx)
+        idx = idx[(idx >= 0) & (idx < kv.shape[0])]
+        if idx.numel() == 0:
+            continue
+        scores = (qv[i] @ kvv[idx].T) * scale  # [h, n]
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - m)
+        total = p.sum(-1)
+        p8 = p.to(torch.float8_e4m3fn).float()
+        if attn_sink is not None:
+            total = total + torch.exp(attn_sink.float() - m[:, 0])
+        out[i] = (p8 @ kvv[idx, :d_v]) / total[:, None]
+        m_out[i] = m[:, 0]
+        lse[i] = m[:, 0] + torch.log(p.sum(-1))
+    return out.to(torch.bfloat16), m_out, lse
+
+
+def test_a_q8kv8_kernel_with_fp8_softmax_weights_passes_within_the_stated_bound():
+    report = check_kernel("sparse_mla_q8kv8_prefill_fwd", q8kv8_prefill, cases=9)
+    assert report.passed, report.failure
+    assert report.worst["out"].value > 1e-7  # the FP8 weights' error shows, inside the bound
+
+
+Q8KV8_BUGS = {
+    "q scale applied twice": (dict(q_scale_twice=True), "q_scale is applied twice"),
+    # (A scale left out sharpens the softmax a thousandfold: e4m3 weights then err past the
+    # bound against the mistaken computation too, so the cause cannot be told apart.)
+    "kv scale applied twice": (dict(kv_scale_twice=True), "kv_scale is applied twice"),
+    "1/sqrt(d_qk) as the softmax scale": (dict(d_qk_scale=True), "scaled by 1/sqrt(d_qk)"),
+    "-1 read as key 0": (dict(minus_one_is_key_0=True), "-1 is read as key 0"),
+}
+
+
+@pytest.mark.parametrize("bug", list(Q8KV8_BUGS))
+def test_a_q8kv8_bug_fails_with_its_cause_and_no_other(bug):
+    planted, cause = Q8KV8_BUGS[bug]
+    message = _failure("sparse_mla_q8kv8_prefill_fwd", lambda *a, **k: q8kv8_prefill(*a, **k, **planted))
+    assert_only_cause(message, cause)
+
+
+def test_q8kv8_takes_attn_sink_and_topk_length_together_only():
+    case = make_case("sparse_mla_q8kv8_prefill_fwd", "attn_sink_and_topk_length")
+    with pytest.raises(ValueError, match="attn_sink and topk_length go together"):
+        oracle.sparse_mla_q8kv8_prefill_fwd(*case.args, attn_sink=case.kwargs["attn_sink"])

@@ -32,6 +32,7 @@ from glm_dsa.testing.metrics import (
     DECODE_LSE_TOL,
     DECODE_OUT_TOL,
     HADAMARD_TOL,
+    Q8KV8_OUT_TOL,
     SPARSE_OUT_TOL,
     SPARSE_STAT_TOL,
     TOPK_REL_TOL,
@@ -544,6 +545,43 @@ def _sparse_fwd(g, pick, shp, edge):
     return (q, kv, indices, sm_scale), kwargs, {}
 
 
+def per_tensor_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(e4m3 payload, float32 [1] scale) of ``x`` with one scale for the tensor, amax / 448:
+    how the Q8KV8 cases quantize q and kv (SGLang's test casts with scale 1, the unit_scales
+    case)."""
+    scale = (x.float().abs().amax().clamp_min(1e-4) / 448.0).reshape(1)
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def _q8kv8(g, pick, shp, edge):
+    heads, sm_scale = pick.choice(shp["mla_heads"]), pick.choice(shp["sm_scale"])
+    topk = pick.choice(tuple(k for k in shp["mla_topk"] if k % 128 == 0) or (128,))
+    s_q, s_kv = pick.int(1, shp["max_s_q"]), pick.int(1, max(shp["max_kv"], topk))
+    extras, d_qk = pick.choice((False, True)), pick.choice((oracle.MLA_DIM, oracle.MLA_DIM, 512))
+    if edge is not None:
+        s_q, s_kv, extras, d_qk = 3, topk + 50, edge == "attn_sink_and_topk_length", oracle.MLA_DIM
+    if edge == "no_rope_512":
+        d_qk = 512
+    q = _randn(g, s_q, heads, d_qk, std=MLA_INPUT_STD)
+    kv = _randn(g, s_kv, 1, d_qk, std=MLA_INPUT_STD)
+    (q_fp8, q_scale), (kv_fp8, kv_scale) = per_tensor_fp8(q), per_tensor_fp8(kv)
+    if edge == "unit_scales":  # SGLang's test: a plain cast, both scales 1
+        q_fp8, kv_fp8 = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
+        q_scale, kv_scale = torch.ones(1), torch.ones(1)
+    indices = _prefill_indices(g, s_q, s_kv, topk)
+    if edge == "invalid_indices":
+        indices[0, 0, 3:9] = _i32(list(invalid_indices(s_kv)))
+    if edge == "lonely_row":
+        indices[1] = -1
+    kwargs = {}
+    if extras:
+        kwargs["attn_sink"] = _randn(g, heads)
+        kwargs["topk_length"] = torch.randint(0, topk + 1, (s_q,), generator=g).to(torch.int32)
+        if edge == "attn_sink_and_topk_length":
+            kwargs["topk_length"][:2] = _i32([0, topk // 2 + 1])
+    return (q_fp8, kv_fp8, indices, sm_scale, q_scale, kv_scale), kwargs, {}
+
+
 def _sparse_decode(g, pick, shp, edge):
     heads, topk = pick.choice(shp["mla_heads"]), pick.choice(shp["mla_topk"])
     b, s_q, num_blocks = pick.int(1, 3), pick.int(1, 2), pick.int(1, max(2, topk // PAGE + 1))
@@ -742,6 +780,20 @@ CONTRACTS: dict[str, Contract] = {
             "repeated_index": "a valid index listed twice is attended twice",
         },
         lambda call: {"out": {"metric": "allclose", **SPARSE_OUT_TOL},
+                      "max_logits": {"metric": "allclose", **SPARSE_STAT_TOL},
+                      "lse": {"metric": "allclose", **SPARSE_STAT_TOL}},
+        {"out": (_BF16, _F32), "max_logits": (_F32,), "lse": (_F32,)}),
+    "sparse_mla_q8kv8_prefill_fwd": Contract(
+        _q8kv8, {
+            "unit_scales": "q and kv cast to e4m3 with scales 1 (SGLang's test and serving cast)",
+            "invalid_indices": "INT32_MIN, -123456, -1, s_kv, s_kv + 55, INT32_MAX are skipped",
+            "lonely_row": "a row with no valid index: out 0, max_logits -inf, lse +inf",
+            "attn_sink_and_topk_length": "attn_sink and topk_length together (the kernel's full "
+                                         "path): out normalised by logaddexp(lse, sink), entries "
+                                         "at or past topk_length skipped",
+            "no_rope_512": "d_qk = 512: q and kv without RoPE dims",
+        },
+        lambda call: {"out": {"metric": "allclose", **Q8KV8_OUT_TOL},
                       "max_logits": {"metric": "allclose", **SPARSE_STAT_TOL},
                       "lse": {"metric": "allclose", **SPARSE_STAT_TOL}},
         {"out": (_BF16, _F32), "max_logits": (_F32,), "lse": (_F32,)}),

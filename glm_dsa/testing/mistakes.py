@@ -132,6 +132,29 @@ _SPARSE = (
 )
 
 
+def _scale_changed(name: str, f: Callable[[Tensor], Tensor]) -> Variant:
+    return lambda case: _with_args(case, **{name: f(case.kwargs.get(name, _arg(case, name)))})
+
+
+def _arg(case: Case, name: str):
+    return case.args[list(inspect.signature(getattr(oracle, case.contract)).parameters).index(name)]
+
+
+_Q8KV8 = (
+    Mistake("q_scale is applied twice (the scores carry q_scale^2): the values are "
+            "q.float() * q_scale, once", _scale_changed("q_scale", lambda s: s * s)),
+    Mistake("q_scale is not applied: the values are q.float() * q_scale",
+            _scale_changed("q_scale", torch.ones_like)),
+    Mistake("kv_scale is not applied: keys and values are kv.float() * kv_scale",
+            _scale_changed("kv_scale", torch.ones_like)),
+    Mistake("kv_scale is applied twice (keys and values carry kv_scale^2)",
+            _scale_changed("kv_scale", lambda s: s * s)),
+    Mistake("the scores are scaled by 1/sqrt(d_qk), not by the sm_scale argument",
+            lambda case: _with_args(case, sm_scale=case.args[0].shape[-1] ** -0.5)),
+    Mistake("-1 is read as key 0: an index < 0 is invalid and skipped", _minus_one_as_zero),
+)
+
+
 def _decode_minus_one_as_zero(case: Case) -> Case | None:
     idx = case.args[2]
     return _with_args(case, indices=torch.where(idx == -1, 0, idx)) if bool((idx == -1).any()) else None
@@ -399,6 +422,7 @@ MISTAKES: dict[str, tuple[Mistake, ...]] = {
     "fp8_paged_mqa_topk": _PAGED_TOPK,
     "quantize_k_cache": _MLA_CACHE,
     "flash_mla_sparse_fwd": _SPARSE,
+    "sparse_mla_q8kv8_prefill_fwd": _Q8KV8,
     "flash_mla_sparse_decode": _DECODE,
 }
 
