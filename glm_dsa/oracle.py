@@ -37,17 +37,20 @@ from glm_dsa.validate import (
     shape_of,
 )
 from glm_dsa.kv_format import (
+    FP4_BLOCK,
     index_k_page_bytes,
     index_k_store,
     mla_kv_dequantize,
     mla_kv_quantize,
     mla_kv_row_bytes,
+    mxfp4_quantize,
 )
 
 __all__ = [
     "hadamard_transform",
     "act_quant",
     "kv_cache_cast_to_fp8",
+    "kv_cache_cast_to_fp4",
     "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
     "topk_per_row",
@@ -155,6 +158,35 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
     slots = torch.arange(num_blocks * block_size, device=k.device)
     index_k_store(pages, slots, k_fp8, k_scale[:, 0], block_size)
     return pages.view(num_blocks, block_size, 1, head_dim + 4)
+
+
+def kv_cache_cast_to_fp4(k: Tensor) -> Tensor:
+    """``kv_cache_cast_to_fp4(x)`` of DeepGEMM 54e2261 ``tests/test_attention.py``: the MXFP4
+    index-K cache of the SM100 ``fp8_fp4_paged_mqa_logits`` (``kv_format`` has the layout).
+
+    Each key is quantized by ``per_token_cast_to_fp4(use_ue8m0=True, gran_k=32,
+    use_packed_ue8m0=True)`` (``kv_format.mxfp4_quantize``: ue8m0 scale
+    ``2**ceil(log2(amax / 6))`` per 32 elements, e2m1 codes, midpoints to the smaller
+    magnitude) and each block of ``block_size`` tokens laid out as its ``block_size × D / 2``
+    code bytes then ``block_size`` int32 words of packed exponents: ``D / 2 + 4`` bytes per
+    token (68 for D = 128, the size of SGLang's MXFP4 index-K cache, sgl-project/sglang
+    #30546). Upstream's helper also returns the dequantized keys; ``kv_format.mxfp4_dequantize``
+    gives them.
+
+    k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 upstream), head_dim 64 or 128.
+    Returns uint8 ``[num_blocks, block_size, 1, head_dim / 2 + 4]``.
+    """
+    need(
+        isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] == 1,
+        f"k must be [num_blocks, block_size, 1, head_dim] (one KV head), got {shape_of(k)}",
+    )
+    num_blocks, block_size, _, head_dim = k.shape
+    need(head_dim in (64, 128),
+         f"head_dim={head_dim}: the FP4 index-K cache packs 64 or 128 dims (4 scale bytes per token)")
+    codes, exponents = mxfp4_quantize(k.reshape(num_blocks * block_size, head_dim))
+    need(exponents.shape[1] == 4, "one int32 of scales per token holds 4 blocks of 32")
+    pages = torch.cat([codes.reshape(num_blocks, -1), exponents.reshape(num_blocks, -1)], dim=1)
+    return pages.view(num_blocks, block_size, 1, head_dim // 2 + 4)
 
 
 # ------------------------------------------------------------------------- indexer logits

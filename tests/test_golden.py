@@ -163,7 +163,7 @@ def test_golden_cases_are_the_case_tables_edge_and_random_cases(loaded):
 NOT_IN_CONVENTION = {"sep2025": ("attn_sink", "topk_length")}
 
 CONTRACTS_ALL = (
-    "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "fp8_mqa_logits",
+    "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "kv_cache_cast_to_fp4", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
     "topk_transform_paged",
     "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "sparse_mla_q8kv8_prefill_fwd",

@@ -231,3 +231,73 @@ def test_q8kv8_takes_attn_sink_and_topk_length_together_only():
     case = make_case("sparse_mla_q8kv8_prefill_fwd", "attn_sink_and_topk_length")
     with pytest.raises(ValueError, match="attn_sink and topk_length go together"):
         oracle.sparse_mla_q8kv8_prefill_fwd(*case.args, attn_sink=case.kwargs["attn_sink"])
+
+
+# ------------------------------------------------------------------ MXFP4 index-K cache
+def fp4_index_k_cache(k, *, swap=False, gran=32, ties_even=False, nearest=False, interleaved=False):
+    """DeepGEMM's FP4 index-K cache as its test describes it: per 32 elements a power-of-two
+    scale 2^ceil(log2(amax / 6)), each element to the nearest e2m1 value (a midpoint to the
+    smaller one), two codes a byte (the first low), a page of codes then one int32 of exponent
+    bytes per token. Written with frexp and bucketize; keywords plant one bug each."""
+    nb, bs, _, d = k.shape
+    g = min(gran, d)
+    x = k.float().reshape(nb * bs, d // g, g)
+    amax = x.abs().amax(-1).clamp_min(1e-4) / 6
+    mantissa, exp = torch.frexp(amax)  # amax / 6 = mantissa * 2^exp, mantissa in [0.5, 1)
+    e = torch.where(mantissa == 0.5, exp - 1, exp)  # ceil(log2): an exact power keeps its exponent
+    if nearest:
+        e = torch.round(torch.log2(amax)).int()
+    y = x / torch.exp2(e.float())[..., None]
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    # right=False: a value equal to a bound stays below it (the smaller magnitude).
+    mag = torch.bucketize(y.abs(), bounds, right=False)
+    if ties_even:
+        on_bound = torch.isin(y.abs(), bounds)
+        mag = torch.where(on_bound & (mag % 2 == 1), mag + 1, mag)  # the even code above
+    code = mag | ((y < 0) & (mag > 0)).long() << 3
+    pairs = code.reshape(nb * bs, d // 2, 2)
+    first, second = (pairs[..., 1], pairs[..., 0]) if swap else (pairs[..., 0], pairs[..., 1])
+    packed = (first + 16 * second).to(torch.uint8)
+    scale_bytes = torch.full((nb * bs, 4), 127, dtype=torch.uint8)
+    scale_bytes[:, : e.shape[1]] = (e + 127).to(torch.uint8)
+    if interleaved:
+        return torch.cat([packed, scale_bytes], 1).view(nb, bs, 1, d // 2 + 4)
+    return torch.cat([packed.view(nb, -1), scale_bytes.view(nb, -1)], 1).view(nb, bs, 1, d // 2 + 4)
+
+
+def test_an_fp4_index_k_writer_from_the_description_passes_bitwise():
+    assert check_kernel("kv_cache_cast_to_fp4", fp4_index_k_cache, cases=10).passed
+
+
+def test_the_fp4_bytes_of_a_hand_worked_key():
+    """Block 0 has amax 6 (scale 1): 0.75 -> code 1 (0.5, the smaller), -5 -> code 8|6 (-4),
+    6 -> 7; block 1 all 0.1: scale 2^ceil(log2(0.1/6)) = 2^-5, 0.1 * 32 = 3.2 -> 3 (code 5)."""
+    k = torch.zeros(1, 64, 1, 128)
+    k[0, 0, 0, :3] = torch.tensor([0.75, -5.0, 6.0])
+    k[0, 0, 0, 32:64] = 0.1
+    cache = oracle.kv_cache_cast_to_fp4(k.to(torch.bfloat16)).reshape(-1)
+    assert cache[:2].tolist() == [0x1 | (0xE << 4), 0x7]
+    assert cache[16] == 0x5 | (0x5 << 4)
+    scales = cache[64 * 64:64 * 64 + 4].tolist()
+    assert scales[0] == 127 and scales[1] == 127 - 5  # 2^0, 2^-5
+    # 0.1 rounds to bf16 0.10009765625, times 32 = 3.203 -> 3; the dequantized key is 3 * 2^-5.
+    from glm_dsa.kv_format import mxfp4_dequantize
+    codes, exps = cache[:64 * 64].view(64, 64), cache[64 * 64:].view(64, 4)
+    assert mxfp4_dequantize(codes, exps, 128)[0, 32:36].tolist() == [3 / 32] * 4
+
+
+FP4_BUGS = {
+    "nibble order swapped": (dict(swap=True), "the two codes of a byte are swapped"),
+    "ue8m0 scale per 128 elements": (dict(gran=128), "one ue8m0 scale per 128 elements"),
+    "midpoints to the even code": (dict(ties_even=True), "midpoints round to the even code"),
+    "exponent rounded to nearest": (dict(nearest=True), "the ue8m0 exponent is rounded to nearest"),
+    "interleaved 68-byte rows": (dict(interleaved=True), "interleaved 68-byte rows"),
+}
+
+
+@pytest.mark.parametrize("bug", list(FP4_BUGS))
+def test_an_fp4_index_k_writer_bug_fails_with_its_cause_and_no_other(bug):
+    planted, cause = FP4_BUGS[bug]
+    message = _failure("kv_cache_cast_to_fp4", lambda k: fp4_index_k_cache(k, **planted))
+    assert message.splitlines()[0].startswith("kv_cache_cast_to_fp4 [case ") and "bitwise" in message
+    assert_only_cause(message, cause)

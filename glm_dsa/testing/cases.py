@@ -217,6 +217,24 @@ def _kv_cache_cast(g, pick, shp, edge):
     return (k.to(torch.bfloat16),), {}, {}
 
 
+def _kv_cache_cast_fp4(g, pick, shp, edge):
+    num_blocks, head_dim = pick.int(1, 3), pick.choice((64, 128, 128))
+    if edge is not None:
+        num_blocks, head_dim = 1, 64 if edge == "head_dim_64" else INDEX_DIM
+    k = _randn(g, num_blocks, PAGE, 1, head_dim) * torch.exp(_randn(g, num_blocks, PAGE, 1, 1))
+    if edge == "midpoint_ties":
+        # Every e2m1 midpoint (and its negative) times the block's power-of-two scale: amax 6
+        # pins the scale at 1, so each value lies exactly between two codes.
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+        k[0, :, 0, :32] = torch.cat([ties, -ties, ties, -ties])[torch.randperm(32, generator=g)]
+    if edge == "zero_key":
+        k[0, 7] = 0.0
+    if edge == "power_of_two_amax":
+        k[0, :, 0, :32] = k[0, :, 0, :32].clamp(-5.9, 5.9)
+        k[0, :, 0, 0] = 6.0 * 2.0 ** torch.randint(-6, 6, (PAGE,), generator=g).float()
+    return (k.to(torch.bfloat16),), {}, {}
+
+
 # --------------------------------------------------------------------------- indexer logits
 def index_queries(g: torch.Generator, lead: tuple[int, ...], heads: int,
                   aligned: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -676,6 +694,15 @@ CONTRACTS: dict[str, Contract] = {
         _same("bitwise", "kv_cache", region_dims=3, regions=[["payload", 0, PAGE * INDEX_DIM],
               ["scales", PAGE * INDEX_DIM, PAGE * (INDEX_DIM + 4)]]),
         {"kv_cache": (torch.uint8,)}),
+    "kv_cache_cast_to_fp4": Contract(
+        _kv_cache_cast_fp4, {
+            "midpoint_ties": "a value on an e2m1 midpoint takes the smaller magnitude (0.75 -> 0.5, "
+                             "5 -> 4), as DeepGEMM's helper does; not the even code",
+            "zero_key": "an all-zero key takes the 1e-4 amax floor: exponent byte 2^ceil(log2(1e-4/6))",
+            "power_of_two_amax": "amax = 6 * 2^k: the scale is 2^k exactly (ceil of an exact power)",
+            "head_dim_64": "64 dims: two exponent bytes per token, the other two 127 (1.0)",
+        },
+        _same("bitwise", "kv_cache"), {"kv_cache": (torch.uint8,)}),
     "fp8_mqa_logits": Contract(
         _mqa_logits, {
             "empty_window": "a row with ke == ks sees no key: every entry -inf",

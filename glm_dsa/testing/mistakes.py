@@ -412,10 +412,55 @@ _INDEX_K_CACHE = (
 )
 
 
+def _fp4_pages(case: Case, *, swap: bool = False, gran: int = 32, ties_even: bool = False,
+               nearest: bool = False, interleaved: bool = False) -> dict[str, Tensor]:
+    """The MXFP4 index-K pages written with one mistake: nibbles swapped, scales per ``gran``
+    elements, midpoints to the even code, the exponent rounded to nearest, or 68-byte rows."""
+    k = case.args[0].float()
+    nb, bs, _, d = k.shape
+    gran = min(gran, d)  # a block wider than the key is the key (the helper pads with zeros)
+    x = k.reshape(nb * bs, d // gran, gran)
+    raw = x.abs().amax(-1).clamp_min(1e-4) / 6.0
+    exponent = torch.round(torch.log2(raw)) if nearest else torch.ceil(torch.log2(raw))
+    scaled = x / torch.exp2(exponent)[..., None]
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    distance = (scaled.abs()[..., None] - grid).abs()
+    # Ties: the lower code (argmin takes the first), or the code with an even index (cvt.rn).
+    magnitude = distance.argmin(-1)
+    if ties_even:
+        tie = (distance == distance.min(-1, keepdim=True).values).sum(-1) > 1
+        magnitude = torch.where(tie & (magnitude % 2 == 1), magnitude + 1, magnitude)
+    codes = (magnitude | (((scaled < 0) & (magnitude != 0)).long() << 3)).reshape(nb * bs, d // 2, 2)
+    lo, hi = (codes[..., 1], codes[..., 0]) if swap else (codes[..., 0], codes[..., 1])
+    packed = (lo | (hi << 4)).to(torch.uint8)
+    blocks = (exponent + 127).clamp(1, 254).to(torch.uint8).repeat_interleave(32 // gran if gran < 32 else 1, -1)
+    exponents = torch.full((nb * bs, 4), 127, dtype=torch.uint8)
+    exponents[:, : min(blocks.shape[1], 4)] = blocks[:, :4]
+    if interleaved:
+        return {"kv_cache": torch.cat([packed, exponents], 1).view(nb, bs, 1, d // 2 + 4)}
+    pages = torch.cat([packed.reshape(nb, -1), exponents.reshape(nb, -1)], 1)
+    return {"kv_cache": pages.view(nb, bs, 1, d // 2 + 4)}
+
+
+_FP4_CACHE = (
+    Mistake("the two codes of a byte are swapped: element 2i is the low nibble, 2i + 1 the high one",
+            lambda c: _fp4_pages(c, swap=True)),
+    Mistake("one ue8m0 scale per 128 elements (per_token_cast_to_fp4's default gran_k): the FP4 "
+            "index keys take one per 32", lambda c: _fp4_pages(c, gran=128)),
+    Mistake("midpoints round to the even code (a hardware cvt.rn): DeepGEMM's helper takes the "
+            "smaller magnitude (0.75 -> 0.5, 5 -> 4)", lambda c: _fp4_pages(c, ties_even=True)),
+    Mistake("the ue8m0 exponent is rounded to nearest: it is ceil(log2(amax / 6))",
+            lambda c: _fp4_pages(c, nearest=True)),
+    Mistake("tokens are written as interleaved 68-byte rows: a page is its codes for every token, "
+            "then the exponent words", lambda c: _fp4_pages(c, interleaved=True)),
+)
+
+
 # ----------------------------------------------------------------------------- the table
 MISTAKES: dict[str, tuple[Mistake, ...]] = {
     "act_quant": _ACT_QUANT,
     "kv_cache_cast_to_fp8": _INDEX_K_CACHE,
+    "kv_cache_cast_to_fp4": _FP4_CACHE,
     "fp8_mqa_logits": _LOGITS,
     "fp8_paged_mqa_logits": _LOGITS,
     "fp8_mqa_topk": _RAGGED_TOPK,
