@@ -9,6 +9,14 @@ latent ``c`` in tiles of 128, then ``R / 128`` float32 tile scales, then the ``P
 ``k_pe`` in bf16: 656 bytes for R = 512, P = 64. The bf16 alternative is ``[c | k_pe]`` in
 bf16: 1152 bytes.
 
+MXFP4 index-K page (DeepGEMM 54e2261 ``tests/test_attention.py`` ``kv_cache_cast_to_fp4``, the
+SM100 ``fp8_fp4_paged_mqa_logits`` cache): one page is ``page_size * head_dim / 2`` bytes of
+e2m1 codes, two per byte (element 2i in the low nibble, 2i + 1 in the high one; token t at
+``t * head_dim / 2``), then ``page_size`` int32 words of ue8m0 block scales, one exponent byte
+per block of 32 elements, little-endian (block j of token t at byte
+``page_size * head_dim / 2 + 4 t + j``; 64 dims leave bytes 2, 3 at 127 = 1.0): 68 bytes per
+128-dim token, 4352 per 64-token page.
+
 A slot is ``page * page_size + offset``, the physical token index into a paged pool.
 """
 
@@ -22,6 +30,9 @@ from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast, raw_sc
 
 __all__ = [
     "MLA_KV_FORMATS",
+    "FP4_BLOCK",
+    "mxfp4_quantize",
+    "mxfp4_dequantize",
     "index_k_page_bytes",
     "index_k_store",
     "index_k_load",
@@ -290,3 +301,59 @@ def mla_kv_load(pool: Tensor, slots: Tensor) -> Tensor:
     num_pages, page_size, _ = pool.shape
     _check_slots(slots, num_pages * page_size)
     return pool[slots // page_size, slots % page_size]
+
+
+# ------------------------------------------------------------------------- MXFP4 index keys
+FP4_BLOCK = 32  # elements per ue8m0 scale (DeepGEMM's gran_k=32 for FP4 index keys)
+FP4_E2M1_MAX = 6.0
+# e2m1 magnitudes by code 0-7, and the midpoints between neighbours: a value on a midpoint
+# takes the smaller code (DeepGEMM's _quantize_to_fp4_e2m1 counts strict ``>``), not the
+# even one a hardware cvt.rn would take.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_UE8M0_ONE = 127  # the exponent byte of 1.0
+
+
+def mxfp4_quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``deep_gemm.utils.per_token_cast_to_fp4(x, use_ue8m0=True, gran_k=32,
+    use_packed_ue8m0=True)`` (DeepGEMM 54e2261 ``deep_gemm/utils/math.py``), as bytes.
+
+    Per block of 32 along the last dim: ``s = 2**ceil(log2(max(amax, 1e-4) / 6))`` (ue8m0,
+    exponent clamped to [1, 254]); each ``x / s`` (exact: s is a power of two) to the nearest
+    e2m1 value, a midpoint to the smaller magnitude, saturating at 6; ``-0`` written as ``+0``.
+
+    x: ``[n, d]`` floating, d a multiple of 32 (64 or 128 upstream).
+    Returns ``(codes uint8 [n, d / 2]``, two per byte, element 2i low;
+    ``exponents uint8 [n, 4 * ceil(d / 128)]``, one byte per block, padded with 127 to whole
+    int32 words).
+    """
+    n, d = x.shape
+    blocks = x.float().reshape(n, d // FP4_BLOCK, FP4_BLOCK)
+    amax = blocks.abs().amax(-1).clamp_min(1e-4)
+    bits = (amax / FP4_E2M1_MAX).view(torch.int32)
+    # ceil to a power of two: the exponent, plus one if any mantissa bit is set.
+    exponent = (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(1, 254)
+    scale = (exponent << 23).view(torch.float32)
+    scaled = blocks * (1.0 / scale)[..., None]
+    magnitude = torch.zeros_like(scaled, dtype=torch.uint8)
+    for midpoint in _E2M1_MIDPOINTS:
+        magnitude += (scaled.abs() > midpoint).to(torch.uint8)
+    codes = magnitude | (((scaled < 0) & (magnitude != 0)).to(torch.uint8) << 3)
+    codes = codes.reshape(n, d // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    words = -(-exponent.shape[1] // 4) * 4
+    exponents = torch.full((n, words), _UE8M0_ONE, dtype=torch.uint8, device=x.device)
+    exponents[:, : exponent.shape[1]] = exponent.to(torch.uint8)
+    return packed, exponents
+
+
+def mxfp4_dequantize(codes: Tensor, exponents: Tensor, d: int) -> Tensor:
+    """float32 ``[n, d]`` of ``mxfp4_quantize``'s bytes: e2m1 value × 2**(exponent − 127)
+    (DeepGEMM's ``cast_back_from_fp4``)."""
+    low, high = codes & 0x0F, codes >> 4
+    both = torch.stack([low, high], dim=-1).reshape(codes.shape[0], d)
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
+    value = table[(both & 0x07).long()]
+    value = torch.where((both & 0x08) != 0, -value, value)
+    scale = torch.exp2(exponents[:, : d // FP4_BLOCK].float() - _UE8M0_ONE)
+    return value * scale.repeat_interleave(FP4_BLOCK, dim=1)

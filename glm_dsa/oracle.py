@@ -37,26 +37,31 @@ from glm_dsa.validate import (
     shape_of,
 )
 from glm_dsa.kv_format import (
+    FP4_BLOCK,
     index_k_page_bytes,
     index_k_store,
     mla_kv_dequantize,
     mla_kv_quantize,
     mla_kv_row_bytes,
+    mxfp4_quantize,
 )
 
 __all__ = [
     "hadamard_transform",
     "act_quant",
     "kv_cache_cast_to_fp8",
+    "kv_cache_cast_to_fp4",
     "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
     "topk_per_row",
+    "fp8_mqa_topk",
     "fp8_paged_mqa_topk",
     "topk_transform_ragged",
     "topk_transform_paged",
     "quantize_k_cache",
     "dequantize_k_cache",
     "flash_mla_sparse_fwd",
+    "sparse_mla_q8kv8_prefill_fwd",
     "flash_mla_sparse_decode",
     "calc_diff",
     "AllcloseResult",
@@ -153,6 +158,35 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
     slots = torch.arange(num_blocks * block_size, device=k.device)
     index_k_store(pages, slots, k_fp8, k_scale[:, 0], block_size)
     return pages.view(num_blocks, block_size, 1, head_dim + 4)
+
+
+def kv_cache_cast_to_fp4(k: Tensor) -> Tensor:
+    """``kv_cache_cast_to_fp4(x)`` of DeepGEMM 54e2261 ``tests/test_attention.py``: the MXFP4
+    index-K cache of the SM100 ``fp8_fp4_paged_mqa_logits`` (``kv_format`` has the layout).
+
+    Each key is quantized by ``per_token_cast_to_fp4(use_ue8m0=True, gran_k=32,
+    use_packed_ue8m0=True)`` (``kv_format.mxfp4_quantize``: ue8m0 scale
+    ``2**ceil(log2(amax / 6))`` per 32 elements, e2m1 codes, midpoints to the smaller
+    magnitude) and each block of ``block_size`` tokens laid out as its ``block_size × D / 2``
+    code bytes then ``block_size`` int32 words of packed exponents: ``D / 2 + 4`` bytes per
+    token (68 for D = 128, the size of SGLang's MXFP4 index-K cache, sgl-project/sglang
+    #30546). Upstream's helper also returns the dequantized keys; ``kv_format.mxfp4_dequantize``
+    gives them.
+
+    k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 upstream), head_dim 64 or 128.
+    Returns uint8 ``[num_blocks, block_size, 1, head_dim / 2 + 4]``.
+    """
+    need(
+        isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] == 1,
+        f"k must be [num_blocks, block_size, 1, head_dim] (one KV head), got {shape_of(k)}",
+    )
+    num_blocks, block_size, _, head_dim = k.shape
+    need(head_dim in (64, 128),
+         f"head_dim={head_dim}: the FP4 index-K cache packs 64 or 128 dims (4 scale bytes per token)")
+    codes, exponents = mxfp4_quantize(k.reshape(num_blocks * block_size, head_dim))
+    need(exponents.shape[1] == 4, "one int32 of scales per token holds 4 blocks of 32")
+    pages = torch.cat([codes.reshape(num_blocks, -1), exponents.reshape(num_blocks, -1)], dim=1)
+    return pages.view(num_blocks, block_size, 1, head_dim // 2 + 4)
 
 
 # ------------------------------------------------------------------------- indexer logits
@@ -280,6 +314,40 @@ def topk_per_row(
     if base == "absolute":
         out = out + row_starts.long()[:, None]
     return torch.where(rel >= 0, out, pad).to(torch.int32)
+
+
+def fp8_mqa_topk(
+    q: Tensor,
+    kv: tuple[Tensor, Tensor],
+    weights: Tensor,
+    cu_seqlen_ks: Tensor,
+    cu_seqlen_ke: Tensor,
+    topk: int,
+) -> Tensor:
+    """The ragged (prefill) indexer end to end: ``fp8_mqa_logits`` and each row's top-k keys.
+
+    What a fused score + top-k prefill kernel computes without writing the logits (LiteTopK,
+    vllm-project/vllm #48726 and sglang #32094 / #40461; vLLM RFC #53563's exact fused SM90
+    indexer, whose baseline is ``fp8_mqa_logits`` then ``top_k_per_row_prefill``): row ``i``
+    scores keys ``[ks[i], ke[i])`` and keeps its ``topk`` best. Indices are relative to
+    ``ks[i]``, as ``top_k_per_row_prefill`` and SGLang's ``fast_topk_v2`` return them; the
+    metric is ``topk_margin``, as for ``fp8_paged_mqa_topk`` (a fused kernel ranks its own
+    float32 scores, so near-ties within float32 rounding may come out either way).
+
+    Args:
+        q, kv, weights, cu_seqlen_ks, cu_seqlen_ke: as ``fp8_mqa_logits`` (q ``[S, H, D]``
+            e4m3, kv ``(k_fp8 [S_kv, D] e4m3, k_scale [S_kv] float32)``, weights ``[S, H]``
+            float32 with q's scale folded in, ks / ke int32 ``[S]``).
+        topk: keys per row.
+
+    Returns:
+        int32 ``[S, topk]``: key positions relative to ``ks`` (``0 … ke − ks − 1``), ``-1``
+        padded; a row with ``ke − ks ≤ topk`` lists ``0 … ke − ks − 1``.
+    """
+    need(isinstance(topk, int) and not isinstance(topk, bool) and topk >= 1,
+         f"topk={topk!r} must be a positive int")
+    logits = fp8_mqa_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
+    return indexer.topk_per_row(logits, cu_seqlen_ks, cu_seqlen_ke, topk)
 
 
 def fp8_paged_mqa_topk(
@@ -431,6 +499,63 @@ def flash_mla_sparse_fwd(
     return mla.sparse_mla_fwd(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, lse_base, lonely_lse, budget_bytes
     )
+
+
+def sparse_mla_q8kv8_prefill_fwd(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    q_scale: Tensor,
+    kv_scale: Tensor,
+    d_v: int = 512,
+    attn_sink: Tensor | None = None,
+    topk_length: Tensor | None = None,
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """SGLang's FP8-query × FP8-KV sparse MLA prefill (Q8KV8), ``sparse_mla_q8kv8_prefill_fwd``.
+
+    sgl-project/sglang #25751 (SM90 kernel), served since #30514 as ``--dsa-prefill-backend
+    flashmla_sparse_q8``: ``python/sglang/jit_kernel/sparse_mla_q8kv8_prefill_sm90.py`` and its
+    test ``tests/test_sparse_mla_q8kv8_prefill_sm90.py`` (read 2026-12-02). Both operands are
+    e4m3 payloads with one float32 scale each for the whole tensor: the values are
+    ``q.float() * q_scale`` and ``kv.float() * kv_scale`` (the RoPE dims quantized with the
+    rest, unlike the 656-byte cache), and the attention is ``flash_mla_sparse_fwd``'s on those
+    dequantized values (FlashMLA 9241ae3's conventions: natural-log ``lse``, a row with no
+    valid index gives ``out = 0``, ``max_logits = −inf``, ``lse = +inf``; indices ``< 0`` or
+    ``≥ s_kv`` skipped). This is the "dequantized-FP8 float32 reference" SGLang measures the
+    kernel against; the kernel also rounds the softmax weights to e4m3 for its second FP8 GEMM,
+    which is what the contract's tolerance on ``out`` allows for (``Q8KV8_OUT_TOL``).
+
+    Args:
+        q: float8_e4m3fn ``[s_q, h_q, d_qk]`` (d_qk 576, or 512 without RoPE).
+        kv: float8_e4m3fn ``[s_kv, 1, d_qk]``; values are ``kv[..., :d_v]``.
+        indices: int32 ``[s_q, 1, topk]`` (the kernel takes topk a multiple of 128).
+        sm_scale: the softmax scale, applied to the dequantized scores.
+        q_scale, kv_scale: float32 one-element tensors (float64 gives float64 outputs).
+        d_v: 512 (the only value the kernel takes).
+        attn_sink: float32 ``[h_q]`` and topk_length: int32 ``[s_q]``, both or neither (the
+            kernel's full path takes the two together).
+        budget_bytes: as ``flash_mla_sparse_fwd``.
+
+    Returns:
+        ``(out [s_q, h_q, d_v], max_logits [s_q, h_q], lse [s_q, h_q])`` in float32 (float64
+        with float64 scales); the kernel returns ``out`` in bf16.
+    """
+    for name, t in (("q", q), ("kv", kv)):
+        need(isinstance(t, Tensor) and t.dtype == torch.float8_e4m3fn and t.dim() == 3,
+             f"{name} must be float8_e4m3fn with 3 dims, got {getattr(t, 'dtype', None)} {shape_of(t)}")
+    for name, t in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+        need(isinstance(t, Tensor) and t.numel() == 1 and t.dtype in (torch.float32, torch.float64),
+             f"{name} must be a one-element float32 tensor (one scale per tensor), got "
+             f"{getattr(t, 'dtype', None)} {shape_of(t)}")
+    need((attn_sink is None) == (topk_length is None),
+         "attn_sink and topk_length go together (the kernel's full path takes both): pass both or neither")
+    dtype = torch.float64 if torch.float64 in (q_scale.dtype, kv_scale.dtype) else torch.float32
+    q_values = q.to(dtype) * q_scale.to(dtype).reshape(())
+    kv_values = kv.to(dtype) * kv_scale.to(dtype).reshape(())
+    return mla.sparse_mla_fwd(q_values, kv_values, indices, sm_scale, d_v, attn_sink, topk_length,
+                              budget_bytes=budget_bytes)
 
 
 def flash_mla_sparse_decode(

@@ -226,14 +226,16 @@ def test_capabilities_are_backend_attributes_and_no_other_module_lists_backends(
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
+                operands, least = [node.left, *node.comparators], 1
             elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-                operands = list(node.elts)
+                # A list of backends names two of them; one word among other strings (the
+                # "reference" key of a flashinfer-bench definition) is not one.
+                operands, least = list(node.elts), 2
             else:
                 continue
-            for c in operands:
-                if isinstance(c, ast.Constant) and c.value in _BACKEND_NAMES:
-                    offenders.append(f"{f.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+            names = [c for c in operands if isinstance(c, ast.Constant) and c.value in _BACKEND_NAMES]
+            if len(names) >= least:
+                offenders.append(f"{f.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
     assert offenders == []
 
 

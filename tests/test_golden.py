@@ -90,12 +90,14 @@ def test_golden_set_covers_the_contracts_head_counts_and_edge_cases(loaded, gold
     assert heads("fp8_mqa_logits", 1) == {32, 64}
     assert heads("fp8_paged_mqa_logits", 2) == {32, 64}
     assert heads("fp8_paged_mqa_topk", 2) == {32, 64}
+    assert heads("fp8_mqa_topk", 1) == {32, 64}
     # The indexer's real ranges: act_quant payloads reach e4m3's 448 in queries and keys.
-    for contract in ("fp8_mqa_logits", "fp8_paged_mqa_logits", "fp8_paged_mqa_topk"):
+    for contract in ("fp8_mqa_logits", "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk"):
         q_max = max(float(golden[f"{c['contract']}.{c['case']}.q"].float().abs().max())
                     for c in manifest["cases"] if c["contract"] == contract)
         assert q_max == 448.0, contract
     assert heads("flash_mla_sparse_fwd", 1) == {64, 128}
+    assert heads("sparse_mla_q8kv8_prefill_fwd", 1) == {64, 128}
     assert heads("flash_mla_sparse_decode", 2) == {64, 128}
     # A prefix: some row sees more keys than the request has query rows.
     assert any(int((golden[f"fp8_mqa_logits.{c}.cu_seqlen_ke"] - golden[f"fp8_mqa_logits.{c}.cu_seqlen_ks"]).max())
@@ -161,10 +163,11 @@ def test_golden_cases_are_the_case_tables_edge_and_random_cases(loaded):
 NOT_IN_CONVENTION = {"sep2025": ("attn_sink", "topk_length")}
 
 CONTRACTS_ALL = (
-    "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "fp8_mqa_logits",
-    "fp8_paged_mqa_logits", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
+    "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "kv_cache_cast_to_fp4", "fp8_mqa_logits",
+    "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
     "topk_transform_paged",
-    "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "flash_mla_sparse_decode",
+    "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "sparse_mla_q8kv8_prefill_fwd",
+    "flash_mla_sparse_decode",
 )
 
 

@@ -9,7 +9,9 @@ always built on the CPU; the checker moves them to the kernel's device.
 Size tables (``SHAPES``): ``"small"`` for CPU runs (head counts 8-32, top-k 16-128, a few hundred
 keys); ``"glm-5.3"`` for GPU runs with GLM-5.3 / DeepSeek-V3.2 head counts (32 / 64 index heads,
 64 / 128 MLA heads), index_topk 2048, their softmax scales, and contexts of a few thousand keys;
-``"golden"`` (the golden vectors') those head counts and scales over the small contexts.
+``"golden"`` (the golden vectors') those head counts and scales over the small contexts;
+``"tp"`` the tensor-parallel shards' head counts (index 8-64, MLA 8-128) and top-k 256-2048 over
+the GLM-5.3 contexts, ``"h8"`` … ``"h128"`` one shard's head count each.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from glm_dsa.testing.metrics import (
     DECODE_LSE_TOL,
     DECODE_OUT_TOL,
     HADAMARD_TOL,
+    Q8KV8_OUT_TOL,
     SPARSE_OUT_TOL,
     SPARSE_STAT_TOL,
     TOPK_REL_TOL,
@@ -37,7 +40,8 @@ from glm_dsa.testing.metrics import (
 
 __all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "NEWEST", "Case", "clauses", "conventions",
            "convention_of", "expected_outputs", "invalid_indices", "index_queries", "index_weights",
-           "Pick", "edge_case_names", "make_case", "build_case"]
+           "Pick", "edge_case_names", "make_case", "build_case", "topk_scores", "TP_TOPK",
+           "positions_of_slots"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -67,6 +71,18 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES["golden"] = {**SHAPES["small"], **{k: SHAPES["glm-5.3"][k] for k in
                                           ("index_heads", "mla_heads", "sm_scale")},
                     "mla_topk": (128, 256)}
+
+# Tensor-parallel shards: DeepSeek-V3.2 at TP8 holds 16 MLA heads per rank, GLM-5.3 8;
+# flashinfer-bench's DSA definitions are h16 (attention) and h64 (indexer) with top-k 256 and
+# 2048. Index heads stop at 64: DeepGEMM 54e2261 (csrc/apis/attention.hpp) takes 8/16/32/64 on
+# SM100 and 32/64 on SM90. FlashMLA 9241ae3 instantiates its sparse kernels for h_q 64 and 128
+# (csrc/api/sparse_fwd.h); a shard of 8 or 16 heads is padded to 64 by its caller, so the
+# contract is the same at any head count. "tp" draws every count; "h<N>" pins one shard.
+TP_TOPK = (256, 512, 1024, 2048)
+SHAPES["tp"] = {**SHAPES["glm-5.3"], "index_heads": (8, 16, 32, 64),
+                "mla_heads": (8, 16, 32, 64, 128), "topk": TP_TOPK, "mla_topk": TP_TOPK}
+for _h in (8, 16, 32, 64, 128):
+    SHAPES[f"h{_h}"] = {**SHAPES["tp"], "index_heads": (min(_h, 64),), "mla_heads": (_h,)}
 
 # FlashMLA's sparse prefill tests draw q and kv as randn / 10 (docs/conventions.md §7).
 MLA_INPUT_STD = 0.1
@@ -205,6 +221,24 @@ def _kv_cache_cast(g, pick, shp, edge):
     return (k.to(torch.bfloat16),), {}, {}
 
 
+def _kv_cache_cast_fp4(g, pick, shp, edge):
+    num_blocks, head_dim = pick.int(1, 3), pick.choice((64, 128, 128))
+    if edge is not None:
+        num_blocks, head_dim = 1, 64 if edge == "head_dim_64" else INDEX_DIM
+    k = _randn(g, num_blocks, PAGE, 1, head_dim) * torch.exp(_randn(g, num_blocks, PAGE, 1, 1))
+    if edge == "midpoint_ties":
+        # Every e2m1 midpoint (and its negative) times the block's power-of-two scale: amax 6
+        # pins the scale at 1, so each value lies exactly between two codes.
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+        k[0, :, 0, :32] = torch.cat([ties, -ties, ties, -ties])[torch.randperm(32, generator=g)]
+    if edge == "zero_key":
+        k[0, 7] = 0.0
+    if edge == "power_of_two_amax":
+        k[0, :, 0, :32] = k[0, :, 0, :32].clamp(-5.9, 5.9)
+        k[0, :, 0, 0] = 6.0 * 2.0 ** torch.randint(-6, 6, (PAGE,), generator=g).float()
+    return (k.to(torch.bfloat16),), {}, {}
+
+
 # --------------------------------------------------------------------------- indexer logits
 def index_queries(g: torch.Generator, lead: tuple[int, ...], heads: int,
                   aligned: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -311,9 +345,49 @@ def _paged_logits(g, pick, shp, edge):
     return args, kwargs, {"mask": torch.isfinite(oracle.fp8_paged_mqa_logits(*args))}
 
 
+def topk_scores(contract: str, args: tuple) -> dict[str, Tensor]:
+    """The aux tensors ``topk_margin`` reads for a fused top-k call: float64 scores of every
+    key (``scores``, the logits oracle with float64 gates) and each row's range
+    (``row_starts``, ``row_ends``; a paged row's positions start at 0)."""
+    if contract == "fp8_mqa_topk":
+        q, kv, weights, ks, ke, _ = args
+        return {"scores": oracle.fp8_mqa_logits(q, kv, weights.double(), ks, ke),
+                "row_starts": ks, "row_ends": ke}
+    q, kv_cache, weights, ctx, table, _ = args
+    ends = oracle.visible_lens(ctx, q.shape[1])
+    width = _ceil_page(max(int(ctx.max()), 1))
+    scores = oracle.fp8_paged_mqa_logits(q, kv_cache, weights.double(), ctx, table, width)
+    return {"scores": scores, "row_starts": torch.zeros_like(ends), "row_ends": ends}
+
+
+def _mqa_topk(g, pick, shp, edge):
+    heads, topk = pick.choice(shp["index_heads"]), pick.choice(shp["topk"])
+    requests = [(pick.int(0, shp["max_prefix"]), pick.int(1, shp["max_extend"]))
+                for _ in range(pick.int(1, 3))]
+    if edge == "window_shorter_than_k":
+        requests = [(topk - 4, 3)]  # rows see k - 3, k - 2, k - 1 keys
+    if edge == "window_k_and_k_plus_1":
+        requests = [(topk - 1, 2)]
+    if edge == "second_request":
+        requests = [(topk + 20, 2), (2 * topk + 5, 3)]  # rows of the second start past key 0
+    if edge in ("tied_keys", "empty_window"):
+        requests = [(2 * topk + 37, 2)]
+    ks, ke, s_kv = ragged_rows(requests)
+    if edge == "empty_window":
+        ke[0] = ks[0]
+    keys = _index_keys(g, s_kv)
+    if edge == "tied_keys":  # every key one of eight: many keys share the k-th score exactly
+        keys = keys[torch.randint(0, 8, (s_kv,), generator=g)]
+    k_fmt = pick.choice((None, "ue8m0"))
+    k_fp8, k_scale = oracle.act_quant(keys, INDEX_DIM, k_fmt)
+    q, q_scale = index_queries(g, (len(ks),), heads)
+    args = (q, (k_fp8, k_scale[:, 0]), index_weights(g, q_scale), ks, ke, topk)
+    return args, {}, topk_scores("fp8_mqa_topk", args)
+
+
 def _paged_topk(g, pick, shp, edge):
     heads, topk = pick.choice(shp["index_heads"]), pick.choice(shp["topk"])
-    next_n = pick.choice((1, 2))
+    next_n = pick.choice(shp.get("next_n", (1, 2)))
     lens = [pick.int(next_n, shp["max_context"]) for _ in range(pick.int(1, 3))]
     if edge == "context_shorter_than_k":
         next_n, lens = 1, [topk - 1, 1]
@@ -326,12 +400,8 @@ def _paged_topk(g, pick, shp, edge):
     # tied_keys: every key is one of eight, so many positions share the k-th score exactly.
     distinct = 8 if edge == "tied_keys" else None
     kv_cache, table, q, weights = _paged_inputs(g, lens, next_n, heads, distinct=distinct)
-    ctx = _i32(lens)
-    args = (q, kv_cache, weights, ctx, table, topk)
-    ends = oracle.visible_lens(ctx, next_n)
-    width = _ceil_page(max(lens))
-    scores = oracle.fp8_paged_mqa_logits(q, kv_cache, weights.double(), ctx, table, width)
-    return args, {}, {"scores": scores, "row_starts": torch.zeros_like(ends), "row_ends": ends}
+    args = (q, kv_cache, weights, _i32(lens), table, topk)
+    return args, {}, topk_scores("fp8_paged_mqa_topk", args)
 
 
 def _logits_checks(call: dict) -> dict:
@@ -500,6 +570,43 @@ def _sparse_fwd(g, pick, shp, edge):
     return (q, kv, indices, sm_scale), kwargs, {}
 
 
+def per_tensor_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(e4m3 payload, float32 [1] scale) of ``x`` with one scale for the tensor, amax / 448:
+    how the Q8KV8 cases quantize q and kv (SGLang's test casts with scale 1, the unit_scales
+    case)."""
+    scale = (x.float().abs().amax().clamp_min(1e-4) / 448.0).reshape(1)
+    return (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def _q8kv8(g, pick, shp, edge):
+    heads, sm_scale = pick.choice(shp["mla_heads"]), pick.choice(shp["sm_scale"])
+    topk = pick.choice(tuple(k for k in shp["mla_topk"] if k % 128 == 0) or (128,))
+    s_q, s_kv = pick.int(1, shp["max_s_q"]), pick.int(1, max(shp["max_kv"], topk))
+    extras, d_qk = pick.choice((False, True)), pick.choice((oracle.MLA_DIM, oracle.MLA_DIM, 512))
+    if edge is not None:
+        s_q, s_kv, extras, d_qk = 3, topk + 50, edge == "attn_sink_and_topk_length", oracle.MLA_DIM
+    if edge == "no_rope_512":
+        d_qk = 512
+    q = _randn(g, s_q, heads, d_qk, std=MLA_INPUT_STD)
+    kv = _randn(g, s_kv, 1, d_qk, std=MLA_INPUT_STD)
+    (q_fp8, q_scale), (kv_fp8, kv_scale) = per_tensor_fp8(q), per_tensor_fp8(kv)
+    if edge == "unit_scales":  # SGLang's test: a plain cast, both scales 1
+        q_fp8, kv_fp8 = q.to(torch.float8_e4m3fn), kv.to(torch.float8_e4m3fn)
+        q_scale, kv_scale = torch.ones(1), torch.ones(1)
+    indices = _prefill_indices(g, s_q, s_kv, topk)
+    if edge == "invalid_indices":
+        indices[0, 0, 3:9] = _i32(list(invalid_indices(s_kv)))
+    if edge == "lonely_row":
+        indices[1] = -1
+    kwargs = {}
+    if extras:
+        kwargs["attn_sink"] = _randn(g, heads)
+        kwargs["topk_length"] = torch.randint(0, topk + 1, (s_q,), generator=g).to(torch.int32)
+        if edge == "attn_sink_and_topk_length":
+            kwargs["topk_length"][:2] = _i32([0, topk // 2 + 1])
+    return (q_fp8, kv_fp8, indices, sm_scale, q_scale, kv_scale), kwargs, {}
+
+
 def _sparse_decode(g, pick, shp, edge):
     heads, topk = pick.choice(shp["mla_heads"]), pick.choice(shp["mla_topk"])
     b, s_q, num_blocks = pick.int(1, 3), pick.int(1, 2), pick.int(1, max(2, topk // PAGE + 1))
@@ -563,6 +670,11 @@ def _topk_checks(call: dict) -> dict:
                         "pad": call.get("pad", -1)}}
 
 
+def _margin_checks(call: dict) -> dict:
+    return {"indices": {"metric": "topk_margin", "scores": "scores", "row_starts": "row_starts",
+                        "row_ends": "row_ends", "rel_tol": TOPK_REL_TOL}}
+
+
 CONTRACTS: dict[str, Contract] = {
     "hadamard_transform": Contract(
         _hadamard, {
@@ -589,6 +701,15 @@ CONTRACTS: dict[str, Contract] = {
         _same("bitwise", "kv_cache", region_dims=3, regions=[["payload", 0, PAGE * INDEX_DIM],
               ["scales", PAGE * INDEX_DIM, PAGE * (INDEX_DIM + 4)]]),
         {"kv_cache": (torch.uint8,)}),
+    "kv_cache_cast_to_fp4": Contract(
+        _kv_cache_cast_fp4, {
+            "midpoint_ties": "a value on an e2m1 midpoint takes the smaller magnitude (0.75 -> 0.5, "
+                             "5 -> 4), as DeepGEMM's helper does; not the even code",
+            "zero_key": "an all-zero key takes the 1e-4 amax floor: exponent byte 2^ceil(log2(1e-4/6))",
+            "power_of_two_amax": "amax = 6 * 2^k: the scale is 2^k exactly (ceil of an exact power)",
+            "head_dim_64": "64 dims: two exponent bytes per token, the other two 127 (1.0)",
+        },
+        _same("bitwise", "kv_cache"), {"kv_cache": (torch.uint8,)}),
     "fp8_mqa_logits": Contract(
         _mqa_logits, {
             "empty_window": "a row with ke == ks sees no key: every entry -inf",
@@ -617,6 +738,17 @@ CONTRACTS: dict[str, Contract] = {
                                 "65504; the kernel accumulates in float32",
         },
         _logits_checks, {"logits": (_F32, _BF16)}),
+    "fp8_mqa_topk": Contract(
+        _mqa_topk, {
+            "window_shorter_than_k": "rows that see fewer than k keys: each key once (relative "
+                                     "to ks), then -1",
+            "window_k_and_k_plus_1": "exactly k keys (all of them), and k + 1 (one left out)",
+            "second_request": "rows of a second request: positions relative to its ks, not "
+                              "key numbers",
+            "empty_window": "a row with ke == ks: all -1",
+            "tied_keys": "eight distinct keys: keys of equal score are interchangeable",
+        },
+        _margin_checks, {"indices": (torch.int32,)}),
     "fp8_paged_mqa_topk": Contract(
         _paged_topk, {
             "context_shorter_than_k": "rows that see fewer than k positions: each position "
@@ -625,10 +757,7 @@ CONTRACTS: dict[str, Contract] = {
             "mtp_rows": "next_n=2: row (b, j) ranks positions <= ctx_b - 2 + j",
             "tied_keys": "eight distinct keys: positions of equal score are interchangeable",
         },
-        lambda call: {"indices": {"metric": "topk_margin", "scores": "scores",
-                                  "row_starts": "row_starts", "row_ends": "row_ends",
-                                  "rel_tol": TOPK_REL_TOL}},
-        {"indices": (torch.int32,)}),
+        _margin_checks, {"indices": (torch.int32,)}),
     "topk_per_row": Contract(
         _topk, {
             "ties_at_kth": "the k-th value tied with unselected columns: any of them may be taken",
@@ -689,6 +818,20 @@ CONTRACTS: dict[str, Contract] = {
                       "max_logits": {"metric": "allclose", **SPARSE_STAT_TOL},
                       "lse": {"metric": "allclose", **SPARSE_STAT_TOL}},
         {"out": (_BF16, _F32), "max_logits": (_F32,), "lse": (_F32,)}),
+    "sparse_mla_q8kv8_prefill_fwd": Contract(
+        _q8kv8, {
+            "unit_scales": "q and kv cast to e4m3 with scales 1 (SGLang's test and serving cast)",
+            "invalid_indices": "INT32_MIN, -123456, -1, s_kv, s_kv + 55, INT32_MAX are skipped",
+            "lonely_row": "a row with no valid index: out 0, max_logits -inf, lse +inf",
+            "attn_sink_and_topk_length": "attn_sink and topk_length together (the kernel's full "
+                                         "path): out normalised by logaddexp(lse, sink), entries "
+                                         "at or past topk_length skipped",
+            "no_rope_512": "d_qk = 512: q and kv without RoPE dims",
+        },
+        lambda call: {"out": {"metric": "allclose", **Q8KV8_OUT_TOL},
+                      "max_logits": {"metric": "allclose", **SPARSE_STAT_TOL},
+                      "lse": {"metric": "allclose", **SPARSE_STAT_TOL}},
+        {"out": (_BF16, _F32), "max_logits": (_F32,), "lse": (_F32,)}),
     "flash_mla_sparse_decode": Contract(
         _sparse_decode, {
             "lonely_entry": "a query with no valid slot: out 0, lse +inf",
@@ -743,7 +886,9 @@ def _contract(name: str) -> Contract:
     return CONTRACTS[name]
 
 
-def _shapes(name: str) -> dict:
+def _shapes(name: str | dict) -> dict:
+    if isinstance(name, dict):  # a table of its own (a flashinfer-bench definition's axes)
+        return name
     if name not in SHAPES:
         raise ValueError(f"unknown shapes {name!r}; one of: {', '.join(SHAPES)}")
     return SHAPES[name]
@@ -764,7 +909,7 @@ def _mix(seed: int, *parts) -> int:
     return (seed * 0x9E3779B97F4A7C15 + zlib.crc32(text.encode())) % 2**63
 
 
-def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
+def build_case(contract: str, pick: Pick, data_seed: int, shapes: str | dict = "small",
                edge: str | None = None, name: str | None = None,
                kernel_options: dict | None = None) -> Case:
     """A case of ``contract`` with sizes from ``pick`` and tensor values from ``data_seed``.
@@ -790,6 +935,23 @@ def build_case(contract: str, pick: Pick, data_seed: int, shapes: str = "small",
                 spec.dtypes, aux, clause=spec.edges.get(edge, "") if edge else "", pinned=tuple(opts))
 
 
+def positions_of_slots(slots: Tensor, block_table: Tensor, block_size: int, next_n: int = 1) -> Tensor:
+    """int64 ``[R, k]`` positions in each row's request of physical slots
+    ``block * block_size + offset`` (row r belongs to request ``r // next_n``; a block listed
+    twice, as block 0 in a table's unused tail, is its first entry); ``-1`` stays; a slot
+    outside the request's blocks becomes ``2**31 - 1`` (a position no row has)."""
+    out = torch.full(slots.shape, -1, dtype=torch.int64)
+    for r in range(slots.shape[0]):
+        where: dict[int, int] = {}
+        for i, b in enumerate(block_table[r // next_n].tolist()):
+            where.setdefault(int(b), i)  # the first: a table's unused tail repeats block 0
+        for j, v in enumerate(slots[r].tolist()):
+            if v >= 0:
+                logical = where.get(v // block_size)
+                out[r, j] = 2**31 - 1 if logical is None else logical * block_size + v % block_size
+    return out
+
+
 def expected_outputs(case: Case) -> tuple[Tensor, ...]:
     """The oracle's outputs on ``case`` (CPU), in the order of ``case.checks``."""
     fn = getattr(oracle, case.contract)
@@ -800,7 +962,7 @@ def expected_outputs(case: Case) -> tuple[Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str = "small",
+def make_case(contract: str, which: str | int, *, seed: int = 0, shapes: str | dict = "small",
               **kernel_options) -> Case:
     """Edge case ``which`` (a name) or random case number ``which`` (an int) of ``check_kernel``'s
     run with ``seed`` and ``shapes``; the same inputs as that run."""

@@ -34,7 +34,7 @@ from glm_dsa.testing.mistakes import diagnose
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Worst", "CheckReport", "check_case", "check_kernel", "run_checks",
            "expected_outputs", "kernel_outputs", "verdicts_of", "failure_context",
-           "resolve_convention", "takes_keywords"]
+           "resolve_convention", "takes_keywords", "call_kernel", "to_device"]
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -125,13 +125,14 @@ class _MetricFailure(AssertionError):
         self.output, self.verdict = output, verdict
 
 
-def _to(x, device):
+def to_device(x, device):
+    """``x``'s tensors moved to ``device``, through tuples, lists and dicts."""
     if isinstance(x, Tensor):
         return x.to(device)
     if isinstance(x, (tuple, list)):
-        return type(x)(_to(v, device) for v in x)
+        return type(x)(to_device(v, device) for v in x)
     if isinstance(x, dict):
-        return {k: _to(v, device) for k, v in x.items()}
+        return {k: to_device(v, device) for k, v in x.items()}
     return x
 
 
@@ -208,7 +209,7 @@ def takes_keywords(fn: Callable, names: tuple[str, ...] | list[str]) -> bool:
                                for n in names)
 
 
-def _call(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, device) -> Any:
+def call_kernel(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, device) -> Any:
     """``fn(*args, **kwargs)`` within ``timeout`` seconds; raises _KernelFailure's reason text as
     RuntimeError for a hang, an exit or an exception."""
     box: dict[str, Any] = {}
@@ -262,7 +263,7 @@ def kernel_outputs(case: Case, fn: Callable, *, device: str | torch.device = "cp
     def fail(reason: str) -> _KernelFailure:
         return _KernelFailure(f"{where}: {reason}{again}", reason)
 
-    args, all_kwargs = _to(case.args, device), _to(case.kwargs, device)
+    args, all_kwargs = to_device(case.args, device), to_device(case.kwargs, device)
     try:
         names = _kernel_kwargs(fn, case)
     except ValueError as e:
@@ -273,7 +274,7 @@ def kernel_outputs(case: Case, fn: Callable, *, device: str | torch.device = "cp
     watch = torch.device(device).type != "meta"  # meta tensors hold no bytes to compare
     before = [t.clone() for _, t in inputs] if watch else []
     try:
-        got = _call(fn, args, kwargs, timeout, device)
+        got = call_kernel(fn, args, kwargs, timeout, device)
     except RuntimeError as e:
         raise fail(str(e)) from None
     if watch:

@@ -154,12 +154,22 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("kernel", metavar="MODULE:FUNCTION",
                    help="the kernel, e.g. mypkg.kernels:fp8_mqa_logits or ./my_kernel.py:fn")
-    p.add_argument("--contract", required=True, metavar="NAME",
-                   help="the glm_dsa.oracle function the kernel implements, e.g. fp8_mqa_logits")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--contract", metavar="NAME",
+                      help="the glm_dsa.oracle function the kernel implements, e.g. fp8_mqa_logits")
+    what.add_argument("--definition", metavar="DEF.json",
+                      help="a flashinfer-bench definition the kernel implements (its inputs "
+                      "positionally, its outputs returned): the DSA indexer and sparse attention "
+                      "ones map to their contracts, conventions and cases at its constant axes")
+    p.add_argument("--against-reference", action="store_true",
+                   help="with --definition: also run the definition's own reference on every case "
+                   "and report how far it is from the oracle")
     p.add_argument("--cases", type=int, default=50, metavar="N",
                    help="cases in all, edge cases included (default 50)")
     p.add_argument("--shapes", default="small", metavar="NAME",
-                   help="size table: small (CPU), golden or glm-5.3 (GPU) (default small)")
+                   help="size table: small (CPU), golden or glm-5.3 (GPU); tp (every tensor-parallel "
+                   "shard: heads 8-128, top-k 256-2048) or h8, h16, h32, h64, h128 (one shard) "
+                   "(default small)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random cases")
     _common(p)
     p.set_defaults(func=run)
@@ -223,6 +233,11 @@ def run(args: argparse.Namespace) -> int:
     from glm_dsa.testing.cases import CONTRACTS, SHAPES
     from glm_dsa.testing.check import run_checks
 
+    if args.definition is not None:
+        return _run_definition(args)
+    if args.against_reference:
+        raise ValueError("--against-reference goes with --definition (a definition carries the "
+                         "reference it runs)")
     if args.contract not in CONTRACTS:
         raise ValueError(f"unknown contract {args.contract!r}; one of: {', '.join(CONTRACTS)}")
     if args.shapes not in SHAPES:
@@ -235,22 +250,56 @@ def run(args: argparse.Namespace) -> int:
     fn = load_kernel(args.kernel)
     report = run_checks(args.contract, fn, cases=args.cases, seed=args.seed, device=args.device,
                         shapes=args.shapes, timeout=_timeout(args), **options)
+    return _print_check(args, args.contract, report)
+
+
+def _run_definition(args: argparse.Namespace) -> int:
+    """``check --definition``: the definition's contract, cases at its constant axes."""
+    from glm_dsa.testing.definitions import check_definition, definition_map, load_definition
+
+    given = [f for f, (dest, *_) in _OPTION_FLAGS.items() if getattr(args, dest) is not None]
+    if args.convention is not None or given:
+        raise ValueError(f"{(['--convention'] if args.convention else given)[0]} does not go with "
+                         f"--definition: the definition fixes its convention")
+    if args.shapes != "small":
+        raise ValueError("--shapes does not go with --definition: its constant axes set the shapes")
+    if args.cases < 1:
+        raise ValueError(f"--cases {args.cases} must be at least 1")
+    defn = load_definition(args.definition)
+    definition_map(defn)
+    _check_common(args)
+    fn = load_kernel(args.kernel)
+    report, reference = check_definition(defn, fn, cases=args.cases, seed=args.seed,
+                                         device=args.device, timeout=_timeout(args),
+                                         against_reference=args.against_reference)
+    if args.json:
+        return _print_check(args, defn.name, report, {"definition": defn.name,
+                                                      "reference": reference})
+    for line in reference:
+        print(line)
+    return _print_check(args, defn.name, report)
+
+
+def _print_check(args: argparse.Namespace, name: str, report, extra: dict | None = None) -> int:
+    """Print a check report (or its JSON, with ``extra``), write its JUnit XML; the status."""
     if args.junit_xml is not None:
-        _write_junit(args.junit_xml, f"glm-dsa check {args.contract}",
-                     [(f"{args.contract}.{case}", ok, message) for case, ok, message in report.results])
+        _write_junit(args.junit_xml, f"glm-dsa check {name}",
+                     [(f"{name}.{case}", ok, message) for case, ok, message in report.results])
     if args.json:
         print(json.dumps({"schema": CHECK_SCHEMA, "kernel": args.kernel, "shapes": args.shapes,
-                          "seed": args.seed, **report.to_json()}, indent=2))
+                          "seed": args.seed, **report.to_json(), **(extra or {})}, indent=2))
         return 0 if report.passed else 1
     for line in report.lines():
         print(line)
     if report.skipped:
-        print(f"skipped {len(report.skipped)} cases under {report.convention} (the convention lacks "
-              f"them, or the oracle refuses its options there): {', '.join(report.skipped)}")
+        why = ("the definition cannot state them" if report.convention.startswith("definition ")
+               else "the convention lacks them, or the oracle refuses its options there")
+        print(f"skipped {len(report.skipped)} cases under {report.convention} ({why}): "
+              f"{', '.join(report.skipped)}")
     if report.failure is not None:
         print(f"FAIL: {report.failure}")
         return 1
-    print(f"PASS: {args.kernel} matches {args.contract} on {report.summary()}")
+    print(f"PASS: {args.kernel} matches {name} on {report.summary()}")
     return 0
 
 

@@ -22,7 +22,14 @@ import torch
 from torch import Tensor
 
 from glm_dsa import oracle
-from glm_dsa.testing.cases import CONTRACTS, Case, conventions, expected_outputs
+from glm_dsa.testing.cases import (
+    CONTRACTS,
+    Case,
+    conventions,
+    expected_outputs,
+    positions_of_slots,
+    topk_scores,
+)
 from glm_dsa.testing.metrics import FLOAT16_MAX, check_tensor
 
 __all__ = ["Mistake", "MISTAKES", "diagnose"]
@@ -132,6 +139,29 @@ _SPARSE = (
 )
 
 
+def _scale_changed(name: str, f: Callable[[Tensor], Tensor]) -> Variant:
+    return lambda case: _with_args(case, **{name: f(case.kwargs.get(name, _arg(case, name)))})
+
+
+def _arg(case: Case, name: str):
+    return case.args[list(inspect.signature(getattr(oracle, case.contract)).parameters).index(name)]
+
+
+_Q8KV8 = (
+    Mistake("q_scale is applied twice (the scores carry q_scale^2): the values are "
+            "q.float() * q_scale, once", _scale_changed("q_scale", lambda s: s * s)),
+    Mistake("q_scale is not applied: the values are q.float() * q_scale",
+            _scale_changed("q_scale", torch.ones_like)),
+    Mistake("kv_scale is not applied: keys and values are kv.float() * kv_scale",
+            _scale_changed("kv_scale", torch.ones_like)),
+    Mistake("kv_scale is applied twice (keys and values carry kv_scale^2)",
+            _scale_changed("kv_scale", lambda s: s * s)),
+    Mistake("the scores are scaled by 1/sqrt(d_qk), not by the sm_scale argument",
+            lambda case: _with_args(case, sm_scale=case.args[0].shape[-1] ** -0.5)),
+    Mistake("-1 is read as key 0: an index < 0 is invalid and skipped", _minus_one_as_zero),
+)
+
+
 def _decode_minus_one_as_zero(case: Case) -> Case | None:
     idx = case.args[2]
     return _with_args(case, indices=torch.where(idx == -1, 0, idx)) if bool((idx == -1).any()) else None
@@ -154,7 +184,7 @@ _DECODE = (
 def _max_dot(case: Case) -> float:
     """The largest |q · k| of FP8 payloads the case's kernel must form."""
     q = case.args[0].float()
-    if case.contract == "fp8_mqa_logits":
+    if isinstance(case.args[1], tuple):
         k = case.args[1][0].float()
     else:
         cache = case.args[1]
@@ -176,7 +206,7 @@ def _overflowed(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Te
 
 
 def _k_scales(case: Case, f: Callable[[Tensor], Tensor]) -> Case:
-    if case.contract == "fp8_mqa_logits":
+    if isinstance(case.args[1], tuple):  # ragged: (k_fp8, k_scale)
         k_fp8, k_scale = case.args[1]
         return _with_args(case, kv=(k_fp8, f(k_scale)))
     cache = case.args[1].clone()
@@ -207,6 +237,84 @@ _LOGITS = (
     Mistake("the key scales are applied twice", lambda case: _k_scales(case, lambda s: s * s)),
     Mistake("the head gates (weights) are not applied: each head's ReLU score is weighted",
             lambda case: _with_args(case, weights=torch.ones_like(case.args[2]))),
+)
+
+
+# ----------------------------------------------------------------------------- fused top-k
+def _ranks(made: Callable[[Case], dict[str, Tensor] | None]) -> Callable[..., bool]:
+    """A fused top-k mistake as a test of the outputs: the kernel's indices pass the contract's
+    ``topk_margin`` against the scores and row ranges of the mistaken computation ``made(case)``
+    (the margin metric reads the scores, not one expected selection)."""
+    def matches(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> bool:
+        aux = made(case) if "indices" in got else None
+        if aux is None:
+            return False
+        spec = case.checks["indices"]
+        refs = {spec[k]: aux[k] for k in ("scores", "row_starts", "row_ends")}
+        return check_tensor(spec, got["indices"], expected["indices"], refs.__getitem__).passed
+    return matches
+
+
+def _scored(change: Callable[[Case], Case]) -> Callable[[Case], dict[str, Tensor]]:
+    return lambda case: topk_scores(case.contract, change(case).args)
+
+
+def _no_relu_scores(case: Case) -> dict[str, Tensor]:
+    """Scores without the ReLU: relu(x) - relu(-x) = x, the scores on q minus those on -q."""
+    q = case.args[0]
+    pos = topk_scores(case.contract, case.args)
+    neg = topk_scores(case.contract, ((-q.float()).to(q.dtype), *case.args[1:]))["scores"]
+    return {**pos, "scores": torch.where(torch.isfinite(pos["scores"]), pos["scores"] - neg, -math.inf)}
+
+
+def _last_left_out(case: Case) -> dict[str, Tensor]:
+    aux = topk_scores(case.contract, case.args)
+    return {**aux, "row_ends": torch.maximum(aux["row_ends"] - 1, aux["row_starts"])}
+
+
+def _relative(convert: Callable[[Case, Tensor], Tensor | None]) -> Callable[..., bool]:
+    """The kernel's indices pass the contract once ``convert`` maps them back to positions."""
+    def matches(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> bool:
+        if "indices" not in got:
+            return False
+        back = convert(case, got["indices"].long())
+        if back is None:
+            return False
+        aux = case.aux.__getitem__
+        return check_tensor(case.checks["indices"], back.to(torch.int32), expected["indices"], aux).passed
+    return matches
+
+
+def _from_key_numbers(case: Case, idx: Tensor) -> Tensor | None:
+    ks = case.args[3].long()[:, None]
+    return torch.where(idx >= 0, idx - ks, idx) if bool((ks > 0).any()) else None
+
+
+def _from_slots(case: Case, idx: Tensor) -> Tensor:
+    """Physical slots (block * block_size + offset) back to positions through the block table."""
+    return positions_of_slots(idx, case.args[4], case.args[1].shape[1], case.args[0].shape[1])
+
+
+_TOPK = (
+    Mistake("each row's last key is never ranked (the row's range read as [start, end - 1)): "
+            "a row sees keys up to end - 1 inclusive", matches=_ranks(_last_left_out)),
+    Mistake("the ReLU is left out: each head's score is relu(q · k) before the gate",
+            matches=_ranks(_no_relu_scores)),
+    Mistake("the head gates (weights) are not applied: each head's ReLU score is weighted",
+            matches=_ranks(_scored(lambda c: _with_args(c, weights=torch.ones_like(c.args[2]))))),
+    Mistake("the key scales are not applied (each key's score needs its k_scale)",
+            matches=_ranks(_scored(lambda c: _k_scales(c, torch.ones_like)))),
+)
+
+_RAGGED_TOPK = _TOPK + (
+    Mistake("the indices are key numbers (ks + position): the contract's are relative to the "
+            "row's ks, as top_k_per_row_prefill returns them", matches=_relative(_from_key_numbers)),
+)
+
+_PAGED_TOPK = _TOPK + (
+    Mistake("the indices are physical slots (block * block_size + offset, flashinfer-bench's "
+            "output): the contract's are positions in the request (its --definition mapping "
+            "converts)", matches=_relative(_from_slots)),
 )
 
 
@@ -307,14 +415,62 @@ _INDEX_K_CACHE = (
 )
 
 
+def _fp4_pages(case: Case, *, swap: bool = False, gran: int = 32, ties_even: bool = False,
+               nearest: bool = False, interleaved: bool = False) -> dict[str, Tensor]:
+    """The MXFP4 index-K pages written with one mistake: nibbles swapped, scales per ``gran``
+    elements, midpoints to the even code, the exponent rounded to nearest, or 68-byte rows."""
+    k = case.args[0].float()
+    nb, bs, _, d = k.shape
+    gran = min(gran, d)  # a block wider than the key is the key (the helper pads with zeros)
+    x = k.reshape(nb * bs, d // gran, gran)
+    raw = x.abs().amax(-1).clamp_min(1e-4) / 6.0
+    exponent = torch.round(torch.log2(raw)) if nearest else torch.ceil(torch.log2(raw))
+    scaled = x / torch.exp2(exponent)[..., None]
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    distance = (scaled.abs()[..., None] - grid).abs()
+    # Ties: the lower code (argmin takes the first), or the code with an even index (cvt.rn).
+    magnitude = distance.argmin(-1)
+    if ties_even:
+        tie = (distance == distance.min(-1, keepdim=True).values).sum(-1) > 1
+        magnitude = torch.where(tie & (magnitude % 2 == 1), magnitude + 1, magnitude)
+    codes = (magnitude | (((scaled < 0) & (magnitude != 0)).long() << 3)).reshape(nb * bs, d // 2, 2)
+    lo, hi = (codes[..., 1], codes[..., 0]) if swap else (codes[..., 0], codes[..., 1])
+    packed = (lo | (hi << 4)).to(torch.uint8)
+    blocks = (exponent + 127).clamp(1, 254).to(torch.uint8).repeat_interleave(32 // gran if gran < 32 else 1, -1)
+    exponents = torch.full((nb * bs, 4), 127, dtype=torch.uint8)
+    exponents[:, : min(blocks.shape[1], 4)] = blocks[:, :4]
+    if interleaved:
+        return {"kv_cache": torch.cat([packed, exponents], 1).view(nb, bs, 1, d // 2 + 4)}
+    pages = torch.cat([packed.reshape(nb, -1), exponents.reshape(nb, -1)], 1)
+    return {"kv_cache": pages.view(nb, bs, 1, d // 2 + 4)}
+
+
+_FP4_CACHE = (
+    Mistake("the two codes of a byte are swapped: element 2i is the low nibble, 2i + 1 the high one",
+            lambda c: _fp4_pages(c, swap=True)),
+    Mistake("one ue8m0 scale per 128 elements (per_token_cast_to_fp4's default gran_k): the FP4 "
+            "index keys take one per 32", lambda c: _fp4_pages(c, gran=128)),
+    Mistake("midpoints round to the even code (a hardware cvt.rn): DeepGEMM's helper takes the "
+            "smaller magnitude (0.75 -> 0.5, 5 -> 4)", lambda c: _fp4_pages(c, ties_even=True)),
+    Mistake("the ue8m0 exponent is rounded to nearest: it is ceil(log2(amax / 6))",
+            lambda c: _fp4_pages(c, nearest=True)),
+    Mistake("tokens are written as interleaved 68-byte rows: a page is its codes for every token, "
+            "then the exponent words", lambda c: _fp4_pages(c, interleaved=True)),
+)
+
+
 # ----------------------------------------------------------------------------- the table
 MISTAKES: dict[str, tuple[Mistake, ...]] = {
     "act_quant": _ACT_QUANT,
     "kv_cache_cast_to_fp8": _INDEX_K_CACHE,
+    "kv_cache_cast_to_fp4": _FP4_CACHE,
     "fp8_mqa_logits": _LOGITS,
     "fp8_paged_mqa_logits": _LOGITS,
+    "fp8_mqa_topk": _RAGGED_TOPK,
+    "fp8_paged_mqa_topk": _PAGED_TOPK,
     "quantize_k_cache": _MLA_CACHE,
     "flash_mla_sparse_fwd": _SPARSE,
+    "sparse_mla_q8kv8_prefill_fwd": _Q8KV8,
     "flash_mla_sparse_decode": _DECODE,
 }
 
