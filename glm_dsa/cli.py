@@ -724,8 +724,10 @@ def _plot_steps(timeline, path: str, title: str) -> None:
 
 def _cmd_golden(args) -> int:
     from glm_dsa.outputs import check_output_dir
+    from glm_dsa.testing.cases import check_seed
     from glm_dsa.testing.golden import write_golden
 
+    check_seed(args.seed, "--seed")
     check_output_dir("--out", args.out)
     manifest = write_golden(args.out, seed=args.seed)
     cases: dict[str, int] = {}

@@ -375,14 +375,34 @@ def checkpoint_files(directory: str | os.PathLike) -> dict[str, str]:
     d = os.fspath(directory)
     index = os.path.join(d, INDEX_FILE)
     if os.path.isfile(index):
+        twice: list[str] = []
+
+        def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+            seen: dict = {}
+            for key, value in pairs:
+                if key in seen:
+                    twice.append(key)
+                seen[key] = value
+            return seen
+
         try:
             with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
+                weight_map = json.load(f, object_pairs_hook=unique_keys).get("weight_map")
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
             raise CheckpointError({INDEX_FILE: f"is not a JSON object with a weight_map ({e})"}, d) from None
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise CheckpointError({INDEX_FILE: "its weight_map is not a non-empty {tensor name: file name} object"}, d)
+        if twice:
+            raise CheckpointError({name: f"named twice in {INDEX_FILE}'s JSON; keep one entry"
+                                   for name in twice}, d)
+        # Lexically inside the directory (a hub cache's shards are symlinks to blobs elsewhere,
+        # so the check is on the names, not on where links lead).
+        outside = {file for file in weight_map.values()
+                   if os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] == os.pardir}
+        if outside:
+            raise CheckpointError({file: f"named by {INDEX_FILE} but outside the checkpoint directory; "
+                                         "a weight_map names files inside it" for file in outside}, d)
         absent: dict[str, int] = {}
         for file in weight_map.values():
             if not os.path.isfile(os.path.join(d, file)):

@@ -345,3 +345,35 @@ def test_a_checkpoint_loads_straight_to_cuda_as_on_the_cpu(tmp_path):
     gpu = load_checkpoint(tmp_path, dtype="bf16", device="cuda", layers="1:3")
     for (k, a), (k2, b) in zip(cpu.state_dict().items(), gpu.state_dict().items()):
         assert k == k2 and b.device.type == "cuda" and torch.equal(a, b.cpu()), k
+
+
+@pytest.mark.parametrize("name", ["../outside_dir/evil.safetensors", "/etc/hostname",
+                                  "sub/../../evil.safetensors"])
+def test_a_weight_map_naming_a_file_outside_the_directory_is_refused_before_reading(tmp_path, monkeypatch, name):
+    _write(tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["lm_head.weight"] = name
+    index_path.write_text(json.dumps(index))
+    (tmp_path.parent / "outside_dir").mkdir(exist_ok=True)
+    (tmp_path.parent / "outside_dir" / "evil.safetensors").write_bytes(b"not read")
+    _refuse_allocation(monkeypatch)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path)
+    assert str(err.value) == (f"checkpoint {tmp_path}: {name}: named by model.safetensors.index.json "
+                              "but outside the checkpoint directory; a weight_map names files inside it")
+
+
+def test_a_weight_map_naming_one_tensor_twice_is_refused(tmp_path, monkeypatch):
+    _write(tmp_path)
+    index_path = tmp_path / "model.safetensors.index.json"
+    text = index_path.read_text()
+    first = json.loads(text)["weight_map"]["lm_head.weight"]
+    # A second "lm_head.weight" entry: json.load alone would keep the later one silently.
+    text = text.replace('"weight_map": {', f'"weight_map": {{"lm_head.weight": "{first}", ', 1)
+    index_path.write_text(text)
+    _refuse_allocation(monkeypatch)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path)
+    assert str(err.value) == (f"checkpoint {tmp_path}: lm_head.weight: named twice in "
+                              "model.safetensors.index.json's JSON; keep one entry")

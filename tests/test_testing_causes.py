@@ -408,3 +408,48 @@ def test_pytest_shows_the_callers_line_not_the_harness_frames(tmp_path):
 def test_the_bf16_logits_bound_is_documented():
     text = open(os.path.join(REPO, "docs", "oracle.md")).read()
     assert CALC_DIFF_MAX_BF16 == 3e-5 and "`< 3e-5` for bf16 logits" in text
+
+
+# ------------------------------------------------------------------ seeds, timeouts, manifests
+@pytest.mark.parametrize("argv, error", [
+    (["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant", "--seed", "-1"],
+     "--seed=-1 must be an int from 0 to 2**63 - 1"),
+    (["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant", "--timeout", "inf"],
+     "--timeout inf must be a positive number of seconds, finite"),
+    (["golden", "--out", "unused_dir", "--seed", str(2**64)],
+     f"--seed={2**64} must be an int from 0 to 2**63 - 1"),
+])
+def test_seeds_and_timeouts_out_of_range_are_one_line_errors(argv, error, capsys, tmp_path,
+                                                              monkeypatch):
+    from glm_dsa import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert error in err and err.count("\n") == 1, err
+    assert not (tmp_path / "unused_dir").exists()
+    with pytest.raises(ValueError, match="seed=-1 must be an int"):
+        check_kernel("act_quant", oracle.act_quant, seed=-1)
+    with pytest.raises(ValueError, match="timeout=inf must be a positive number of seconds, finite"):
+        check_kernel("act_quant", oracle.act_quant, timeout=math.inf)
+
+
+def test_a_manifest_naming_a_file_outside_its_directory_is_refused(tmp_path):
+    """The manifest's own sha256 is no guard here (whoever edits it can recompute it): a files
+    entry must be a file name beside the manifest."""
+    import json
+
+    from glm_dsa.testing import golden
+
+    golden.write_golden(tmp_path / "g")
+    (tmp_path / "over").mkdir()
+    (tmp_path / "over" / "act_quant.safetensors").write_bytes(
+        (tmp_path / "g" / "act_quant.safetensors").read_bytes())
+    path = tmp_path / "g" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["files"]["../over/act_quant.safetensors"] = manifest["files"].pop("act_quant.safetensors")
+    manifest["manifest_sha256"] = golden._manifest_digest(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"its files entry '\.\./over/act_quant\.safetensors' is "
+                                         r"not a file name in"):
+        golden.load_golden(tmp_path / "g")

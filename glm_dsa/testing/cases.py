@@ -41,7 +41,7 @@ from glm_dsa.testing.metrics import (
 __all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "NEWEST", "Case", "clauses", "conventions",
            "convention_of", "expected_outputs", "invalid_indices", "index_queries", "index_weights",
            "Pick", "edge_case_names", "make_case", "build_case", "topk_scores", "TP_TOPK",
-           "positions_of_slots"]
+           "positions_of_slots", "check_seed"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -902,6 +902,14 @@ def edge_case_names(contract: str) -> tuple[str, ...]:
 def clauses(contract: str) -> dict[str, str]:
     """Each named edge case of ``contract`` and the contract clause it holds."""
     return dict(_contract(contract).edges)
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """``seed`` if it is an int in ``[0, 2**63)`` (what the case generators are seeded with);
+    else ValueError naming ``what``."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"{what}={seed!r} must be an int from 0 to 2**63 - 1")
+    return seed
 
 
 def _mix(seed: int, *parts) -> int:

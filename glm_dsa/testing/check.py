@@ -23,6 +23,7 @@ from glm_dsa import oracle
 from glm_dsa.testing.cases import (
     NEWEST,
     Case,
+    check_seed,
     convention_of,
     conventions,
     edge_case_names,
@@ -384,8 +385,10 @@ def run_checks(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
     if not isinstance(cases, int) or isinstance(cases, bool) or cases < 1:
         raise ValueError(f"cases={cases!r} must be an int >= 1 (every edge case of the contract "
                          f"runs whatever the number; cases counts them)")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or None")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, finite "
+                         f"(None: no limit)")
+    check_seed(seed)
     options, name = resolve_convention(contract, convention, kernel_options)
     edges = edge_case_names(contract)
     whichs: list[str | int] = list(edges) + list(range(max(cases - len(edges), 0)))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import xml.etree.ElementTree as ET
@@ -201,8 +202,8 @@ def _check_common(args) -> None:
     from glm_dsa.preflight import check_device
 
     check_device("--device", args.device)
-    if args.timeout is not None and not args.timeout > 0:
-        raise ValueError(f"--timeout {args.timeout:g} must be a positive number of seconds")
+    if args.timeout is not None and not 0 < args.timeout < math.inf:
+        raise ValueError(f"--timeout {args.timeout:g} must be a positive number of seconds, finite")
     if args.junit_xml is not None:
         check_output_file("--junit-xml", args.junit_xml)
 
@@ -230,7 +231,7 @@ def _write_junit(path: str, suite: str, cases: list[tuple[str, bool, str]]) -> N
 
 
 def run(args: argparse.Namespace) -> int:
-    from glm_dsa.testing.cases import CONTRACTS, SHAPES
+    from glm_dsa.testing.cases import CONTRACTS, SHAPES, check_seed
     from glm_dsa.testing.check import run_checks
 
     if args.definition is not None:
@@ -242,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown contract {args.contract!r}; one of: {', '.join(CONTRACTS)}")
     if args.shapes not in SHAPES:
         raise ValueError(f"unknown shapes {args.shapes!r}; one of: {', '.join(SHAPES)}")
+    check_seed(args.seed, "--seed")
     if args.cases < 1:
         raise ValueError(f"--cases {args.cases} must be at least 1 (the contract's edge cases "
                          f"always run; --cases counts them)")
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_definition(args: argparse.Namespace) -> int:
     """``check --definition``: the definition's contract, cases at its constant axes."""
+    from glm_dsa.testing.cases import check_seed
     from glm_dsa.testing.definitions import check_definition, definition_map, load_definition
 
     given = [f for f, (dest, *_) in _OPTION_FLAGS.items() if getattr(args, dest) is not None]
@@ -263,6 +266,7 @@ def _run_definition(args: argparse.Namespace) -> int:
                          f"--definition: the definition fixes its convention")
     if args.shapes != "small":
         raise ValueError("--shapes does not go with --definition: its constant axes set the shapes")
+    check_seed(args.seed, "--seed")
     if args.cases < 1:
         raise ValueError(f"--cases {args.cases} must be at least 1")
     defn = load_definition(args.definition)

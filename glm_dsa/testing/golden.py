@@ -41,6 +41,7 @@ from glm_dsa import oracle
 from glm_dsa.outputs import replace_dir
 from glm_dsa.testing.cases import (
     CONTRACTS,
+    check_seed,
     CONVENTIONS,
     NEWEST,
     Case,
@@ -95,8 +96,7 @@ def golden_cases(seed: int = 0) -> list[tuple[str, str, Case]]:
     cases of each contract, and its edge cases again under each convention of ``CONVENTIONS``
     (the default convention is ``""``); a case the pinned convention does not apply to (the
     oracle refuses it) is left out."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be a non-negative int")
+    check_seed(seed)
     out = []
     for contract in CONTRACTS:
         conventions: dict[str, dict] = {"": {}, **CONVENTIONS.get(contract, {})}
@@ -180,6 +180,7 @@ def write_golden(out_dir: str | os.PathLike, seed: int = 0) -> dict:
     Returns the manifest (also written). An existing ``out_dir`` holding files this function
     does not write is refused (ValueError) before any case is computed.
     """
+    check_seed(seed)
     out_dir = os.fspath(out_dir)
     if os.path.isdir(out_dir):
         ours = {MANIFEST, *(f"{c}.safetensors" for c in CONTRACTS)}
@@ -269,6 +270,11 @@ def load_golden(golden_dir: str | os.PathLike) -> tuple[dict, dict[str, Tensor]]
         raise ValueError(f"{path} was edited after it was written (its manifest_sha256 does not "
                          f"match its content); {again}")
     tensors: dict[str, Tensor] = {}
+    for name in manifest["files"]:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(f"{path}: its files entry {name!r} is not a file name in {golden_dir} "
+                             f"(the golden writer names <contract>.safetensors beside the "
+                             f"manifest); {again}")
     for name, info in sorted(manifest["files"].items()):
         file_path = os.path.join(golden_dir, name)
         if not os.path.isfile(file_path) or _sha256(file_path) != info["sha256"]:
