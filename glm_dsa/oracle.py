@@ -34,6 +34,7 @@ from glm_dsa.validate import (
     check_paged_kv_cache,
     check_slots_read,
     need,
+    paged_row_ends,
     shape_of,
 )
 from glm_dsa.kv_format import (
@@ -386,11 +387,9 @@ def fp8_paged_mqa_topk(
 
 def visible_lens(context_lens: Tensor, next_n: int) -> Tensor:
     """int32 ``[B * next_n]``: how many positions row ``(b, j)`` of a paged call sees
-    (``ctx_b − next_n + j + 1`` for 1-D ``context_lens``, ``context_lens[b, j]`` for 2-D)."""
-    ctx = context_lens.long()
-    if ctx.dim() == 1:
-        ctx = ctx[:, None] - next_n + 1 + torch.arange(next_n, device=ctx.device)[None, :]
-    return ctx.clamp_min(0).reshape(-1).to(torch.int32)
+    (``validate.paged_row_ends`` flattened: ``ctx_b − next_n + j + 1`` for 1-D ``context_lens``,
+    ``context_lens[b, j]`` for 2-D)."""
+    return paged_row_ends(context_lens, next_n).clamp_min(0).reshape(-1).to(torch.int32)
 
 
 # ------------------------------------------------------------------------- FP8 MLA cache

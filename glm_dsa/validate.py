@@ -18,6 +18,7 @@ from glm_dsa.kv_format import index_k_page_bytes
 
 __all__ = [
     "MAX_EXACT_DIM",
+    "paged_row_ends",
     "need",
     "shape_of",
     "check_index_vector",
@@ -116,6 +117,17 @@ def check_indexer_topk_inputs(q_fp8, weights, k_fp8, k_scale, ks, ke, topk) -> N
     need(isinstance(topk, int) and topk >= 1, f"topk={topk!r} must be a positive int")
 
 
+def paged_row_ends(context_lens: Tensor, next_n: int) -> Tensor:
+    """int64 ``[B, next_n]``: how many positions row ``(b, j)`` of a paged call sees.
+    ``context_lens [B]``: the last ``next_n`` context tokens are the step's queries, each seeing
+    itself (``ctx_b - next_n + j + 1``, at least 0); ``[B, next_n]``: the values themselves."""
+    ends = context_lens.long()
+    if context_lens.dim() == 1:
+        offsets = torch.arange(next_n, device=ends.device) - next_n + 1
+        ends = (ends[:, None] + offsets).clamp_min(0)
+    return ends
+
+
 def check_paged_inputs(
     q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
 ) -> Tensor:
@@ -166,10 +178,7 @@ def check_paged_inputs(
         ("block_table", block_table),
     ):
         need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
-    ends = context_lens.long()
-    if context_lens.dim() == 1:
-        # The last next_n context tokens are this step's queries, each seeing itself.
-        ends = (ends[:, None] - next_n + 1 + torch.arange(next_n, device=dev)).clamp_min(0)
+    ends = paged_row_ends(context_lens, next_n)
     bad = (ends < 0) | (ends > max_context_len)
     if bool(bad.any()):
         b, j = (int(v) for v in bad.nonzero()[0])

@@ -162,13 +162,8 @@ _Q8KV8 = (
 )
 
 
-def _decode_minus_one_as_zero(case: Case) -> Case | None:
-    idx = case.args[2]
-    return _with_args(case, indices=torch.where(idx == -1, 0, idx)) if bool((idx == -1).any()) else None
-
-
 _DECODE = (
-    Mistake("-1 is read as slot 0: a slot < 0 is skipped", _decode_minus_one_as_zero),
+    Mistake("-1 is read as slot 0: a slot < 0 is skipped", _minus_one_as_zero),
     Mistake("repeated slots are de-duplicated: a valid slot listed twice is attended twice",
             _deduplicated),
     Mistake("the scores are scaled by 1/sqrt(d_qk) = 1/24, not by the sm_scale argument",
