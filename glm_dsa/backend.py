@@ -143,6 +143,9 @@ class TritonBackend(Backend):
 
     name = "triton"
     graph_capturable = True
+    # Each kernel's result for a row is the row's own: the logits of a (row, key) pair, the exact
+    # top-k of a row's own logits, a query token's attention; the mode tiles the rest.
+    batch_invariant = True
 
     @classmethod
     def for_device(cls, device: torch.device) -> Backend:
@@ -249,10 +252,10 @@ def graph_capturable_names() -> list[str]:
     return [name for name, cls in _CLASSES.items() if cls.graph_capturable]
 
 
-def _auto(device: torch.device, batch_invariant: bool) -> str:
-    """The one ``auto`` rule: ``reference`` in batch-invariant mode, else ``triton`` on a CUDA
-    device when Triton imports, else ``reference``."""
-    if not batch_invariant and device.type == "cuda" and _triton_importable():
+def _auto(device: torch.device) -> str:
+    """The one ``auto`` rule: ``triton`` on a CUDA device when Triton imports, else
+    ``reference`` (both run batch-invariant mode)."""
+    if device.type == "cuda" and _triton_importable():
         return "triton"
     return "reference"
 
@@ -272,7 +275,7 @@ def get_backend(name: str | Backend, device: torch.device | str, dtype: torch.dt
     if isinstance(name, str):
         if name not in BACKENDS:
             raise ValueError(f"backend={name!r}: choose one of {', '.join(BACKENDS)}")
-        name = _auto(device, batch_invariant) if name == "auto" else name
+        name = _auto(device) if name == "auto" else name
         # Refused by the class's attribute, before anything is imported or built for it.
         _check_invariance(name, _CLASSES[name].batch_invariant, batch_invariant)
         backend = _CLASSES[name].for_device(device)

@@ -33,6 +33,16 @@ AVX-512 and AVX2 kernels; ``exp``, ``log``, ``rsqrt``, ``cos``/``sin`` and the e
 ``scripts/probe_gemm_invariance.py``, docs/determinism.md). ``row_wise(fn, x, keys)`` therefore runs a whole row-wise
 function, its GEMMs and its activations together, on the row tiles: the router's
 ``sigmoid(x Wᵀ)`` and the MLPs' SwiGLU.
+
+On CUDA the tiles need no placement. cuBLAS and ATen's CUDA kernels choose their kernel by the
+call's shape (at GLM-5.3's shapes on the H200 a row rounds differently in calls of up to 128 to
+2,048 rows than in a 16,384-row call: split-K and small-M kernels), but a call of one fixed
+shape gives a row the same bits whatever its place in the call and whatever the other rows hold
+(``scripts/probe_cuda_invariance.py``: shifted windows, zero padding and other neighbours, every
+projection, the router, the gates, the absorbed ``bmm`` and the norms' means, tiles of 512 to
+2,048 rows). So on CUDA the mode runs each row-wise product on consecutive tiles of exactly
+``CUDA_ROW_TILE`` rows (``fixed_tiled``): no keys, no host synchronisation, so a captured step
+(``glm_dsa.graphs``) runs it too. ``row_tile(device)`` is the tile of the device.
 """
 
 from __future__ import annotations
@@ -45,8 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["BATCH_TILE", "ROW_TILE", "batch_invariant", "active", "batch_tiled", "row_tiled",
-           "row_wise", "linear", "row_sum", "row_mean"]
+__all__ = ["BATCH_TILE", "ROW_TILE", "CUDA_ROW_TILE", "batch_invariant", "active", "batch_tiled",
+           "row_tiled", "fixed_tiled", "row_tile", "whole_tiles", "row_wise", "linear", "row_sum", "row_mean"]
 
 # Items per batched GEMM call. More than any thread count splits one GEMM over, few enough that
 # padding a one-row chunk costs little.
@@ -54,6 +64,10 @@ BATCH_TILE = 16
 # Rows per GEMM call in row-tiled products: the page size, so a chunk (which starts on a page
 # boundary) fills whole tiles, and a multiple of every micro-kernel height we met (6, 8, 16).
 ROW_TILE = 64
+# Rows per call of a row-wise product on CUDA in the mode: a 2,048-token step is one tile, and at
+# 16K–32K-token steps cuBLAS runs 2,048-row tiles of GLM-5.3's projections within a few per cent
+# of one call (scripts/probe_cuda_invariance.py). A multiple of ROW_TILE.
+CUDA_ROW_TILE = 2048
 
 _ACTIVE: ContextVar[bool] = ContextVar("glm_dsa_batch_invariant", default=False)
 
@@ -156,22 +170,67 @@ def row_tiled(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor,
     return out[where]
 
 
-def row_wise(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor | None) -> Tensor:
+def fixed_tiled(fn: Callable[[Tensor], Tensor], x: Tensor, tile: int = CUDA_ROW_TILE) -> Tensor:
+    """``fn`` applied to the rows of ``x [n, ...]`` in consecutive calls of exactly ``tile`` rows,
+    each a contiguous tensor (the last zero-padded), so every call has one shape and one layout.
+    ``fn`` maps ``[tile, ...]`` to ``[tile, ...]`` row by row. Returns ``[n, ...]`` in ``fn``'s
+    dtype. A row's result is then its own wherever the kernels a shape chooses treat every row
+    of a call alike (CUDA's; not MKL's AVX2 edge kernels: ``row_tiled`` there)."""
+    n = x.shape[0]
+    if n == 0:
+        return fn(x)
+    out = None
+    for t0 in range(0, n, tile):
+        t1 = min(n, t0 + tile)
+        if t1 - t0 < tile:
+            part = x.new_zeros((tile, *x.shape[1:]))
+            part[: t1 - t0] = x[t0:t1]
+        else:
+            part = _aligned(x[t0:t1].contiguous())
+        res = fn(part)[: t1 - t0]
+        if out is None:
+            out = res.new_empty((n, *res.shape[1:]))
+        out[t0:t1] = res
+    assert out is not None  # n > 0: at least one tile
+    return out
+
+
+def row_tile(device: torch.device) -> int:
+    """Rows per call of the mode's row-wise products on ``device``: ``CUDA_ROW_TILE`` on CUDA,
+    ``ROW_TILE`` elsewhere."""
+    return CUDA_ROW_TILE if torch.device(device).type == "cuda" else ROW_TILE
+
+
+def whole_tiles(rows: int, n: int, device: torch.device) -> int:
+    """A row-chunk size for a loop over ``n`` rows that wanted ``rows`` per chunk: in the mode,
+    whole tiles of ``row_tile(device)`` (at least one) when it splits, since every product in
+    the chunk runs on such tiles and a part tile would only be padded; else ``rows``."""
+    tile = row_tile(device)
+    if active() and rows < n:
+        return max(tile, rows // tile * tile)
+    return rows
+
+
+def row_wise(fn: Callable[[Tensor], Tensor], x: Tensor, keys: Tensor | None,
+             cuda_tile: int = CUDA_ROW_TILE) -> Tensor:
     """``fn(x)`` for a function that maps each row of ``x [n, ...]`` on its own (GEMMs against
-    fixed weights, elementwise activations); inside ``batch_invariant()`` row-tiled on ``keys``
-    (int ``[n]``, the rows' positions, required there), so every op in ``fn`` sees one tile's
-    shape. Returns ``fn``'s ``[n, ...]``."""
+    fixed weights, elementwise activations); inside ``batch_invariant()`` on tiles, so every op
+    in ``fn`` sees one tile's shape: on CUDA consecutive tiles of ``cuda_tile`` rows
+    (``fixed_tiled``), elsewhere row-tiled on ``keys`` (int ``[n]``, the rows' positions,
+    required there). Returns ``fn``'s ``[n, ...]``."""
     if not active():
         return fn(x)
+    if x.is_cuda:
+        return fixed_tiled(fn, x, cuda_tile)
     if keys is None:
         raise ValueError("batch-invariant mode needs each row's key (its position) for a projection")
     return row_tiled(fn, x, keys)
 
 
-def linear(x: Tensor, weight: Tensor, keys: Tensor | None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, keys: Tensor | None, cuda_tile: int = CUDA_ROW_TILE) -> Tensor:
     """``F.linear(x, weight)`` (``x [n, in]``, ``weight [out, in]``, no bias); inside
-    ``batch_invariant()`` row-tiled on ``keys`` (int ``[n]``, required there)."""
-    return row_wise(lambda t: F.linear(t, weight), x, keys)
+    ``batch_invariant()`` tiled as ``row_wise`` (``keys``: int ``[n]``, required off CUDA)."""
+    return row_wise(lambda t: F.linear(t, weight), x, keys, cuda_tile)
 
 
 def row_sum(x: Tensor) -> Tensor:

@@ -233,6 +233,10 @@ class DSAModel(nn.Module):
         return x
 
 
+# Rows per lm_head call on CUDA in batch-invariant mode (``glm_dsa.invariant.row_wise``).
+_HEAD_TILE = 16
+
+
 class DSAForCausalLM(nn.Module):
     """The stack plus ``lm_head``; logits are computed for each request's last position only."""
 
@@ -246,4 +250,5 @@ class DSAForCausalLM(nn.Module):
         """``hidden_last [r, hidden]`` (before the final norm) → float32 logits ``[r, vocab]``;
         ``positions [r]``: the rows' positions, needed in batch-invariant mode."""
         h = self.model.norm(hidden_last)
-        return invariant.linear(h.float(), self.lm_head.weight.float(), positions)
+        # One row per request finishing in the step: CUDA tiles of a few rows, not of a chunk's.
+        return invariant.linear(h.float(), self.lm_head.weight.float(), positions, cuda_tile=_HEAD_TILE)

@@ -101,12 +101,12 @@ def _bmm_f32(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _absorb(x: Tensor, w: Tensor, keys: Tensor, bmm: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-    """Per-head product ``x [r, H, a] @ w [H, a, b]`` → ``[r, H, b]`` by ``bmm``; row-tiled on
-    the tokens' ``keys`` in batch-invariant mode (``glm_dsa.invariant``)."""
+    """Per-head product ``x [r, H, a] @ w [H, a, b]`` → ``[r, H, b]`` by ``bmm``; tiled on the
+    rows (on the tokens' ``keys`` off CUDA) in batch-invariant mode (``glm_dsa.invariant``)."""
     def product(t: Tensor) -> Tensor:
         return bmm(t.transpose(0, 1), w).transpose(0, 1)
 
-    return invariant.row_tiled(product, x, keys) if invariant.active() else product(x)
+    return invariant.row_wise(product, x, keys)
 
 
 def sparse_mla_fwd(
@@ -535,6 +535,7 @@ class MLA(nn.Module):
         # chunk of 64 heads) are bounded by the budget as well as any gather.
         rows = attention_rows(n, topk_indices.shape[1], cfg.kv_latent_dim, cfg.kv_lora_rank,
                               cfg.num_attention_heads, gathered_dtype, qdt, budget_bytes)
+        rows = invariant.whole_tiles(rows, n, proj.q_latent.device)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
             keys = batch.positions[r0:r1]

@@ -167,17 +167,21 @@ def _route(x: Tensor, gate_weight: Tensor, bias: Tensor, top_k: int, n_group: in
     n, num_experts = x.shape[0], gate_weight.shape[0]
     group_size = num_experts // n_group
     cd = _compute_dtype(x.dtype)
-    w = gate_weight.to(cd)
-    if invariant.active():
-        # The sigmoid inside the row tiles too: its SIMD and scalar-tail paths round apart.
-        scores = invariant.row_wise(lambda t: torch.sigmoid(F.linear(t, w)), x.to(cd), row_keys)
-    elif x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_weight.dtype == x.dtype:
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_weight.dtype == x.dtype:
         # The same float32 GEMM of exact products (a bf16·bf16 product fits float32) on the
         # tensor cores, float32 out, instead of casting x to float32 for cuBLAS's SIMT kernel:
         # only the float32 summation order differs (as between any two cuBLAS kernels).
-        scores = torch.sigmoid(torch.mm(x, gate_weight.T, out_dtype=torch.float32))  # [n, E]
+        def scores_of(t: Tensor) -> Tensor:
+            return torch.sigmoid(torch.mm(t, gate_weight.T, out_dtype=torch.float32))
     else:
-        scores = torch.sigmoid(F.linear(x.to(cd), w))  # [n, E]
+        w = gate_weight.to(cd)
+        x = x.to(cd)
+
+        def scores_of(t: Tensor) -> Tensor:
+            return torch.sigmoid(F.linear(t, w))
+    # In batch-invariant mode the sigmoid runs inside the row tiles too: its SIMD and scalar-tail
+    # paths round apart on the CPU.
+    scores = invariant.row_wise(scores_of, x, row_keys)  # [n, E] in cd
     selection = scores + bias.to(cd)  # [n, E]
     if n_group > 1:
         grouped = selection.view(n, n_group, group_size)
@@ -439,10 +443,10 @@ class Experts(nn.Module):
         in batch-invariant mode, which read the counts to the host."""
         if invariant.active() and row_keys is None:
             raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
-        if not invariant.active():
-            row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
-            if x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes):
-                return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets, rows)
+        row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
+        if (x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes)
+                and (not invariant.active() or _fused_grouped_mm(x))):
+            return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets, rows)
         counts = offsets.diff(prepend=offsets.new_zeros(1)).tolist()
         routed = rows[: sum(counts)]
         if row_keys is not None and invariant.active():
@@ -452,6 +456,15 @@ class Experts(nn.Module):
             out = experts_loop(x[routed], self.gate_up_proj, self.down_proj, counts)
         # The pairs past the routed ones (masked rows') read zero rows, never uninitialised memory.
         return torch.cat([out, out.new_zeros(rows.numel() - routed.numel(), out.shape[1])])
+
+
+def _fused_grouped_mm(x: Tensor) -> bool:
+    """Whether ``F.grouped_mm`` runs torch's fused CUDA kernel (bf16 on sm90/sm100) for ``x``'s
+    rows. Its row results depend on the row and its expert only, whatever the other groups hold
+    (``scripts/probe_cuda_invariance.py``, H200), so batch-invariant mode keeps it; its fallback
+    loops over the experts with a GEMM of each expert's row count."""
+    return (x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
 
 
 def _expert_views(gate_up: Tensor, down: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -596,15 +609,13 @@ class MoE(nn.Module):
                    budget_bytes: int | None) -> int:
         """Rows per block for ``n`` rows of ``dtype`` activations on ``device``
         (``glm_dsa.budget.moe_rows`` with this layer's shapes); all ``n`` for no budget. In
-        batch-invariant mode whole ``invariant.ROW_TILE`` tiles (at least one): every product
-        there runs on such tiles, so a smaller block would only pad them."""
+        batch-invariant mode whole tiles of ``invariant.row_tile(device)`` rows (at least one):
+        every product there runs on such tiles, so a smaller block would only pad them."""
         c = self.config
         rows = moe_rows(n, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
                         c.n_shared_experts * c.moe_intermediate_size, c.n_routed_experts,
                         dtype, fused.moe_single_pass(torch.device(device), dtype), budget_bytes)
-        if invariant.active() and rows < n:
-            rows = max(invariant.ROW_TILE, rows // invariant.ROW_TILE * invariant.ROW_TILE)
-        return rows
+        return invariant.whole_tiles(rows, n, torch.device(device))
 
     def forward(self, x: Tensor, row_mask: Tensor | None = None, row_keys: Tensor | None = None,
                 budget_bytes: int | None = None) -> tuple[Tensor, Tensor]:

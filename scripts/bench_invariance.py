@@ -1,6 +1,7 @@
-"""The cost of batch invariance (PrefillEngine(batch_invariant=True)), reference backend.
+"""The cost of batch invariance (PrefillEngine(batch_invariant=True)).
 
-Two cases, each timed with the switch off and on, best of ``--repeat`` after a warm-up:
+Reference backend (``--cases small,glm``), two cases, each timed with the switch off and on,
+best of ``--repeat`` after a warm-up:
 
 * ``small``: one step of the `small` preset in float32 (fp32 KV): 512 new tokens over a
   512-token prefix;
@@ -9,9 +10,18 @@ Two cases, each timed with the switch off and on, best of ``--repeat`` after a w
 
 Each case also checks what the switch promises: the step's new rows run alone (as a one-request
 step of its own) against the same rows run beside another request, bitwise (``equal``) and the
-largest relative difference. Prints a table; ``--out DIR`` writes ``bench_invariance.json``.
+largest relative difference.
+
+Triton backend (``--cases triton``, CUDA): one GLM-5.3 full layer as ``scripts/bench.py``
+builds it (bf16, FP8 KV, chunk 32,768, steps of up to 16K tokens from CUDA graphs) prefilling
+one prompt of each ``--triton-tokens`` length with the switch off and on (best of ``--repeat``,
+after a warm-up run of the same length, which also autotunes), and at each length up to 16K
+its rows alone against beside another request (``equal``).
+
+Prints a table; ``--out DIR`` writes ``bench_invariance.json``.
 
     python scripts/bench_invariance.py --device cuda --out results/
+    python scripts/bench_invariance.py --cases triton --triton-tokens 2048,16384,131072,1048576
 """
 
 from __future__ import annotations
@@ -84,12 +94,57 @@ def run_case(name, model, prefix_len, new_len, kv, device, repeat):
     return row
 
 
+def _triton_prefill(model, prompts, invariant):
+    """Wall seconds of one triton-backend prefill of ``prompts`` and their hidden states."""
+    eng = PrefillEngine.for_prompts(model, [p.numel() for p in prompts], kv_dtype="fp8",
+                                    chunked_prefill_size=32768, prefix_caching=False,
+                                    compute_logits=False, backend="triton",
+                                    batch_invariant=invariant)
+    rids = [eng.add_request(p) for p in prompts]
+    sync("cuda")
+    t = time.perf_counter()
+    eng.run()
+    sync("cuda")
+    return time.perf_counter() - t, [eng.output_hidden(r) for r in rids]
+
+
+def run_triton(tokens, repeat):
+    """Rows of the triton cost table, one per prompt length."""
+    from bench import _one_layer_model
+
+    model = _one_layer_model()
+    vocab = model.config.vocab_size
+    rows = []
+    for n in tokens:
+        g = torch.Generator().manual_seed(n)
+        ids = torch.randint(0, vocab, (n,), generator=g).cuda()
+        row = {"case": f"glm-5.3 layer, triton, {n} tokens", "tokens": n}
+        for invariant in (False, True):
+            key = "on" if invariant else "off"
+            times = [_triton_prefill(model, [ids], invariant) for _ in range(repeat + 1)]
+            row[f"seconds_{key}"] = min(t for t, _ in times[1:])
+            if n <= 16384:
+                other = torch.randint(0, vocab, (n // 3 + 17,), generator=g).cuda()
+                alone = times[-1][1][0]
+                beside = _triton_prefill(model, [other, ids], invariant)[1][1]
+                row[f"equal_{key}"] = bool(torch.equal(beside, alone))
+                row[f"rel_diff_{key}"] = ((beside.float() - alone.float()).abs().max()
+                                          / alone.float().abs().max()).item()
+            print(json.dumps(row), flush=True)
+        row["cost"] = row["seconds_on"] / row["seconds_off"]
+        rows.append(row)
+    del model
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--cases", default="small,glm", help="comma list of small, glm")
     ap.add_argument("--glm-tokens", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--triton-tokens", default="2048,16384,131072",
+                    help="prompt lengths of the triton case (comma list)")
     ap.add_argument("--out", help="directory for bench_invariance.json")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -104,12 +159,16 @@ def main(argv=None):
         rows.append(run_case(f"glm-5.3[6:7] bf16 fp8-KV, {args.glm_tokens}", model, 0,
                              args.glm_tokens, "fp8", device, args.repeat))
         del model
+    if "triton" in args.cases:
+        rows += run_triton([int(t) for t in args.triton_tokens.split(",")], args.repeat)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
-    print(f"batch invariance cost on {name}, torch {torch.__version__}, reference backend")
+    print(f"batch invariance cost on {name}, torch {torch.__version__}")
     print(f"{'case':<34} {'off s':>8} {'on s':>8} {'on/off':>7} {'equal off':>10} {'equal on':>9} {'diff off':>9} {'diff on':>8}")
     for r in rows:
+        eq = [str(r.get(k, "-")) for k in ("equal_off", "equal_on")]
+        diff = [f"{r[k]:.1e}" if k in r else "-" for k in ("rel_diff_off", "rel_diff_on")]
         print(f"{r['case']:<34} {r['seconds_off']:8.3f} {r['seconds_on']:8.3f} {r['cost']:7.2f} "
-              f"{str(r['equal_off']):>10} {str(r['equal_on']):>9} {r['rel_diff_off']:9.1e} {r['rel_diff_on']:8.1e}")
+              f"{eq[0]:>10} {eq[1]:>9} {diff[0]:>9} {diff[1]:>8}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_invariance.json"), "w") as f:

@@ -70,7 +70,7 @@ def _cases():
         (["ledger", "--config", f + "/missing.json", "--tokens", "1000", "--chunk", "64"], 2, "vocab_size"),
         (["ledger", "--config", "nope", "--tokens", "1000", "--chunk", "64"], 2, "unknown config"),
         ([*TINY, "--tokens", "64", "--requests", "0"], 2, "--requests 0"),
-        ([*TINY, "--tokens", "64", "--batch-invariant", "--backend", "triton"], 2, "--batch-invariant"),
+        ([*TINY, "--tokens", "64", "--batch-invariant", "--backend", "peers"], 2, "--batch-invariant"),
         ([*TINY, "--tokens", "64", "--cuda-graphs"], 2, "--cuda-graphs: CUDA graphs need a CUDA device, not cpu"),
         ([*TINY, "--tokens", "0"], 2, "--tokens"),
         ([*TINY], 2, "--tokens"),

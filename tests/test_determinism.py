@@ -200,12 +200,12 @@ def test_a_glm_width_layer_is_bitwise_independent_of_chunking_and_batching():
     _assert_same_as_alone(model, prompts, chunks=(128,))
 
 
-def test_batch_invariant_mode_refuses_the_triton_backend():
+def test_batch_invariant_mode_refuses_the_peers_backend():
     """Refused for what the backend is (not batch-invariant), on any host: with or without
-    Triton, before the backend is built."""
-    with pytest.raises(ValueError, match="^batch-invariant mode .* runs the reference backend: the triton "
-                                         "kernels are not batch-invariant$"):
-        PrefillEngine(_model(SMALL, seed=0), num_pages=8, backend="triton", batch_invariant=True)
+    DeepGEMM and FlashMLA, before the backend is built."""
+    with pytest.raises(ValueError, match="^batch-invariant mode .* runs the reference or triton backend: "
+                                         "the peers kernels are not batch-invariant$"):
+        PrefillEngine(_model(SMALL, seed=0), num_pages=8, backend="peers", batch_invariant=True)
 
 
 @pytest.mark.cuda
