@@ -182,8 +182,9 @@ def _add_prefill(sub) -> None:
                    help="the requests share their first P tokens, cached beforehand by a warm-up request; "
                         "each request then hits floor(P/64)*64 tokens of prefix cache")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="bitwise the same outputs for a request whatever the chunk size and the requests "
-                        "sharing its steps (reference backend; README, Chunked prefill)")
+                   help="bitwise the same outputs for a request whatever the chunk size, the requests "
+                        "sharing its steps, the budgets and graph replay (always so on the triton backend; "
+                        "the reference backend runs 1.4-15x slower with it; README, Chunked prefill)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay steps of up to 16,384 tokens from CUDA graphs captured per padded token bucket "
                         "(default: on with the triton backend on CUDA, one rank, no --save-layer-outputs; "
@@ -426,7 +427,9 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
         from glm_dsa.graphs import unsupported
 
         why = unsupported(device, run.backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
-                          observed=args.save_layer_outputs)
+                          observed=args.save_layer_outputs,
+                          batch_invariant=args.batch_invariant or run.backend.invariant_by_default,
+                          dtype=run.dtype)
         if why:
             raise ValueError(f"--cuda-graphs: {why}; drop the flag")
     if args.requests < 1:
@@ -600,7 +603,7 @@ def _run_prefill(args) -> int:
         chunked_prefill_size=args.chunk,
         budget_bytes=_budgets(args, device), timing=True, cp_group=cp_group, backend=run.backend,
         layer_outputs=args.save_layer_outputs,
-        batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs)
+        batch_invariant=args.batch_invariant or None, cuda_graphs=args.cuda_graphs)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
             for p in prompts]

@@ -57,6 +57,7 @@ from glm_dsa.batch import ForwardBatch
 from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache
 from glm_dsa.layer import DSAModel, StepContext
+from glm_dsa.moe import fused_grouped_mm
 
 __all__ = ["MAX_GRAPH_TOKENS", "MAX_GRAPH_CONTEXT", "LINEAR_BUCKET",
            "token_bucket", "max_padding", "unsupported", "StepGraphs"]
@@ -91,9 +92,11 @@ def _bucket_floors(max_tokens: int, page_size: int) -> list[int]:
 
 
 def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
-                observed: bool = False) -> str | None:
+                observed: bool = False, batch_invariant: bool = False,
+                dtype: torch.dtype = torch.bfloat16) -> str | None:
     """Why steps on ``device`` with ``backend`` cannot run from CUDA graphs (one line), or None
-    when they can; ``observed``: a step observer (``glm_dsa.layer.StepObserver``) watches them."""
+    when they can; ``observed``: a step observer (``glm_dsa.layer.StepObserver``) watches them;
+    ``batch_invariant``, ``dtype``: the mode and the activations of the steps."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
     if not backend.graph_capturable:
@@ -103,6 +106,9 @@ def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
         return "context parallel steps communicate between ranks; CUDA graphs run one rank"
     if observed:
         return "a step observer (layer_outputs) sees every layer's tensors, which a replayed graph does not hand out"
+    if batch_invariant and not fused_grouped_mm(device, dtype):
+        return (f"batch-invariant mode runs {str(dtype).removeprefix('torch.')} experts one at a time "
+                "from the host (torch's fused grouped GEMM takes bf16 on sm90/sm100)")
     return None
 
 

@@ -29,6 +29,7 @@ from glm_dsa.budget import moe_rows
 from glm_dsa.config import DSAConfig
 
 __all__ = ["route", "MLP", "swiglu", "combine_experts", "experts_grouped_mm", "experts_loop",
+           "fused_grouped_mm",
            "experts_row_tiled", "Experts", "MoEGate", "MoE"]
 
 # Keeps an all-zero score row from dividing by zero; the value HF and vLLM use.
@@ -445,7 +446,7 @@ class Experts(nn.Module):
             raise ValueError("batch-invariant mode needs the rows' positions (row_keys) for the experts")
         row_bytes = (x.shape[-1] * x.element_size(), self.down_proj.shape[-1] * x.element_size())
         if (x.dtype in GROUPED_MM_DTYPES and all(b % 16 == 0 for b in row_bytes)
-                and (not invariant.active() or _fused_grouped_mm(x))):
+                and (not invariant.active() or fused_grouped_mm(x.device, x.dtype))):
             return experts_grouped_mm(x, self.gate_up_proj, self.down_proj, offsets, rows)
         counts = offsets.diff(prepend=offsets.new_zeros(1)).tolist()
         routed = rows[: sum(counts)]
@@ -458,13 +459,13 @@ class Experts(nn.Module):
         return torch.cat([out, out.new_zeros(rows.numel() - routed.numel(), out.shape[1])])
 
 
-def _fused_grouped_mm(x: Tensor) -> bool:
-    """Whether ``F.grouped_mm`` runs torch's fused CUDA kernel (bf16 on sm90/sm100) for ``x``'s
-    rows. Its row results depend on the row and its expert only, whatever the other groups hold
-    (``scripts/probe_cuda_invariance.py``, H200), so batch-invariant mode keeps it; its fallback
-    loops over the experts with a GEMM of each expert's row count."""
-    return (x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
+def fused_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` runs torch's fused CUDA kernel (bf16 on sm90/sm100) for ``dtype``
+    rows on ``device``. Its row results depend on the row and its expert only, whatever the other
+    groups hold (``scripts/probe_cuda_invariance.py``, H200), so batch-invariant mode keeps it;
+    elsewhere the mode loops over the experts on the host (``experts_row_tiled``)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 def _expert_views(gate_up: Tensor, down: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:

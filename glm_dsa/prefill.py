@@ -223,10 +223,13 @@ class PrefillEngine:
             (``outputs`` writes them; one rank only).
         observer: a ``glm_dsa.layer.StepObserver`` told each layer's attention input, top-k and
             output at every step (one rank only; not with ``layer_outputs``, which is one).
-        batch_invariant: every product row-tiled on the tokens' positions and the absorbed
-            attention at every length (``glm_dsa.invariant``), so a request's outputs are
-            bitwise the same whatever the chunk size, the requests sharing its steps and its
-            prefix-cache hits (same device, library and thread count). Reference backend only.
+        batch_invariant: every row-wise product on fixed-shape tiles (on the tokens' positions
+            off CUDA), fixed-order row sums and the absorbed attention at every length
+            (``glm_dsa.invariant``), so a request's outputs are bitwise the same whatever the
+            chunk size, the requests sharing its steps, its prefix-cache hits, the budgets and
+            graph replay (same device, library and thread count). The reference and triton
+            backends; None (default): the backend's ``invariant_by_default`` (on for triton,
+            whose cost is a few per cent; off for the reference, 1.4-15x).
         cuda_graphs: replay steps of up to ``graphs.MAX_GRAPH_TOKENS`` tokens over up to
             ``graphs.MAX_GRAPH_CONTEXT`` context rows from CUDA graphs captured per padded
             bucket (``glm_dsa.graphs``; the results are the eager step's on the padded inputs).
@@ -252,7 +255,7 @@ class PrefillEngine:
         cp_group: CPGroup | None = None,
         backend: str | Backend = "auto",
         layer_outputs: bool = False,
-        batch_invariant: bool = False,
+        batch_invariant: bool | None = None,
         cuda_graphs: bool | None = None,
         observer: StepObserver | None = None,
     ) -> None:
@@ -269,10 +272,12 @@ class PrefillEngine:
         self.model, self.config = model, cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.backend = get_backend(backend, self.device, self.dtype, kv_dtype, batch_invariant)
-        self.batch_invariant = batch_invariant
+        self.backend = get_backend(backend, self.device, self.dtype, kv_dtype, bool(batch_invariant))
+        self.batch_invariant = (self.backend.invariant_by_default if batch_invariant is None
+                                else batch_invariant)
         why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,
-                                     observed=layer_outputs or observer is not None)
+                                     observed=layer_outputs or observer is not None,
+                                     batch_invariant=self.batch_invariant, dtype=self.dtype)
         if cuda_graphs and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")
         use_graphs = why_not is None and cuda_graphs is not False

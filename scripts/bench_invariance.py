@@ -14,9 +14,10 @@ largest relative difference.
 
 Triton backend (``--cases triton``, CUDA): one GLM-5.3 full layer as ``scripts/bench.py``
 builds it (bf16, FP8 KV, chunk 32,768, steps of up to 16K tokens from CUDA graphs) prefilling
-one prompt of each ``--triton-tokens`` length with the switch off and on (best of ``--repeat``,
-after a warm-up run of the same length, which also autotunes), and at each length up to 16K
-its rows alone against beside another request (``equal``).
+one prompt of each ``--triton-tokens`` length with the switch off and on (best of ``--repeat``
+on one engine per mode, after a warm-up prefill of the same length on it, which autotunes and
+captures the graphs), and at each length up to 16K its rows alone against the same prompt run
+beside another request in one-page (64-token) steps (``equal``).
 
 Prints a table; ``--out DIR`` writes ``bench_invariance.json``.
 
@@ -94,12 +95,14 @@ def run_case(name, model, prefix_len, new_len, kv, device, repeat):
     return row
 
 
-def _triton_prefill(model, prompts, invariant):
-    """Wall seconds of one triton-backend prefill of ``prompts`` and their hidden states."""
-    eng = PrefillEngine.for_prompts(model, [p.numel() for p in prompts], kv_dtype="fp8",
-                                    chunked_prefill_size=32768, prefix_caching=False,
-                                    compute_logits=False, backend="triton",
-                                    batch_invariant=invariant)
+def _triton_engine(model, lengths, invariant, chunk=32768):
+    return PrefillEngine.for_prompts(model, lengths, kv_dtype="fp8", chunked_prefill_size=chunk,
+                                     prefix_caching=False, compute_logits=False, backend="triton",
+                                     batch_invariant=invariant)
+
+
+def _timed(eng, prompts):
+    """Wall seconds of ``eng`` prefilling ``prompts`` together, and their hidden states."""
     rids = [eng.add_request(p) for p in prompts]
     sync("cuda")
     t = time.perf_counter()
@@ -109,7 +112,9 @@ def _triton_prefill(model, prompts, invariant):
 
 
 def run_triton(tokens, repeat):
-    """Rows of the triton cost table, one per prompt length."""
+    """Rows of the triton cost table, one per prompt length. Each mode's engine is built once
+    and warmed up by a first prefill of the same length (which autotunes and captures the
+    graphs); the timed prefills then replay them, as a server's steps would."""
     from bench import _one_layer_model
 
     model = _one_layer_model()
@@ -118,15 +123,18 @@ def run_triton(tokens, repeat):
     for n in tokens:
         g = torch.Generator().manual_seed(n)
         ids = torch.randint(0, vocab, (n,), generator=g).cuda()
+        other = torch.randint(0, vocab, (n // 3 + 17,), generator=g).cuda()
         row = {"case": f"glm-5.3 layer, triton, {n} tokens", "tokens": n}
         for invariant in (False, True):
             key = "on" if invariant else "off"
-            times = [_triton_prefill(model, [ids], invariant) for _ in range(repeat + 1)]
+            eng = _triton_engine(model, [n], invariant)
+            times = [_timed(eng, [ids]) for _ in range(repeat + 1)]
             row[f"seconds_{key}"] = min(t for t, _ in times[1:])
+            del eng
             if n <= 16384:
-                other = torch.randint(0, vocab, (n // 3 + 17,), generator=g).cuda()
+                beside = _timed(_triton_engine(model, [n, other.numel()], invariant, chunk=64),
+                                [other, ids])[1][1]
                 alone = times[-1][1][0]
-                beside = _triton_prefill(model, [other, ids], invariant)[1][1]
                 row[f"equal_{key}"] = bool(torch.equal(beside, alone))
                 row[f"rel_diff_{key}"] = ((beside.float() - alone.float()).abs().max()
                                           / alone.float().abs().max()).item()

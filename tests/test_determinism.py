@@ -35,7 +35,7 @@ def _prefill(model, prompts, chunk, device="cpu", warm=None, budget=1 << 22):
     """Hidden states, logits and cached length of each prompt, run together in steps of
     ``chunk`` tokens."""
     eng = PrefillEngine(model, num_pages=160, kv_dtype="fp32", chunked_prefill_size=chunk,
-                        budget_bytes=budget, batch_invariant=True)
+                        budget_bytes=budget, backend="reference", batch_invariant=True)
     if warm is not None:
         eng.warm_up(warm)
     rids = [eng.add_request(p.to(device)) for p in prompts]
