@@ -33,7 +33,7 @@ from glm_dsa import __version__
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import DSAConfig, get_config
-from glm_dsa.kv_format import MLA_KV_FORMATS
+from glm_dsa.kv_format import MLA_KV_FORMATS, mla_kv_unsupported
 from glm_dsa.ledger import GpuSpec, build_ledger
 from glm_dsa.ledger_text import format_ledger
 from glm_dsa.outputs import Terminated, raise_terminated
@@ -56,6 +56,13 @@ def _check_chunk(chunk: int, page_size: int) -> None:
                          f"e.g. --chunk {near}")
 
 
+def _check_kv_format(kv_dtype: str, config: DSAConfig) -> None:
+    """ledger and prefill take the same KV formats for a config: those its cache can hold."""
+    why = mla_kv_unsupported(config.kv_lora_rank, kv_dtype)
+    if why is not None:
+        raise ValueError(f"--kv-dtype {kv_dtype} does not apply to this config: {why}; use --kv-dtype bf16")
+
+
 def _run_ledger(args: argparse.Namespace) -> int:
     config = get_config(args.config)
     for flag, value, low in (("--tokens", args.tokens, 1), ("--chunk", args.chunk, 1), ("--prefix", args.prefix, 0),
@@ -65,6 +72,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
     if args.prefix >= args.tokens:
         raise ValueError(f"--prefix {args.prefix} must be < --tokens {args.tokens}: at least one new token")
     _check_chunk(args.chunk, config.page_size)
+    _check_kv_format(args.kv_dtype, config)
     for flag in ("gpu_mem_gb", "hbm_tbps", "indexer_tflops", "backbone_tflops", "nvlink_gbps"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
@@ -436,6 +444,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
     if not 0.0 <= args.mem_fraction_static <= 1.0:
         raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} must lie in [0, 1]")
     _check_chunk(args.chunk, config.page_size)
+    _check_kv_format(args.kv_dtype, config)
     given = [flag for flag, v in (("--input-ids", args.input_ids), ("--input-hidden", args.input_hidden),
                                   ("--text", args.text)) if v]
     if len(given) > 1:
