@@ -261,9 +261,9 @@ def _cmd_prefill(args) -> int:
     if (args.cp or 1) == 1:
         return _run_prefill(args)
     check_launch(args.cp, device, f"--cp {args.cp}")
-    _preflight_prefill(args, _resolve(args, device), ranks_on_host=args.cp if device.type == "cpu" else 1)
+    inputs = _preflight_prefill(args, _resolve(args, device), ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
-        launch(_run_prefill, args.cp, args.device, (args,))
+        launch(_run_prefill, args.cp, args.device, (args, inputs))
     except mp.ProcessRaisedException as e:
         # the child's traceback as text; its last line is the exception
         last = [line for line in str(e).splitlines() if line.strip()][-1]
@@ -421,10 +421,12 @@ def _text_ids(args, vocab_size: int) -> list[int]:
     return ids
 
 
-def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int]:
-    """Every prefill input beyond the common flags (``run``), before a model is built; returns
-    the prompt lengths. The memory check counts ``ranks_on_host`` copies of the run's peak
-    (every CP rank holds the whole model and caches)."""
+def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts:
+    """Every prefill input beyond the common flags (``run``), before a model is built: the
+    input files by their headers, the lengths, the outputs and the memory, then the prompts
+    themselves, read once and checked by value (``_prompts``), which it returns. The memory
+    check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
+    model and caches)."""
     from glm_dsa.preflight import available_bytes, check_fits, check_optional_module
     from glm_dsa.ledger import param_counts, prefill_peak_bytes
 
@@ -456,6 +458,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
     if args.save_layer_outputs and (args.cp or 1) > 1:
         raise ValueError("--save-layer-outputs runs on one rank (a context-parallel rank holds a share of each "
                          "layer's rows); drop --cp")
+    text_ids = None  # --text is read here, once: a FIFO or a pipe (/dev/fd/N) gives its text to one read
     if given:
         flag = given[0]
         if flag == "--input-ids":
@@ -463,7 +466,8 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
         elif flag == "--input-hidden":
             lengths = _input_hidden_lengths(args.input_hidden, config.hidden_size)
         else:
-            lengths = [len(_text_ids(args, config.vocab_size))]
+            text_ids = _text_ids(args, config.vocab_size)
+            lengths = [len(text_ids)]
         if args.tokens is not None and any(n != args.tokens for n in lengths):
             raise ValueError(f"--tokens {args.tokens} disagrees with {flag} (lengths {lengths}); drop --tokens")
         if args.requests not in (1, len(lengths)):
@@ -502,7 +506,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
         need *= ranks_on_host
         lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
-    return lengths
+    return _prompts(args, config, text_ids)
 
 
 def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
@@ -531,10 +535,17 @@ def _check_prefill_outputs(args) -> None:
     check_output_paths({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
-def _prompts(args, config):
-    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests, the ``--input-hidden``
-    file's (float ``[L, hidden]`` each), the ``--text`` prompt (no prefix for these), or
-    ``--requests`` random prompts of ``--tokens`` sharing their first ``--prefix`` tokens."""
+_Prompts = tuple[list[torch.Tensor], torch.Tensor | None]
+"""``(prompts, shared prefix)``: int64 token ids ``[L]`` or float hidden states ``[L, hidden]`` per
+request, and the token ids of the prefix they share (random prompts only)."""
+
+
+def _prompts(args, config: DSAConfig, text_ids: list[int] | None = None) -> _Prompts:
+    """The ``--input-ids`` file's requests, the ``--input-hidden`` file's, the ``--text`` prompt
+    (``text_ids`` when it was read already; no prefix for these), or ``--requests`` random prompts
+    of ``--tokens`` sharing their first ``--prefix`` tokens. A value the model cannot take (a
+    hidden state NaN or inf, a token id outside the vocabulary) is refused here, before any model
+    is built; the files' headers were checked by ``_preflight_prefill``."""
     from safetensors.torch import load_file
 
     if args.input_hidden:
@@ -545,15 +556,19 @@ def _prompts(args, config):
                 raise ValueError(f"--input-hidden {args.input_hidden}: request.{i}.hidden holds NaN or inf")
         return prompts, None
     if args.text:
-        return [torch.tensor(_text_ids(args, config.vocab_size), dtype=torch.int64)], None
+        ids = text_ids if text_ids is not None else _text_ids(args, config.vocab_size)
+        return [torch.tensor(ids, dtype=torch.int64)], None
     if args.input_ids:
         stored = load_file(args.input_ids)
         prompts = [stored[f"request.{i}.input_ids"].to(torch.int64) for i in range(len(stored))
                    if f"request.{i}.input_ids" in stored]
         for i, p in enumerate(prompts):
-            if p.min() < 0 or p.max() >= config.vocab_size:
-                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids has ids outside "
-                                 f"[0, vocab_size={config.vocab_size})")
+            outside = ((p < 0) | (p >= config.vocab_size)).nonzero()
+            if outside.numel():
+                at = int(outside[0, 0])
+                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids holds token id {int(p[at])} "
+                                 f"(position {at}), outside [0, vocab_size={config.vocab_size}); use ids of this "
+                                 "model's tokenizer")
         return prompts, None
     gen = torch.Generator().manual_seed(args.seed)
     prefix_ids = torch.randint(0, config.vocab_size, (args.prefix,), generator=gen)
@@ -575,7 +590,9 @@ def _budgets(args, device: torch.device):
     return Budgets.default(device, args.budget_bytes, args.mem_fraction_static)
 
 
-def _run_prefill(args) -> int:
+def _run_prefill(args, inputs: _Prompts | None = None) -> int:
+    """One rank's prefill. ``inputs``: the prompts ``_preflight_prefill`` read in the process
+    that spawned this rank; None to check and read them here (one rank, or a torchrun rank)."""
     from safetensors.torch import save_file
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
@@ -591,8 +608,12 @@ def _run_prefill(args) -> int:
             raise ValueError(f"--cp {args.cp} but torchrun started {cp_group.size} ranks")
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     run = _resolve(args, device)  # before the weights are drawn
-    if cp_group is None or cp_group.rank == 0:
-        _preflight_prefill(args, run, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
+    if inputs is None:
+        if cp_group is None or cp_group.rank == 0:
+            on_host = cp_group.size if cp_group is not None and device.type == "cpu" else 1
+            inputs = _preflight_prefill(args, run, ranks_on_host=on_host)
+        else:
+            inputs = _prompts(args, run.config)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -602,7 +623,7 @@ def _run_prefill(args) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     config = model.config
-    prompts, prefix_ids = _prompts(args, config)
+    prompts, prefix_ids = inputs
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
     engine = PrefillEngine.for_prompts(
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
@@ -773,11 +794,10 @@ def _cmd_fidelity(args) -> int:
         raise ValueError(f"--rows {args.rows} must be ≥ 1")
     device = check_device("--device", args.device)
     run = _resolve(args, device)
-    lengths = _preflight_prefill(args, run)
-    if not 0 <= args.request < len(lengths):
-        raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
+    prompts, _ = _preflight_prefill(args, run)
+    if not 0 <= args.request < len(prompts):
+        raise ValueError(f"--request {args.request} must lie in [0, {len(prompts)}): the prompts of the input file")
     model = _load_model(args, run)
-    prompts, _ = _prompts(args, model.config)
     measured = selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
                                   chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=run.backend,
                                   budget_bytes=_budgets(args, device))
