@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -210,6 +211,9 @@ def _add_prefill(sub) -> None:
                         "under torchrun the group torchrun made is joined (default: 1, or torchrun's world size)")
     p.add_argument("--cp-split", choices=CP_SPLITS, default="interleave",
                    help="how a chunk's tokens are dealt to the ranks (default interleave: token i to rank i %% cp)")
+    p.add_argument("--cp-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="end the run when a rank spawned by --cp shows no sign of life (stopped, or stuck in a "
+                        "call holding the GIL) for this long (default 60; a slow rank keeps beating)")
     p.set_defaults(func=_cmd_prefill)
 
 
@@ -246,12 +250,14 @@ def _cmd_prefill(args) -> int:
     """One rank, ``--cp N`` ranks spawned here, or this rank of a torchrun group."""
     import torch.multiprocessing as mp
 
-    from glm_dsa.cp import check_launch, launch, launched_by_torchrun, leave_group
+    from glm_dsa.cp import RankStalled, check_launch, launch, launched_by_torchrun, leave_group
 
     from glm_dsa.preflight import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
+    if not (math.isfinite(args.cp_timeout) and args.cp_timeout > 0):
+        raise ValueError(f"--cp-timeout {args.cp_timeout:g} must be a positive number of seconds")
     device = check_device("--device", args.device)
     if launched_by_torchrun():
         try:
@@ -263,7 +269,9 @@ def _cmd_prefill(args) -> int:
     check_launch(args.cp, device, f"--cp {args.cp}")
     inputs = _preflight_prefill(args, _resolve(args, device), ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
-        launch(_run_prefill, args.cp, args.device, (args, inputs))
+        launch(_run_prefill, args.cp, args.device, (args, inputs), timeout_s=args.cp_timeout)
+    except RankStalled as e:
+        raise RuntimeError(f"{e}; --cp-timeout SECONDS sets the limit") from None
     except mp.ProcessRaisedException as e:
         # the child's traceback as text; its last line is the exception
         last = [line for line in str(e).splitlines() if line.strip()][-1]
