@@ -240,3 +240,24 @@ def test_bad_input_values_are_refused_before_the_model_is_built(tmp_path, capsys
     assert main([command, "--config", "tiny", flag, str(path), *extra]) == 2
     assert capsys.readouterr().err == f"glm-dsa {command}: error: {flag} {path}: {text}\n"
 
+
+@pytest.mark.parametrize("foreign", ["notes.txt", "{contract}.safetensors/notes.txt", "manifest.json/notes.txt"],
+                         ids=["a-file", "a-directory-named-as-a-golden-file", "a-directory-named-manifest"])
+def test_golden_out_holding_what_golden_does_not_write_is_refused_before_any_case(tmp_path, capsys, monkeypatch,
+                                                                                  foreign):
+    """The directory is replaced whole, so whatever golden would not write there is the user's:
+    a file, or a directory under one of golden's own file names (it was swapped out and deleted
+    with what it held)."""
+    from glm_dsa.testing import golden
+
+    monkeypatch.setattr(golden, "golden_cases", lambda *a, **k: pytest.fail("a case was computed first"))
+    out = tmp_path / "golden"
+    path = out / foreign.format(contract=sorted(golden.CONTRACTS)[0])
+    path.parent.mkdir(parents=True)
+    path.write_text("mine")
+    entry = path.relative_to(out).parts[0] + ("/" if path.parent != out else "")
+    assert main(["golden", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"glm-dsa golden: error: {out} holds {entry}, which glm-dsa golden does not write; the directory is "
+        "replaced whole: move those out or choose another directory\n")
+    assert path.read_text() == "mine"
