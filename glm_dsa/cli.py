@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -33,7 +34,7 @@ from glm_dsa import __version__
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import DSAConfig, get_config
-from glm_dsa.kv_format import MLA_KV_FORMATS
+from glm_dsa.kv_format import MLA_KV_FORMATS, mla_kv_unsupported
 from glm_dsa.ledger import GpuSpec, build_ledger
 from glm_dsa.ledger_text import format_ledger
 from glm_dsa.outputs import Terminated, raise_terminated
@@ -56,6 +57,13 @@ def _check_chunk(chunk: int, page_size: int) -> None:
                          f"e.g. --chunk {near}")
 
 
+def _check_kv_format(kv_dtype: str, config: DSAConfig) -> None:
+    """ledger and prefill take the same KV formats for a config: those its cache can hold."""
+    why = mla_kv_unsupported(config.kv_lora_rank, kv_dtype)
+    if why is not None:
+        raise ValueError(f"--kv-dtype {kv_dtype} does not apply to this config: {why}; use --kv-dtype bf16")
+
+
 def _run_ledger(args: argparse.Namespace) -> int:
     config = get_config(args.config)
     for flag, value, low in (("--tokens", args.tokens, 1), ("--chunk", args.chunk, 1), ("--prefix", args.prefix, 0),
@@ -65,6 +73,7 @@ def _run_ledger(args: argparse.Namespace) -> int:
     if args.prefix >= args.tokens:
         raise ValueError(f"--prefix {args.prefix} must be < --tokens {args.tokens}: at least one new token")
     _check_chunk(args.chunk, config.page_size)
+    _check_kv_format(args.kv_dtype, config)
     for flag in ("gpu_mem_gb", "hbm_tbps", "indexer_tflops", "backbone_tflops", "nvlink_gbps"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be > 0")
@@ -203,6 +212,9 @@ def _add_prefill(sub) -> None:
                         "under torchrun the group torchrun made is joined (default: 1, or torchrun's world size)")
     p.add_argument("--cp-split", choices=CP_SPLITS, default="interleave",
                    help="how a chunk's tokens are dealt to the ranks (default interleave: token i to rank i %% cp)")
+    p.add_argument("--cp-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="end the run when a rank spawned by --cp shows no sign of life (stopped, or stuck in a "
+                        "call holding the GIL) for this long (default 60; a slow rank keeps beating)")
     p.set_defaults(func=_cmd_prefill)
 
 
@@ -239,12 +251,14 @@ def _cmd_prefill(args) -> int:
     """One rank, ``--cp N`` ranks spawned here, or this rank of a torchrun group."""
     import torch.multiprocessing as mp
 
-    from glm_dsa.cp import check_launch, launch, launched_by_torchrun, leave_group
+    from glm_dsa.cp import RankStalled, check_launch, launch, launched_by_torchrun, leave_group
 
     from glm_dsa.preflight import check_device
 
     if args.cp is not None and args.cp < 1:
         raise ValueError(f"--cp {args.cp} must be ≥ 1")
+    if not (math.isfinite(args.cp_timeout) and args.cp_timeout > 0):
+        raise ValueError(f"--cp-timeout {args.cp_timeout:g} must be a positive number of seconds")
     device = check_device("--device", args.device)
     if launched_by_torchrun():
         try:
@@ -254,9 +268,11 @@ def _cmd_prefill(args) -> int:
     if (args.cp or 1) == 1:
         return _run_prefill(args)
     check_launch(args.cp, device, f"--cp {args.cp}")
-    _preflight_prefill(args, _resolve(args, device), ranks_on_host=args.cp if device.type == "cpu" else 1)
+    inputs = _preflight_prefill(args, _resolve(args, device), ranks_on_host=args.cp if device.type == "cpu" else 1)
     try:
-        launch(_run_prefill, args.cp, args.device, (args,))
+        launch(_run_prefill, args.cp, args.device, (args, inputs), timeout_s=args.cp_timeout)
+    except RankStalled as e:
+        raise RuntimeError(f"{e}; --cp-timeout SECONDS sets the limit") from None
     except mp.ProcessRaisedException as e:
         # the child's traceback as text; its last line is the exception
         last = [line for line in str(e).splitlines() if line.strip()][-1]
@@ -414,10 +430,12 @@ def _text_ids(args, vocab_size: int) -> list[int]:
     return ids
 
 
-def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int]:
-    """Every prefill input beyond the common flags (``run``), before a model is built; returns
-    the prompt lengths. The memory check counts ``ranks_on_host`` copies of the run's peak
-    (every CP rank holds the whole model and caches)."""
+def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts:
+    """Every prefill input beyond the common flags (``run``), before a model is built: the
+    input files by their headers, the lengths, the outputs and the memory, then the prompts
+    themselves, read once and checked by value (``_prompts``), which it returns. The memory
+    check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
+    model and caches)."""
     from glm_dsa.preflight import available_bytes, check_fits, check_optional_module
     from glm_dsa.ledger import param_counts, prefill_peak_bytes
 
@@ -439,6 +457,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
     if not 0.0 <= args.mem_fraction_static <= 1.0:
         raise ValueError(f"--mem-fraction-static {args.mem_fraction_static} must lie in [0, 1]")
     _check_chunk(args.chunk, config.page_size)
+    _check_kv_format(args.kv_dtype, config)
     given = [flag for flag, v in (("--input-ids", args.input_ids), ("--input-hidden", args.input_hidden),
                                   ("--text", args.text)) if v]
     if len(given) > 1:
@@ -450,6 +469,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
     if args.save_layer_outputs and (args.cp or 1) > 1:
         raise ValueError("--save-layer-outputs runs on one rank (a context-parallel rank holds a share of each "
                          "layer's rows); drop --cp")
+    text_ids = None  # --text is read here, once: a FIFO or a pipe (/dev/fd/N) gives its text to one read
     if given:
         flag = given[0]
         if flag == "--input-ids":
@@ -457,7 +477,8 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
         elif flag == "--input-hidden":
             lengths = _input_hidden_lengths(args.input_hidden, config.hidden_size)
         else:
-            lengths = [len(_text_ids(args, config.vocab_size))]
+            text_ids = _text_ids(args, config.vocab_size)
+            lengths = [len(text_ids)]
         if args.tokens is not None and any(n != args.tokens for n in lengths):
             raise ValueError(f"--tokens {args.tokens} disagrees with {flag} (lengths {lengths}); drop --tokens")
         if args.requests not in (1, len(lengths)):
@@ -496,7 +517,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> list[int
         need *= ranks_on_host
         lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
     check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
-    return lengths
+    return _prompts(args, config, text_ids)
 
 
 def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
@@ -525,10 +546,17 @@ def _check_prefill_outputs(args) -> None:
     check_output_paths({"--save-outputs": args.save_outputs, "--plot": args.plot}, inputs)
 
 
-def _prompts(args, config):
-    """``(prompts, shared prefix)``: the ``--input-ids`` file's requests, the ``--input-hidden``
-    file's (float ``[L, hidden]`` each), the ``--text`` prompt (no prefix for these), or
-    ``--requests`` random prompts of ``--tokens`` sharing their first ``--prefix`` tokens."""
+_Prompts = tuple[list[torch.Tensor], torch.Tensor | None]
+"""``(prompts, shared prefix)``: int64 token ids ``[L]`` or float hidden states ``[L, hidden]`` per
+request, and the token ids of the prefix they share (random prompts only)."""
+
+
+def _prompts(args, config: DSAConfig, text_ids: list[int] | None = None) -> _Prompts:
+    """The ``--input-ids`` file's requests, the ``--input-hidden`` file's, the ``--text`` prompt
+    (``text_ids`` when it was read already; no prefix for these), or ``--requests`` random prompts
+    of ``--tokens`` sharing their first ``--prefix`` tokens. A value the model cannot take (a
+    hidden state NaN or inf, a token id outside the vocabulary) is refused here, before any model
+    is built; the files' headers were checked by ``_preflight_prefill``."""
     from safetensors.torch import load_file
 
     if args.input_hidden:
@@ -539,15 +567,19 @@ def _prompts(args, config):
                 raise ValueError(f"--input-hidden {args.input_hidden}: request.{i}.hidden holds NaN or inf")
         return prompts, None
     if args.text:
-        return [torch.tensor(_text_ids(args, config.vocab_size), dtype=torch.int64)], None
+        ids = text_ids if text_ids is not None else _text_ids(args, config.vocab_size)
+        return [torch.tensor(ids, dtype=torch.int64)], None
     if args.input_ids:
         stored = load_file(args.input_ids)
         prompts = [stored[f"request.{i}.input_ids"].to(torch.int64) for i in range(len(stored))
                    if f"request.{i}.input_ids" in stored]
         for i, p in enumerate(prompts):
-            if p.min() < 0 or p.max() >= config.vocab_size:
-                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids has ids outside "
-                                 f"[0, vocab_size={config.vocab_size})")
+            outside = ((p < 0) | (p >= config.vocab_size)).nonzero()
+            if outside.numel():
+                at = int(outside[0, 0])
+                raise ValueError(f"--input-ids {args.input_ids}: request.{i}.input_ids holds token id {int(p[at])} "
+                                 f"(position {at}), outside [0, vocab_size={config.vocab_size}); use ids of this "
+                                 "model's tokenizer")
         return prompts, None
     gen = torch.Generator().manual_seed(args.seed)
     prefix_ids = torch.randint(0, config.vocab_size, (args.prefix,), generator=gen)
@@ -569,7 +601,9 @@ def _budgets(args, device: torch.device):
     return Budgets.default(device, args.budget_bytes, args.mem_fraction_static)
 
 
-def _run_prefill(args) -> int:
+def _run_prefill(args, inputs: _Prompts | None = None) -> int:
+    """One rank's prefill. ``inputs``: the prompts ``_preflight_prefill`` read in the process
+    that spawned this rank; None to check and read them here (one rank, or a torchrun rank)."""
     from safetensors.torch import save_file
 
     from glm_dsa.cp import CPGroup, init_from_env, launched_by_torchrun
@@ -585,8 +619,12 @@ def _run_prefill(args) -> int:
             raise ValueError(f"--cp {args.cp} but torchrun started {cp_group.size} ranks")
     quiet = cp_group is not None and cp_group.rank != 0  # only rank 0 reports
     run = _resolve(args, device)  # before the weights are drawn
-    if cp_group is None or cp_group.rank == 0:
-        _preflight_prefill(args, run, ranks_on_host=cp_group.size if cp_group is not None and device.type == "cpu" else 1)
+    if inputs is None:
+        if cp_group is None or cp_group.rank == 0:
+            on_host = cp_group.size if cp_group is not None and device.type == "cpu" else 1
+            inputs = _preflight_prefill(args, run, ranks_on_host=on_host)
+        else:
+            inputs = _prompts(args, run.config)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -596,7 +634,7 @@ def _run_prefill(args) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     config = model.config
-    prompts, prefix_ids = _prompts(args, config)
+    prompts, prefix_ids = inputs
     shared = [] if prefix_ids is None else [prefix_ids.numel()]
     engine = PrefillEngine.for_prompts(
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
@@ -767,11 +805,10 @@ def _cmd_fidelity(args) -> int:
         raise ValueError(f"--rows {args.rows} must be ≥ 1")
     device = check_device("--device", args.device)
     run = _resolve(args, device)
-    lengths = _preflight_prefill(args, run)
-    if not 0 <= args.request < len(lengths):
-        raise ValueError(f"--request {args.request} must lie in [0, {len(lengths)}): the prompts of the input file")
+    prompts, _ = _preflight_prefill(args, run)
+    if not 0 <= args.request < len(prompts):
+        raise ValueError(f"--request {args.request} must lie in [0, {len(prompts)}): the prompts of the input file")
     model = _load_model(args, run)
-    prompts, _ = _prompts(args, model.config)
     measured = selection_fidelity(model, prompts[args.request], rows=args.rows, seed=args.seed,
                                   chunked_prefill_size=args.chunk, kv_dtype=args.kv_dtype, backend=run.backend,
                                   budget_bytes=_budgets(args, device))

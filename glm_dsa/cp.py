@@ -55,6 +55,10 @@ from torch import Tensor
 from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_NAME = 15
+# A rank's first heartbeat comes once it has imported torch and this module, which on a loaded
+# host can take a minute; until then it is allowed this long, or the timeout if that is longer.
+RANK_START_S = 120.0
 
 if TYPE_CHECKING:
     from glm_dsa.layer import DSAModel, StepContext
@@ -69,6 +73,8 @@ __all__ = [
     "init_from_env",
     "usable_cores",
     "check_launch",
+    "RANK_START_S",
+    "RankStalled",
     "launch",
 ]
 
@@ -341,9 +347,30 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="glm-dsa-parent-watch").start()
 
 
+def _name_process(name: str) -> None:
+    """``name`` as this process's name in ``ps`` / ``top`` (Linux, at most 15 bytes)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def _beat(beats: Any, rank: int, every_s: float) -> None:
+    """Count up ``beats[rank]`` now, then every ``every_s`` seconds from a thread of its own:
+    the count stops when the whole process stops (SIGSTOP, a debugger, a call holding the GIL)."""
+    beats[rank] += 1
+
+    def run() -> None:
+        while True:
+            time.sleep(every_s)
+            beats[rank] += 1
+
+    threading.Thread(target=run, daemon=True, name="glm-dsa-heartbeat").start()
+
+
 def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, device: str,
-                args: tuple, parent_pid: int) -> None:
+                args: tuple, parent_pid: int, beats: Any, beat_s: float) -> None:
     _die_with_parent(parent_pid)
+    _beat(beats, rank, beat_s)
+    _name_process(f"glm-dsa rank {rank}")
     # Ctrl-C reaches the whole process group; the parent alone handles it and ends the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -374,8 +401,18 @@ def check_launch(nprocs: int, device: torch.device | str, label: str = "", bound
                          f"its own model and caches; use at most {usable_cores()}")
 
 
+class RankStalled(RuntimeError):
+    """A rank of ``launch`` showed no sign of life for ``seconds``; every rank has been ended."""
+
+    def __init__(self, rank: int, nprocs: int, seconds: float, started: bool) -> None:
+        self.rank, self.nprocs, self.seconds = rank, nprocs, seconds
+        what = f"made no progress for {seconds:g} s" if started else f"did not start within {seconds:g} s"
+        super().__init__(f"rank {rank} of {nprocs} {what} (stopped, or stuck in a call that holds the GIL); "
+                         f"all {nprocs} ranks were ended")
+
+
 def launch(fn: Callable[..., Any], nprocs: int, device: torch.device | str = "cpu",
-           args: tuple = ()) -> None:
+           args: tuple = (), timeout_s: float = 60.0) -> None:
     """Run ``fn(*args)`` on ``nprocs`` new processes forming one group (gloo on CPU, NCCL on
     CUDA with rank ``r`` on ``cuda:r``), rendezvous on a free loopback port; returns when all
     are done and raises if one failed. ``fn`` must be importable (a module-level function).
@@ -385,14 +422,34 @@ def launch(fn: Callable[..., Any], nprocs: int, device: torch.device | str = "cp
     ``check_launch``. The ranks never outlive this process:
     they die with it (parent-death signal), and an exception here (Ctrl-C, SIGTERM under
     ``glm-dsa``) terminates them before it propagates.
+
+    Each rank (named ``glm-dsa rank R`` in ``ps``) beats a heartbeat from a thread of its own;
+    a rank whose beat stops for ``timeout_s`` seconds (``RANK_START_S`` or ``timeout_s``,
+    whichever is longer, before its first beat) is stopped or frozen, and the others would wait
+    for it in their next collective forever: every rank is killed and ``RankStalled`` raised.
+    A rank that is only slow keeps beating.
     """
     check_launch(nprocs, device, bound_by_cores=False)
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a positive finite number of seconds")
+    beat_s = min(1.0, timeout_s / 4)
+    beats = mp.get_context("spawn").RawArray("Q", nprocs)
     context = mp.start_processes(
-        _rank_entry, args=(fn, nprocs, _free_loopback_port(), str(device), args, os.getpid()),
+        _rank_entry, args=(fn, nprocs, _free_loopback_port(), str(device), args, os.getpid(), beats, beat_s),
         nprocs=nprocs, join=False, start_method="spawn")
+    seen = [0] * nprocs
+    start = time.monotonic()
+    last = [start] * nprocs
     try:
-        while not context.join():
-            pass
+        while not context.join(timeout=beat_s):
+            now = time.monotonic()
+            for rank in range(nprocs):
+                if beats[rank] != seen[rank]:
+                    seen[rank], last[rank] = beats[rank], now
+                allowed = timeout_s if seen[rank] else max(timeout_s, RANK_START_S)
+                if now - last[rank] > allowed and context.processes[rank].is_alive():
+                    context.processes[rank].kill()  # SIGKILL: a stopped process keeps a SIGTERM pending
+                    raise RankStalled(rank, nprocs, allowed, started=bool(seen[rank]))
     except BaseException:
         for process in context.processes:
             if process.is_alive():

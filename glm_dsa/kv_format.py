@@ -36,6 +36,7 @@ __all__ = [
     "index_k_page_bytes",
     "index_k_store",
     "index_k_load",
+    "mla_kv_unsupported",
     "mla_kv_row_bytes",
     "mla_kv_quantize",
     "mla_kv_dequantize",
@@ -163,15 +164,21 @@ def index_k_load(
 
 
 # ------------------------------------------------------------------ MLA KV rows
+def mla_kv_unsupported(kv_lora_rank: int, kv_dtype: str) -> str | None:
+    """Why the main-KV format ``kv_dtype`` cannot hold a latent of ``kv_lora_rank`` values, or
+    None: the FP8 row cuts ``c`` into tiles of 128 with one scale each, so it needs whole tiles.
+    The one rule the cache, the ledger and the command line apply."""
+    if kv_dtype == "fp8" and kv_lora_rank % MLA_TILE != 0:
+        return f"kv_lora_rank={kv_lora_rank} must be a multiple of {MLA_TILE} for the FP8 KV cache (one scale per tile of 128)"
+    return None
+
+
 def mla_kv_row_bytes(kv_lora_rank: int = 512, rope_dim: int = 64, kv_dtype: str = "fp8") -> int:
     """Bytes per token of the MLA KV cache: 656 (``"fp8"``, R=512, P=64) or 1152 (``"bf16"``)."""
     _check_positive(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
     if kv_dtype == "fp8":
-        if kv_lora_rank % MLA_TILE != 0:
-            raise ValueError(
-                f"kv_lora_rank={kv_lora_rank} must be a multiple of {MLA_TILE} for the FP8 "
-                "KV cache (one scale per tile of 128)"
-            )
+        if (why := mla_kv_unsupported(kv_lora_rank, kv_dtype)) is not None:
+            raise ValueError(why)
         return kv_lora_rank + _SCALE_BYTES * (kv_lora_rank // MLA_TILE) + _BF16_BYTES * rope_dim
     if kv_dtype == "bf16":
         return _BF16_BYTES * (kv_lora_rank + rope_dim)

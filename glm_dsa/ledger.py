@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from glm_dsa.batch import CP_BOUNDARY_GATHER, CP_SPLITS, INDEX_K_ALLGATHER, LATENT_ALLGATHER
 from glm_dsa.config import DSAConfig
 from glm_dsa.budget import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
-from glm_dsa.kv_format import MLA_KV_FORMATS, MLA_TILE, index_k_page_bytes
+from glm_dsa.kv_format import MLA_KV_FORMATS, MLA_TILE, index_k_page_bytes, mla_kv_unsupported
 from glm_dsa.validate import need
 
 __all__ = [
@@ -96,10 +96,13 @@ def main_kv_row_bytes(config: DSAConfig, kv_dtype: str = "fp8") -> int:
     """Bytes of one token's MLA latent row in one layer's KV cache.
 
     ``"fp8"`` (FlashMLA ``V32_FP8Sparse``): ``kv_lora_rank`` e4m3 bytes, one float32 scale per
-    128-element tile, ``qk_rope_head_dim`` bf16 values (656 for GLM-5.3). ``"bf16"``:
+    128-element tile, ``qk_rope_head_dim`` bf16 values (656 for GLM-5.3); a ``kv_lora_rank`` that
+    is not whole tiles is refused (``kv_format.mla_kv_unsupported``, the cache's rule). ``"bf16"``:
     ``2 * (kv_lora_rank + qk_rope_head_dim)`` (1152).
     """
     _check_kv_dtype(kv_dtype)
+    why = mla_kv_unsupported(config.kv_lora_rank, kv_dtype)
+    need(why is None, str(why))
     if kv_dtype == "fp8":
         return (
             config.kv_lora_rank * FP8_BYTES

@@ -196,12 +196,14 @@ def _check_entries(
         target = expected[name]
         if tuple(shape) != tuple(target.shape):
             problems[key] = f"shape {tuple(shape)}, expected {tuple(target.shape)}"
+        elif dtype == torch.float8_e4m3fn and not is_quantizable(name, target):
+            problems[key] = (f"dtype {dtype}, expected bf16, fp16, fp32 or fp64: FP8 checkpoints quantize 2-D "
+                             "linear weights only, never the norms, biases, router gate, indexer.weights_proj, "
+                             "embedding or LM head")
         elif dtype == torch.float8_e4m3fn:
             scale = _scale_name(name)
             want = (math.ceil(shape[0] / WEIGHT_BLOCK), math.ceil(shape[1] / WEIGHT_BLOCK))
-            if not is_quantizable(name, target):
-                problems[key] = "stored in FP8, but this tensor is never quantized"
-            elif scale not in infos:
+            if scale not in infos:
                 problems[key] = f"FP8 weight without its scale {label.get(scale, _scale_name(key))}"
             elif infos[scale][0] != torch.float32 or tuple(infos[scale][1]) != want:
                 problems[label[scale]] = f"{infos[scale][0]} {tuple(infos[scale][1])}, expected torch.float32 {want}"

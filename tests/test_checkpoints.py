@@ -377,3 +377,27 @@ def test_a_weight_map_naming_one_tensor_twice_is_refused(tmp_path, monkeypatch):
         load_checkpoint(tmp_path)
     assert str(err.value) == (f"checkpoint {tmp_path}: lm_head.weight: named twice in "
                               "model.safetensors.index.json's JSON; keep one entry")
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("model.layers.0.input_layernorm.weight", (TINY.hidden_size,)),
+    ("model.norm.weight", (TINY.hidden_size,)),
+    ("model.layers.1.mlp.gate.weight", (TINY.n_routed_experts, TINY.hidden_size)),
+])
+def test_an_fp8_tensor_of_a_kind_never_quantized_is_named_with_the_dtype_expected(tmp_path, monkeypatch, capsys,
+                                                                                  name, shape):
+    """FP8 block-quantized checkpoints (DeepSeek-V3's, GLM's) store only 2-D linear weights in
+    e4m3 with a weight_scale_inv; norms stay bf16. An FP8 norm weight raised IndexError (its
+    block-scale shape was read from a second dimension it does not have)."""
+    _write(tmp_path, fp8=True, mtp=False, extra={name: torch.ones(shape).to(torch.float8_e4m3fn)})
+    _refuse_allocation(monkeypatch)
+    expected = (f"checkpoint {tmp_path}: {name}: dtype torch.float8_e4m3fn, expected bf16, fp16, fp32 or fp64: "
+                "FP8 checkpoints quantize 2-D linear weights only, never the norms, biases, router gate, "
+                "indexer.weights_proj, embedding or LM head")
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path)
+    assert str(err.value) == expected
+    from glm_dsa.cli import main
+
+    assert main(["prefill", "--config", str(tmp_path), "--weights", str(tmp_path), "--tokens", "64"]) == 2
+    assert capsys.readouterr().err == f"glm-dsa prefill: error: {expected}\n"

@@ -205,3 +205,59 @@ def test_memory_check_counts_only_the_kept_layers(capsys, monkeypatch):
     err = capsys.readouterr().err
     need = float(err.split("needs ")[1].split(" GB")[0])
     assert 39 < need < 100, err
+
+
+def _model_never_built(monkeypatch):
+    """The run's one way to a model (random or from --weights) fails the test when reached."""
+    import glm_dsa.cli as cli
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the model was built before the refusal"))
+
+
+def _values_case(tmp_path, kind):
+    """(flag, file, the one line's text after 'FLAG FILE: ') for a file whose header is sound and
+    whose values are not (issue 45: refused only after the model was built)."""
+    v = get_config("tiny").vocab_size
+    path = tmp_path / f"{kind}.safetensors"
+    if kind in ("nan", "inf"):
+        bad = torch.zeros(64, 128)
+        bad[5, 7] = float(kind)
+        save_file({"request.0.hidden": torch.zeros(64, 128), "request.1.hidden": bad}, str(path))
+        return "--input-hidden", path, "request.1.hidden holds NaN or inf"
+    ids = torch.arange(64)
+    ids[9] = v if kind == "vocab" else -3
+    save_file({"request.0.input_ids": ids}, str(path))
+    return "--input-ids", path, (f"request.0.input_ids holds token id {ids[9].item()} (position 9), outside "
+                                 f"[0, vocab_size={v}); use ids of this model's tokenizer")
+
+
+@pytest.mark.parametrize("command", ["prefill", "fidelity"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "vocab", "negative"])
+def test_bad_input_values_are_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch, command, kind):
+    flag, path, text = _values_case(tmp_path, kind)
+    _model_never_built(monkeypatch)
+    extra = ["--request", "1"] if command == "fidelity" and flag == "--input-hidden" else []
+    assert main([command, "--config", "tiny", flag, str(path), *extra]) == 2
+    assert capsys.readouterr().err == f"glm-dsa {command}: error: {flag} {path}: {text}\n"
+
+
+@pytest.mark.parametrize("foreign", ["notes.txt", "{contract}.safetensors/notes.txt", "manifest.json/notes.txt"],
+                         ids=["a-file", "a-directory-named-as-a-golden-file", "a-directory-named-manifest"])
+def test_golden_out_holding_what_golden_does_not_write_is_refused_before_any_case(tmp_path, capsys, monkeypatch,
+                                                                                  foreign):
+    """The directory is replaced whole, so whatever golden would not write there is the user's:
+    a file, or a directory under one of golden's own file names (it was swapped out and deleted
+    with what it held)."""
+    from glm_dsa.testing import golden
+
+    monkeypatch.setattr(golden, "golden_cases", lambda *a, **k: pytest.fail("a case was computed first"))
+    out = tmp_path / "golden"
+    path = out / foreign.format(contract=sorted(golden.CONTRACTS)[0])
+    path.parent.mkdir(parents=True)
+    path.write_text("mine")
+    entry = path.relative_to(out).parts[0] + ("/" if path.parent != out else "")
+    assert main(["golden", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"glm-dsa golden: error: {out} holds {entry}, which glm-dsa golden does not write; the directory is "
+        "replaced whole: move those out or choose another directory\n")
+    assert path.read_text() == "mine"

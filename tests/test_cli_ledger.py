@@ -188,3 +188,24 @@ def test_report_names_the_ttft_floor_and_quotes_the_article_beside_our_figures(o
     assert re.search(r"^a_proj\s+6144->2624\s+78\s+32,243,712\s+32.24 MFLOP\s+32.2 MFLOP$", text, re.M)
     assert re.search(r"^a_proj\s+2,637,178,639,220,736\s+2.637 PFLOP\s+2.5 PFLOP$", text, re.M)
     assert "e+" not in text  # no exponent notation in a report people read
+
+
+def test_fp8_kv_sizes_are_given_only_where_prefill_accepts_the_fp8_kv(capsys, tmp_path, monkeypatch):
+    """kv_lora_rank 64 cannot be cut into FP8 tiles of 128 (one float32 scale per tile): prefill
+    refuses --kv-dtype fp8 on it, so the ledger may not print FP8 KV sizes for it either (it
+    printed 96-byte rows); both give the same reason in one line, and bf16 works in both."""
+    import glm_dsa.cli as cli
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**to_hf_config(get_config("tiny")), "kv_lora_rank": 64}))
+    reason = ("--kv-dtype fp8 does not apply to this config: kv_lora_rank=64 must be a multiple of 128 for "
+              "the FP8 KV cache (one scale per tile of 128); use --kv-dtype bf16")
+    ledger = ["ledger", "--config", str(path), "--tokens", "1024", "--chunk", "256"]
+    for argv in (ledger, [*ledger, "--json"], [*ledger, "--kv-dtype", "fp8"]):
+        assert run(capsys, argv) == (2, "", f"glm-dsa ledger: error: {reason}\n")
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the model was built before the refusal"))
+    prefill = ["prefill", "--config", str(path), "--tokens", "128", "--chunk", "128", "--no-progress"]
+    assert run(capsys, [*prefill, "--kv-dtype", "fp8"]) == (2, "", f"glm-dsa prefill: error: {reason}\n")
+    rc, out, _ = run(capsys, [*ledger, "--kv-dtype", "bf16", "--json"])
+    # bf16 rows: [c | k_pe] in 2 bytes each, 64 + 16 values
+    assert rc == 0 and json.loads(out)["kv"]["main_row_bytes"] == 2 * (64 + 16)

@@ -147,3 +147,81 @@ def test_the_report_gives_the_weight_bytes_of_the_kept_layers(capsys):
     # float32 on the CPU: 4 bytes per parameter of the three kept layers, embedding and head
     assert report["memory"]["weight_bytes"] == 4 * param_counts(keep_layers(small, "2:5"))["total"]
     assert report["memory"]["weights_peak_bytes"] is None and report["memory"]["prefill_peak_bytes"] is None
+
+
+_WORDS = ["[UNK]", "the", "sparse", "indexer", "picks", "keys", "."]
+_PROMPT = "the indexer picks the sparse keys . " * 10
+
+
+@pytest.fixture
+def text_model(tmp_path):
+    """A config directory (tiny, random weights) with a word-level tokenizer.json."""
+    pytest.importorskip("tokenizers")
+    d = tmp_path / "model"
+    write_config(TINY, d)
+    _word_tokenizer(d, _WORDS)
+    return d
+
+
+def _prefill_text(model_dir, text_path, out, **popen):
+    """``python -m glm_dsa prefill --text TEXT_PATH`` in a child, as a shell runs it."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen(
+        [sys.executable, "-m", "glm_dsa", "prefill", "--config", str(model_dir), "--text", str(text_path),
+         "--chunk", "64", "--no-progress", "--save-outputs", str(out)],
+        cwd=repo, env={**os.environ, "PYTHONPATH": repo}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, **popen)
+
+
+def _ids_written(out) -> list[int]:
+    return load_file(out)["request.0.input_ids"].tolist()
+
+
+def test_text_from_a_fifo_fed_once_is_read_once(tmp_path, text_model):
+    """A FIFO gives its text to one reader only: a second read waits for a writer that never
+    comes (the run hung when --text was read twice)."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prompt.fifo"
+    os.mkfifo(fifo)
+
+    def feed() -> None:
+        with open(fifo, "w", encoding="utf-8") as f:  # blocks until the run opens it
+            f.write(_PROMPT)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    out = tmp_path / "o.safetensors"
+    proc = _prefill_text(text_model, fifo, out)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+        if writer.is_alive():  # the run never opened the FIFO: release the writer
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+    assert proc.returncode == 0, err
+    assert _ids_written(out) == [_WORDS.index(w) for w in _PROMPT.split()]
+
+
+def test_text_from_a_process_substitution_is_read_once(tmp_path, text_model):
+    """``--text <(cat prompt.txt)``: the shell hands the run ``/dev/fd/N``, a pipe already fed
+    (a second read found it empty: 'tokenizes to no tokens')."""
+    import os
+
+    r, w = os.pipe()
+    os.write(w, _PROMPT.encode())
+    os.close(w)
+    out = tmp_path / "o.safetensors"
+    proc = _prefill_text(text_model, f"/dev/fd/{r}", out, pass_fds=(r,))
+    os.close(r)
+    try:
+        _, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert _ids_written(out) == [_WORDS.index(w) for w in _PROMPT.split()]

@@ -128,3 +128,62 @@ def _meta_op_then_leave_the_group() -> None:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
 def test_leaving_the_group_ends_its_worker_threads_after_dynamo_is_imported():
     launch(_meta_op_then_leave_the_group, 2, "cpu")
+
+
+def _children_named(parent: int, name: str) -> list[int]:
+    """Pids of the live children of ``parent`` whose process name is ``name``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                comm, rest = f.read().split("(", 1)[1].rsplit(")", 1)
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if comm == name and int(rest.split()[1]) == parent and not _gone(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or usable_cores() < 2, reason="needs Linux and 2 cores")
+def test_a_stopped_rank_ends_the_run_with_one_line_and_no_rank_left(tmp_path):
+    """SIGSTOP on rank 1 of a --cp 2 prefill: rank 0 would wait for it in its next all_gather
+    forever (the run hung); the launcher sees rank 1's heartbeat stop, ends every rank and says
+    which one, within --cp-timeout and a few seconds."""
+    timeout = 2
+    parent = subprocess.Popen(
+        [sys.executable, "-m", "glm_dsa", "prefill", "--config", "tiny", "--tokens", "4096", "--chunk", "256",
+         "--cp", "2", "--cp-timeout", str(timeout), "--no-progress"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline and parent.poll() is None, "the ranks did not start"
+            ranks = _children_named(parent.pid, "glm-dsa rank 0") + _children_named(parent.pid, "glm-dsa rank 1")
+            time.sleep(0.1)
+        stopped = _children_named(parent.pid, "glm-dsa rank 1")[0]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = parent.communicate(timeout=timeout + 20)
+        elapsed = time.monotonic() - t0
+    finally:
+        parent.kill()
+        for pid in ranks:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert parent.returncode == 1 and err == (
+        f"glm-dsa prefill: error: RuntimeError: rank 1 of 2 made no progress for {timeout} s (stopped, or stuck in "
+        "a call that holds the GIL); all 2 ranks were ended; --cp-timeout SECONDS sets the limit (rerun with "
+        "--debug for the traceback)\n"), err
+    assert timeout <= elapsed < timeout + 12, elapsed
+    assert all(_gone(pid) for pid in ranks), "a rank outlived the run"
+
+
+def test_a_cp_timeout_that_is_no_duration_is_refused(capsys):
+    for value in ("0", "-1", "nan", "inf"):
+        assert main(["prefill", "--config", "tiny", "--tokens", "64", "--cp-timeout", value]) == 2
+        assert capsys.readouterr().err == (f"glm-dsa prefill: error: --cp-timeout {float(value):g} must be a positive "
+                                           "number of seconds\n")

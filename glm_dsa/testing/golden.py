@@ -178,19 +178,27 @@ def write_golden(out_dir: str | os.PathLike, seed: int = 0) -> dict:
     interrupted write leaves an existing golden directory as it was.
 
     Returns the manifest (also written). An existing ``out_dir`` holding files this function
-    does not write is refused (ValueError) before any case is computed.
+    does not write, or any directory (even one named as a file of ours), is refused (ValueError)
+    before any case is computed.
     """
     check_seed(seed)
     out_dir = os.fspath(out_dir)
     if os.path.isdir(out_dir):
         ours = {MANIFEST, *(f"{c}.safetensors" for c in CONTRACTS)}
-        strangers = sorted(set(os.listdir(out_dir)) - ours)
+        # a directory, even under one of our file names, holds the user's files: swapped out, it is deleted
+        dirs = {name for name in os.listdir(out_dir) if _is_real_dir(os.path.join(out_dir, name))}
+        strangers = sorted(name + ("/" if name in dirs else "") for name in os.listdir(out_dir)
+                           if name not in ours or name in dirs)
         if strangers:
             raise ValueError(f"{out_dir} holds {', '.join(strangers[:5])}"
                              f"{' …' if len(strangers) > 5 else ''}, which glm-dsa golden does not "
                              f"write; the directory is replaced whole: move those out or choose "
                              f"another directory")
     return replace_dir(out_dir, lambda tmp: _write_golden_into(tmp, seed))
+
+
+def _is_real_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _write_golden_into(out_dir: str, seed: int) -> dict:
