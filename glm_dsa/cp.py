@@ -35,15 +35,11 @@ under ``torchrun``, ``init_from_env()`` joins the group torchrun set up.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import math
 import os
 import signal
 import socket
-import sys
-import threading
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -53,8 +49,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+from glm_dsa.processes import die_with_parent
 
 if TYPE_CHECKING:
     from glm_dsa.layer import DSAModel, StepContext
@@ -323,27 +318,9 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this rank when the launching process ends, however it ends (SIGKILL included):
-    Linux's parent-death signal, else a thread watching the parent's pid."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent_pid:  # the parent died before the signal was armed
-                os._exit(1)
-            return
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="glm-dsa-parent-watch").start()
-
-
 def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, device: str,
                 args: tuple, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     # Ctrl-C reaches the whole process group; the parent alone handles it and ends the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
