@@ -238,3 +238,49 @@ def test_outputs_refuse_their_own_input_hidden(tmp_path, capsys):
     for flag in ("--save-outputs", "--plot"):
         _refused(capsys, [*TINY, "--input-hidden", hidden, flag, hidden], f"{flag} {hidden} is the input --input-hidden")
     assert hidden.read_bytes() == before
+
+
+def test_save_outputs_refuses_a_shard_reached_through_a_symlinked_directory(tmp_path, capsys):
+    """A checkpoint index may name ``shards/…`` where ``shards`` links elsewhere (a hub cache):
+    the shard is still an input of the run."""
+    from glm_dsa.config import get_config
+    from glm_dsa.weights import build_model, init_weights, save_checkpoint
+
+    ckpt, blobs = tmp_path / "ckpt", tmp_path / "blobs"
+    save_checkpoint(init_weights(build_model(get_config("tiny")), 0), ckpt, max_shard_bytes=1 << 20)
+    blobs.mkdir()
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for file in set(index["weight_map"].values()):
+        os.rename(ckpt / file, blobs / file)
+    (ckpt / "shards").symlink_to(blobs, target_is_directory=True)
+    index["weight_map"] = {k: f"shards/{v}" for k, v in index["weight_map"].items()}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard = sorted(blobs.iterdir())[0]
+    before = shard.read_bytes()
+    _refused(capsys, [*TINY, "--config", ckpt, "--weights", ckpt, "--tokens", "64", "--save-outputs", shard],
+             f"is the input --weights {ckpt} (its file shards/{shard.name})")
+    assert shard.read_bytes() == before
+
+
+# ------------------------------------------------------------------ golden --out, read-only
+def test_golden_out_onto_a_read_only_directory_is_refused_and_the_old_set_kept(tmp_path, capsys, monkeypatch):
+    """Root may write a 0555 directory (os.access says yes), so the mode bits decide: the old
+    set stays whole and nothing is left beside it, for root and everyone else."""
+    from glm_dsa.testing import golden
+
+    g = tmp_path / "golden"
+    g.mkdir()
+    (g / "manifest.json").write_text("old set")
+    (g / "act_quant.safetensors").write_bytes(b"old bytes")
+    g.chmod(0o555)
+    try:
+        _refused(capsys, ["golden", "--out", g],
+                 f"--out {g} is read-only (mode 0555) and would be replaced whole; make it writable")
+        monkeypatch.setattr(golden, "_write_golden_into", lambda *a: pytest.fail("computed first"))
+        with pytest.raises(ValueError, match="is read-only"):
+            golden.write_golden(g)
+        assert (g / "manifest.json").read_text() == "old set"
+        assert (g / "act_quant.safetensors").read_bytes() == b"old bytes"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["golden"]
+    finally:
+        g.chmod(0o755)
