@@ -249,3 +249,17 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.cuda
+def test_a_kernel_in_its_own_process_runs_on_cuda(tmp_path, capsys):
+    """The child binds the device's context and gets its inputs there, as the worker thread
+    does (a Triton kernel launched there, and the oracle called on CUDA tensors)."""
+    from glm_dsa.cli import main
+
+    (tmp_path / "k.py").write_text("from glm_dsa import oracle\ndef act_quant(x, *a, **k):\n"
+                                   "    assert x.is_cuda\n    return oracle.act_quant(x, *a, **k)\n")
+    assert check_kernel("act_quant", f"{tmp_path}/k.py:act_quant", cases=5, device="cuda").passed
+    assert main(["check", "glm_dsa.kernels:fp8_mqa_logits", "--contract", "fp8_mqa_logits",
+                 "--device", "cuda", "--cases", "8"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: glm_dsa.kernels:fp8_mqa_logits")
