@@ -35,15 +35,11 @@ under ``torchrun``, ``init_from_env()`` joins the group torchrun set up.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import math
 import os
 import signal
 import socket
-import sys
-import threading
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -53,9 +49,9 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from glm_dsa.batch import COMM_OPS, CP_BOUNDARY_GATHER, CP_SPLITS, ForwardBatch
+from glm_dsa.processes import die_with_parent
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_PR_SET_NAME = 15
+_PR_SET_NAME = 15  # <linux/prctl.h>
 # A rank's first heartbeat comes once it has imported torch and this module, which on a loaded
 # host can take a minute; until then it is allowed this long, or the timeout if that is longer.
 RANK_START_S = 120.0
@@ -329,24 +325,6 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """End this rank when the launching process ends, however it ends (SIGKILL included):
-    Linux's parent-death signal, else a thread watching the parent's pid."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent_pid:  # the parent died before the signal was armed
-                os._exit(1)
-            return
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="glm-dsa-parent-watch").start()
-
-
 def _name_process(name: str) -> None:
     """``name`` as this process's name in ``ps`` / ``top`` (Linux, at most 15 bytes)."""
     if sys.platform.startswith("linux"):
@@ -368,7 +346,7 @@ def _beat(beats: Any, rank: int, every_s: float) -> None:
 
 def _rank_entry(rank: int, fn: Callable[..., Any], nprocs: int, port: int, device: str,
                 args: tuple, parent_pid: int, beats: Any, beat_s: float) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     _beat(beats, rank, beat_s)
     _name_process(f"glm-dsa rank {rank}")
     # Ctrl-C reaches the whole process group; the parent alone handles it and ends the ranks.

@@ -1,19 +1,27 @@
 """Output files and directories that never destroy an input and are never left half-written.
 
-Every file a command writes goes through :func:`write_file`: the bytes go to a temporary beside
-the target, named ``.<name>.<pid>.<random>.glm-dsa-partial``, which is renamed over the target
-once complete (so a reader sees the old file or the new one, never a mix). The temporary is
-removed when the write fails, on Ctrl-C and on SIGTERM; only SIGKILL (or a power cut) can leave
-one behind, and the next write to the same path removes those whose process is gone
-(:func:`sweep_partials`). A directory (``glm-dsa golden --out``) is written whole into such a
-temporary directory and swapped in by one ``rename`` (:func:`replace_dir`).
+One rule for every file a command writes (``prefill --save-outputs`` and ``--plot``, ``fidelity
+--plot``, ``check`` / ``compare --junit-xml``, ``golden --out``; ``--json`` goes to stdout):
 
-Paths are checked before any compute (:func:`check_output_file`, :func:`check_output_dir`): an
-output may not be an input of the same run (the same file by device and inode, so hard links
-and symlinks count), nor anything but a regular file or absent (a directory, FIFO, socket or
-device node is refused: replacing ``/dev/null`` with a regular file is what a rename would
-do). **Symlinks are written through**: the target file is replaced and the link kept, as an
-editor saving a linked file does; the temporary lives beside the target.
+- **Checked before any compute** (:func:`check_output_paths`, :func:`check_output_dir`): an
+  output may not be an input of the same run — the same file by device and inode, so hard links
+  and symlinks count; a directory input (a checkpoint, a golden set) stands for every file under
+  it, symlinked subdirectories followed, so every file a checkpoint index or golden manifest can
+  reach is covered; the kernel's ``.py`` file and the modules its import loaded are inputs of
+  ``check`` and ``compare`` — nor anything but a regular file or absent (a directory, FIFO,
+  socket or device node is refused: replacing ``/dev/null`` with a regular file is what a rename
+  would do), nor two outputs one file. A directory to be replaced must be writable by its mode
+  bits (see :func:`check_output_dir`).
+- **Written to a temporary and renamed** (:func:`write_file`): the bytes go to a temporary
+  beside the target, named ``.<name>.<pid>.<random>.glm-dsa-partial``, which is renamed over the
+  target once complete (so a reader sees the old file or the new one, never a mix). The
+  temporary is removed when the write fails, on Ctrl-C and on SIGTERM; only SIGKILL (or a power
+  cut) can leave one behind, and the next write to the same path removes those whose process is
+  gone (:func:`sweep_partials`). A directory is written whole into such a temporary directory
+  and swapped in by one ``rename`` (:func:`replace_dir`).
+
+**Symlinks are written through**: the target file is replaced and the link kept, as an editor
+saving a linked file does; the temporary lives beside the target.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ import stat
 import sys
 import tempfile
 import threading
-from typing import Callable, Iterator, Mapping, TypeVar
+import warnings
+from typing import Callable, Iterator, Mapping, Sequence, TypeVar
 
 __all__ = [
     "PARTIAL_SUFFIX",
@@ -55,9 +64,13 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _input_files(inputs: Mapping[str, str | None]) -> dict[tuple[int, int], str]:
-    """``{(st_dev, st_ino): "FLAG PATH"}`` of every existing input file; a directory input (a
-    checkpoint) stands for every file under it."""
+Inputs = Mapping[str, str | Sequence[str] | None]  # {flag: a path, or several}
+
+
+def _input_files(inputs: Inputs) -> dict[tuple[int, int], str]:
+    """``{(st_dev, st_ino): "FLAG PATH"}`` of every existing input file (``inputs``: a path, or
+    several, per flag); a directory input (a checkpoint, a golden set) stands for every file
+    under it, symlinked subdirectories followed (each directory once)."""
     found: dict[tuple[int, int], str] = {}
 
     def add(path: str, what: str) -> None:
@@ -68,23 +81,29 @@ def _input_files(inputs: Mapping[str, str | None]) -> dict[tuple[int, int], str]
         if stat.S_ISREG(st.st_mode):
             found.setdefault((st.st_dev, st.st_ino), what)
 
-    for flag, path in inputs.items():
-        if not path:
-            continue
-        if os.path.isdir(path):
-            for root, _, names in os.walk(path):
+    for flag, given in inputs.items():
+        for path in [given] if isinstance(given, str) else given or ():
+            if not os.path.isdir(path):
+                add(path, f"{flag} {path}")
+                continue
+            seen: set[tuple[int, int]] = set()
+            for root, dirs, names in os.walk(path, followlinks=True):
+                st = os.stat(root)
+                if (st.st_dev, st.st_ino) in seen:  # a link back up the tree
+                    dirs[:] = []
+                    continue
+                seen.add((st.st_dev, st.st_ino))
                 for name in names:
                     full = os.path.join(root, name)
                     add(full, f"{flag} {path} (its file {os.path.relpath(full, path)})")
-        else:
-            add(path, f"{flag} {path}")
     return found
 
 
-def check_output_file(flag: str, path: str, inputs: Mapping[str, str | None] | None = None) -> None:
+def check_output_file(flag: str, path: str, inputs: Inputs | None = None) -> None:
     """``path`` can take an output: absent or a regular file (a symlink counts as its target),
-    not one of ``inputs`` (``{flag: path}``; a directory stands for every file under it), its
-    directory exists and is writable. Raises ``ValueError`` with one line naming the fix."""
+    not one of ``inputs`` (``{flag: path or paths}``; a directory stands for every file under
+    it), its directory exists and is writable. Raises ``ValueError`` with one line naming the
+    fix."""
     target = os.path.realpath(path)
     if os.path.exists(target):
         st = os.stat(target)
@@ -104,7 +123,7 @@ def check_output_file(flag: str, path: str, inputs: Mapping[str, str | None] | N
         raise ValueError(f"{flag} {path} is not writable; choose another path")
 
 
-def check_output_paths(outputs: Mapping[str, str | None], inputs: Mapping[str, str | None] | None = None) -> None:
+def check_output_paths(outputs: Mapping[str, str | None], inputs: Inputs | None = None) -> None:
     """Every given path of ``outputs`` (``{flag: path}``) as :func:`check_output_file` checks it,
     and no two of them the same file."""
     written: dict[str, str] = {}
@@ -119,7 +138,15 @@ def check_output_paths(outputs: Mapping[str, str | None], inputs: Mapping[str, s
 
 
 def check_output_dir(flag: str, path: str) -> None:
-    """``path`` is a writable directory or can be created as one (a symlink counts as its target)."""
+    """``path`` is a directory that can be replaced whole, or can be created as one (a symlink
+    counts as its target): its parent is writable, and an existing one is writable too, by its
+    mode bits as well as for this user.
+
+    The mode bits are read explicitly because root may write anything, so ``os.access`` says
+    yes to root for a directory nobody may write (0555): that is a directory its owner
+    protected, and replacing it would undo that, so it is refused for root too (make it
+    writable first). This also keeps a replacement from failing half-way for other users, where
+    the old set could be swapped out but not removed."""
     target = os.path.realpath(path)
     if os.path.exists(target) and not os.path.isdir(target):
         raise ValueError(f"{flag} {path} exists and is not a directory; give a directory")
@@ -128,6 +155,11 @@ def check_output_dir(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path} cannot be replaced: {parent} is not writable; choose another directory")
+    if os.path.isdir(target):
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+        if not mode & 0o222 or not os.access(target, os.W_OK | os.X_OK):
+            raise ValueError(f"{flag} {path} is read-only (mode {mode:04o}) and would be replaced whole; "
+                             f"make it writable (chmod u+w {path}) or choose another directory")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -252,8 +284,10 @@ def replace_dir(path: str, write: Callable[[str], T]) -> T:
 
     An existing directory is replaced whole, so it may hold only names the new one holds: a
     file ``write`` did not produce (a user's notes, a kernel's outputs) is refused with one
-    line before anything is replaced.
+    line before anything is replaced; one that is read-only (``check_output_dir``) is refused
+    before ``write`` runs.
     """
+    check_output_dir("directory", path)  # before anything is computed
     target = os.path.realpath(path)
     sweep_partials(target)
     parent, prefix = _partial_name(target)
@@ -268,14 +302,19 @@ def replace_dir(path: str, write: Callable[[str], T]) -> T:
                     raise ValueError(f"{path} holds {', '.join(strangers[:5])}"
                                      f"{' …' if len(strangers) > 5 else ''}, which this command does not write; "
                                      "the directory is replaced whole: move those out or choose another directory")
-                if not _exchange(tmp, target):
-                    # Two renames: an interruption between them leaves the old directory under
-                    # the ``.glm-dsa-previous`` name beside it, never removed by a sweep.
-                    previous = tmp[: -len(PARTIAL_SUFFIX)] + ".glm-dsa-previous"
+                # The old directory goes under the ``.glm-dsa-previous`` name beside it, which no
+                # sweep removes: an interruption, or a removal that fails, never loses it unseen.
+                previous = tmp[: -len(PARTIAL_SUFFIX)] + ".glm-dsa-previous"
+                if _exchange(tmp, target):
+                    os.rename(tmp, previous)
+                else:
                     os.rename(target, previous)
                     os.rename(tmp, target)
-                    tmp = previous
-                shutil.rmtree(tmp)  # now the old directory
+                try:
+                    shutil.rmtree(previous)
+                except OSError as e:
+                    warnings.warn(f"{path} is written, but its previous contents could not be removed "
+                                  f"({e.strerror or e}): they are in {previous}; remove them yourself")
             else:
                 os.rename(tmp, target)
         except BaseException:

@@ -238,3 +238,127 @@ def test_outputs_refuse_their_own_input_hidden(tmp_path, capsys):
     for flag in ("--save-outputs", "--plot"):
         _refused(capsys, [*TINY, "--input-hidden", hidden, flag, hidden], f"{flag} {hidden} is the input --input-hidden")
     assert hidden.read_bytes() == before
+
+
+def test_save_outputs_refuses_a_shard_reached_through_a_symlinked_directory(tmp_path, capsys):
+    """A checkpoint index may name ``shards/…`` where ``shards`` links elsewhere (a hub cache):
+    the shard is still an input of the run."""
+    from glm_dsa.config import get_config
+    from glm_dsa.weights import build_model, init_weights, save_checkpoint
+
+    ckpt, blobs = tmp_path / "ckpt", tmp_path / "blobs"
+    save_checkpoint(init_weights(build_model(get_config("tiny")), 0), ckpt, max_shard_bytes=1 << 20)
+    blobs.mkdir()
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    for file in set(index["weight_map"].values()):
+        os.rename(ckpt / file, blobs / file)
+    (ckpt / "shards").symlink_to(blobs, target_is_directory=True)
+    index["weight_map"] = {k: f"shards/{v}" for k, v in index["weight_map"].items()}
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    shard = sorted(blobs.iterdir())[0]
+    before = shard.read_bytes()
+    _refused(capsys, [*TINY, "--config", ckpt, "--weights", ckpt, "--tokens", "64", "--save-outputs", shard],
+             f"is the input --weights {ckpt} (its file shards/{shard.name})")
+    assert shard.read_bytes() == before
+
+
+# ------------------------------------------------------------------ check / compare --junit-xml
+_KERNEL = """
+import os
+import k_helper
+from glm_dsa import oracle
+open(os.path.join(os.path.dirname(__file__), "imported"), "a").close()
+def act_quant(*a, **k):
+    open(os.path.join(os.path.dirname(__file__), "called"), "a").close()
+    return oracle.act_quant(*a, **k)
+"""
+
+
+@pytest.fixture
+def inputs(tmp_path, monkeypatch):
+    """A kernel (and the helper module it imports), a definition, and a golden directory with a
+    candidate beside it; each file's bytes, to see none was written."""
+    (tmp_path / "k.py").write_text(_KERNEL)
+    (tmp_path / "k_helper.py").write_text("HELP = 1\n")
+    definition = tmp_path / "def.json"
+    definition.write_text(open(os.path.join(REPO, "tests", "definitions",
+                                            "dsa_topk_indexer_fp8_h64_d128_topk2048_ps64.json")).read())
+    from glm_dsa.testing import golden
+    from glm_dsa.testing.cases import CONTRACTS
+
+    monkeypatch.setattr(golden, "CONTRACTS", {"act_quant": CONTRACTS["act_quant"]})  # a small set
+    golden.write_golden(tmp_path / "golden")
+    save_file({"act_quant.ue8m0_scales.scale": torch.ones(3)}, str(tmp_path / "cand.safetensors"))
+    monkeypatch.chdir(tmp_path)  # the kernel's module importable by name, as python -m has it
+    return {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+
+def _not_written(inputs, tmp_path):
+    assert {p: p.read_bytes() for p in inputs} == inputs
+    assert not (tmp_path / "called").exists()  # no case ran
+
+
+@pytest.mark.parametrize("argv, junit, text", [
+    (["check", "k.py:act_quant", "--contract", "act_quant"], "k.py", "is the input kernel k.py"),
+    (["check", "k:act_quant", "--contract", "act_quant"], "k.py", "is the input kernel {tmp}/k.py"),
+    (["check", "k.py:act_quant", "--contract", "act_quant"], "k_helper.py",
+     "is the input kernel module {tmp}/k_helper.py"),
+    (["check", "k.py:act_quant", "--definition", "def.json"], "def.json", "is the input --definition def.json"),
+    (["compare", "--golden", "golden", "--candidate", "cand.safetensors"], "cand.safetensors",
+     "is the input --candidate cand.safetensors"),
+    (["compare", "--golden", "golden", "--candidate", "cand.safetensors"], "golden/manifest.json",
+     "is the input --golden golden (its file manifest.json)"),
+    (["compare", "--golden", "golden", "--kernel", "k.py:act_quant"], "k.py", "is the input kernel k.py"),
+])
+def test_junit_xml_onto_an_input_is_refused_before_any_case(argv, junit, text, inputs, tmp_path, capsys):
+    """The candidate, the golden set's files, the definition, the kernel's file and the modules
+    its import loaded are inputs of the run: --junit-xml over any of them, by name, symlink or
+    hard link, is one line and exit status 2, before a case runs."""
+    (tmp_path / "sym.xml").symlink_to(tmp_path / junit)
+    os.link(tmp_path / junit, tmp_path / "hard.xml")
+    for out in (junit, "sym.xml", "hard.xml"):
+        assert main([*argv, "--junit-xml", out]) == 2
+        err = _one_error_line(capsys)
+        assert f"--junit-xml {out} {text.format(tmp=tmp_path)}; writing it would destroy that input" in err, err
+    _not_written(inputs, tmp_path)
+
+
+def test_junit_xml_is_written_to_a_temporary_and_renamed(inputs, tmp_path, capsys):
+    """Renamed over its path, the old file's other hard link keeps the old bytes (a file opened
+    for writing in place would change under both names)."""
+    (tmp_path / "old.xml").write_text("old")
+    os.link(tmp_path / "old.xml", tmp_path / "kept.xml")
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["check", "k.py:act_quant", "--contract", "act_quant", "--cases", "4", "--junit-xml",
+                 "fifo"]) == 2
+    assert "--junit-xml fifo is a FIFO, not a regular file" in _one_error_line(capsys)
+    assert main(["check", "k.py:act_quant", "--contract", "act_quant", "--cases", "4", "--junit-xml",
+                 "old.xml"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("PASS: k.py:act_quant matches act_quant")
+    assert (tmp_path / "old.xml").read_text().startswith("<?xml")
+    assert (tmp_path / "kept.xml").read_text() == "old"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(PARTIAL_SUFFIX)]
+
+
+# ------------------------------------------------------------------ golden --out, read-only
+def test_golden_out_onto_a_read_only_directory_is_refused_and_the_old_set_kept(tmp_path, capsys, monkeypatch):
+    """Root may write a 0555 directory (os.access says yes), so the mode bits decide: the old
+    set stays whole and nothing is left beside it, for root and everyone else."""
+    from glm_dsa.testing import golden
+
+    g = tmp_path / "golden"
+    g.mkdir()
+    (g / "manifest.json").write_text("old set")
+    (g / "act_quant.safetensors").write_bytes(b"old bytes")
+    g.chmod(0o555)
+    try:
+        _refused(capsys, ["golden", "--out", g],
+                 f"--out {g} is read-only (mode 0555) and would be replaced whole; make it writable")
+        monkeypatch.setattr(golden, "_write_golden_into", lambda *a: pytest.fail("computed first"))
+        with pytest.raises(ValueError, match="is read-only"):
+            golden.write_golden(g)
+        assert (g / "manifest.json").read_text() == "old set"
+        assert (g / "act_quant.safetensors").read_bytes() == b"old bytes"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["golden"]
+    finally:
+        g.chmod(0o755)

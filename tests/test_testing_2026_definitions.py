@@ -233,3 +233,18 @@ def test_against_reference_needs_a_definition(capsys):
     assert main(["check", "glm_dsa.oracle:act_quant", "--contract", "act_quant",
                  "--against-reference"]) == 2
     assert "--against-reference goes with --definition" in capsys.readouterr().err
+
+
+def test_a_definition_check_that_runs_no_case_fails(monkeypatch, capsys):
+    """Every case beyond what the definition can state: no case ran, and that is no pass."""
+    from glm_dsa.testing import definitions
+
+    names = ["context_shorter_than_k", "random #0"]
+    monkeypatch.setattr(definitions, "definition_cases", lambda defn, cases, seed: ([], names))
+    report, reference = check_definition(load_definition(INDEXER), dsa_topk_indexer, against_reference=True)
+    assert not report.passed and report.cases_run == 0 and reference == []
+    assert report.failure == ("dsa_topk_indexer_fp8_h64_d128_topk2048_ps64: no case ran; the definition "
+                              "cannot state any of fp8_paged_mqa_topk's cases")
+    assert main(["check", "tests/test_testing_2026_definitions.py:dsa_topk_indexer",
+                 "--definition", INDEXER]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("FAIL: dsa_topk_indexer_fp8_h64_d128_topk2048_ps64: no case ran")

@@ -347,7 +347,7 @@ def test_the_uniform_scale_hint_needs_a_uniform_ratio():
 
 # ------------------------------------------------------------------ small things
 def test_a_kernel_module_missing_a_dependency_names_the_dependency(tmp_path):
-    from glm_dsa.testing.cli import load_kernel
+    from glm_dsa.testing.isolation import load_kernel
 
     pkg = tmp_path / "mykernels"
     pkg.mkdir()

@@ -1,18 +1,18 @@
 """Check a kernel against the oracle, case by case, with each contract's own metric.
 
-The kernel runs in a worker thread with a per-call timeout (``DEFAULT_TIMEOUT_S``, generous so
-that a first call under Triton's interpreter or autotuner fits): a kernel that hangs, raises,
-calls ``sys.exit`` or changes one of its inputs in place fails the case with that reason (no
-contract lets a kernel write its inputs). ``timeout=None`` calls it on the calling thread, for
-debuggers. A kernel that kills the process (``os._exit``, a segfault) cannot be reported from
-inside it.
+The kernel is called through ``glm_dsa.testing.isolation``: a callable in a worker thread with
+a per-call timeout (``DEFAULT_TIMEOUT_S``, generous so that a first call under Triton's
+interpreter or autotuner fits), a kernel named ``"MODULE:FUNCTION"`` in a process of its own.
+A kernel that hangs, raises, calls ``sys.exit`` or changes one of its inputs in place fails the
+case with that reason (no contract lets a kernel write its inputs); a named one also when it
+ends, forks or crashes its process. ``timeout=None`` calls a callable on the calling thread,
+for debuggers.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -30,14 +30,19 @@ from glm_dsa.testing.cases import (
     expected_outputs,
     make_case,
 )
+from glm_dsa.testing.isolation import (
+    DEFAULT_TIMEOUT_S,
+    InputsChanged,
+    call_kernel,
+    kernel_session,
+    tensor_leaves,
+)
 from glm_dsa.testing.metrics import Verdict, check_tensor
 from glm_dsa.testing.mistakes import diagnose
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Worst", "CheckReport", "check_case", "check_kernel", "run_checks",
            "expected_outputs", "kernel_outputs", "verdicts_of", "failure_context",
-           "resolve_convention", "takes_keywords", "call_kernel", "to_device"]
-
-DEFAULT_TIMEOUT_S = 600.0
+           "resolve_convention", "takes_keywords"]
 
 
 @dataclass
@@ -126,39 +131,6 @@ class _MetricFailure(AssertionError):
         self.output, self.verdict = output, verdict
 
 
-def to_device(x, device):
-    """``x``'s tensors moved to ``device``, through tuples, lists and dicts."""
-    if isinstance(x, Tensor):
-        return x.to(device)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
-    return x
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _tensors(x, path: str = "") -> list[tuple[str, Tensor]]:
-    if isinstance(x, Tensor):
-        return [(path, x)]
-    if isinstance(x, (tuple, list)):
-        return [t for i, v in enumerate(x) for t in _tensors(v, f"{path}[{i}]")]
-    if isinstance(x, dict):
-        return [t for k, v in x.items() for t in _tensors(v, k)]
-    return []
-
-
-def _same_bytes(a: Tensor, b: Tensor) -> bool:
-    if a.numel() == 0:
-        return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                       b.contiguous().reshape(-1).view(torch.uint8))
-
-
 def _kernel_kwargs(fn: Callable, case: Case) -> dict:
     """The keyword arguments the kernel gets: every one the case sets that the kernel takes,
     and the oracle's default of each optional argument the kernel declares without a default or
@@ -210,53 +182,15 @@ def takes_keywords(fn: Callable, names: tuple[str, ...] | list[str]) -> bool:
                                for n in names)
 
 
-def call_kernel(fn: Callable, args: tuple, kwargs: dict, timeout: float | None, device) -> Any:
-    """``fn(*args, **kwargs)`` within ``timeout`` seconds; raises _KernelFailure's reason text as
-    RuntimeError for a hang, an exit or an exception."""
-    box: dict[str, Any] = {}
-    grad = torch.is_grad_enabled()
-
-    def target() -> None:
-        try:
-            with torch.set_grad_enabled(grad):
-                dev = torch.device(device)
-                if dev.type == "cuda":
-                    # A new thread has no current CUDA context, and torch makes none for a
-                    # device index it takes as current already; a kernel that launches through
-                    # the driver API (DeepGEMM's JIT runtime, FlashMLA's TMA descriptors) then
-                    # fails with CUDA_ERROR_INVALID_CONTEXT. A runtime call binds the device's
-                    # primary context to this thread.
-                    with torch.cuda.device(dev):
-                        torch.cuda.synchronize(dev)
-                        box["out"] = fn(*args, **kwargs)
-                else:
-                    box["out"] = fn(*args, **kwargs)
-        except SystemExit as e:
-            box["error"] = f"the kernel called sys.exit({e.code!r})"
-        except BaseException as e:  # noqa: BLE001 — any way out of the kernel is its verdict
-            box["error"] = f"the kernel raised {_one_line(e)}"
-
-    if timeout is None:
-        target()
-    else:
-        worker = threading.Thread(target=target, name="glm-dsa-kernel", daemon=True)
-        worker.start()
-        worker.join(timeout)
-        if worker.is_alive():
-            box["error"] = (f"the kernel did not return within {timeout:g} s (a hang, or a slow "
-                            f"first call: raise the limit with --timeout / timeout=)")
-    if "error" in box:
-        raise RuntimeError(box["error"])
-    return box["out"]
-
-
-def kernel_outputs(case: Case, fn: Callable, *, device: str | torch.device = "cpu",
+def kernel_outputs(case: Case, fn: Callable | str, *, device: str | torch.device = "cpu",
                    timeout: float | None = DEFAULT_TIMEOUT_S) -> tuple[Tensor, ...]:
-    """Run ``fn`` on ``case`` (inputs moved to ``device``) and return its outputs on the CPU.
+    """Run ``fn`` (a callable, or a ``"MODULE:FUNCTION"`` run in a process of its own) on
+    ``case`` (inputs moved to ``device``) and return its outputs on the CPU.
 
     Raises AssertionError (one line: contract, case, the reason, the ``make_case`` call) when
     the kernel raises, calls ``sys.exit``, runs past ``timeout`` seconds, changes an input in
-    place, takes no keyword the case sets, or returns other than the contract's tensors.
+    place, takes no keyword the case sets, returns other than the contract's tensors, or (run
+    in its own process) ends, forks or crashes that process.
     """
     where = f"{case.contract} [case {case.name}]"
     again = f" — rebuild with {case.repro}" if case.repro else ""
@@ -264,24 +198,23 @@ def kernel_outputs(case: Case, fn: Callable, *, device: str | torch.device = "cp
     def fail(reason: str) -> _KernelFailure:
         return _KernelFailure(f"{where}: {reason}{again}", reason)
 
-    args, all_kwargs = to_device(case.args, device), to_device(case.kwargs, device)
-    try:
-        names = _kernel_kwargs(fn, case)
-    except ValueError as e:
-        raise fail(f"the kernel takes no argument {e.args[0]!r}, which this case sets") from None
-    kwargs = {k: all_kwargs.get(k, v) for k, v in names.items()}
-    params = list(inspect.signature(getattr(oracle, case.contract)).parameters)
-    inputs = [t for p, a in zip(params, args) for t in _tensors(a, p)] + _tensors(kwargs)
-    watch = torch.device(device).type != "meta"  # meta tensors hold no bytes to compare
-    before = [t.clone() for _, t in inputs] if watch else []
-    try:
-        got = call_kernel(fn, args, kwargs, timeout, device)
-    except RuntimeError as e:
-        raise fail(str(e)) from None
-    if watch:
-        for (name, t), old in zip(inputs, before):
-            if not _same_bytes(t, old):
-                raise fail(f"the kernel changed its input {name!r} in place (no contract allows it)")
+    with kernel_session(fn, timeout) as kernel:
+        try:
+            names = _kernel_kwargs(kernel, case)
+        except ValueError as e:
+            raise fail(f"the kernel takes no argument {e.args[0]!r}, which this case sets") from None
+        kwargs = {k: case.kwargs.get(k, v) for k, v in names.items()}
+        params = list(inspect.signature(getattr(oracle, case.contract)).parameters)
+        inputs = [n for i, a in enumerate(case.args)
+                  for n, _ in tensor_leaves(a, params[i] if i < len(params) else f"[{i}]")]
+        inputs += [n for n, _ in tensor_leaves(kwargs)]
+        try:
+            got = call_kernel(kernel, case.args, kwargs, timeout, device)
+        except InputsChanged as e:
+            raise fail(f"the kernel changed its input {inputs[e.leaves[0]]!r} in place (no contract "
+                       f"allows it)") from None
+        except RuntimeError as e:
+            raise fail(str(e)) from None
     got = got if isinstance(got, (tuple, list)) else (got,)
     outs = list(case.checks)
     if len(got) != len(outs) or not all(isinstance(t, Tensor) for t in got):
@@ -308,7 +241,7 @@ def verdicts_of(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Te
     return out
 
 
-def check_case(case: Case, fn: Callable, *, device: str | torch.device = "cpu",
+def check_case(case: Case, fn: Callable | str, *, device: str | torch.device = "cpu",
                timeout: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Verdict]:
     """Run ``fn`` and the oracle on one case; the verdict per output.
 
@@ -377,7 +310,7 @@ def resolve_convention(contract: str, convention: str | None, kernel_options: di
     return options, name
 
 
-def run_checks(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
+def run_checks(contract: str, fn: Callable | str, *, cases: int = 50, seed: int = 0,
                device: str | torch.device = "cpu", shapes: str = "small",
                timeout: float | None = DEFAULT_TIMEOUT_S, convention: str | None = None,
                **kernel_options) -> CheckReport:
@@ -394,53 +327,56 @@ def run_checks(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
     whichs: list[str | int] = list(edges) + list(range(max(cases - len(edges), 0)))
     report = CheckReport(contract, convention=name)
     refused = ""
-    for which in whichs:
-        try:
-            case = make_case(contract, which, seed=seed, shapes=shapes, **options)
-            verdicts = check_case(case, fn, device=device, timeout=timeout)
-        except ValueError as e:
-            if not options:
-                raise
-            # A pinned option the case cannot take, or an edge case the convention lacks.
-            report.skipped.append(which if isinstance(which, str) else f"random #{which}")
-            refused = refused or str(e)
-            continue
-        except AssertionError as e:
-            report.failure = str(e)
+    with kernel_session(fn, timeout) as kernel:  # a named kernel: one process for every case
+        for which in whichs:
+            try:
+                case = make_case(contract, which, seed=seed, shapes=shapes, **options)
+                verdicts = check_case(case, kernel, device=device, timeout=timeout)
+            except ValueError as e:
+                if not options:
+                    raise
+                # A pinned option the case cannot take, or an edge case the convention lacks.
+                report.skipped.append(which if isinstance(which, str) else f"random #{which}")
+                refused = refused or str(e)
+                continue
+            except AssertionError as e:
+                report.failure = str(e)
+                report.cases_run += 1
+                report.edges_run += isinstance(which, str)
+                report.results.append((case.name, False, str(e)))
+                if isinstance(e, _MetricFailure):
+                    out, value, bound, detail = e.output, e.verdict.value, e.verdict.bound, e.verdict.detail
+                else:  # the kernel could not be judged: no metric value
+                    out, value, bound = next(iter(case.checks)), math.nan, math.nan
+                    detail = getattr(e, "reason", str(e))
+                report.worst[out] = Worst(case.checks[out]["metric"], value, bound, case.name,
+                                          False, detail)
+                return report
             report.cases_run += 1
             report.edges_run += isinstance(which, str)
-            report.results.append((case.name, False, str(e)))
-            if isinstance(e, _MetricFailure):
-                out, value, bound, detail = e.output, e.verdict.value, e.verdict.bound, e.verdict.detail
-            else:  # the kernel could not be judged: no metric value
-                out, value, bound = next(iter(case.checks)), math.nan, math.nan
-                detail = getattr(e, "reason", str(e))
-            report.worst[out] = Worst(case.checks[out]["metric"], value, bound, case.name,
-                                      False, detail)
-            return report
-        report.cases_run += 1
-        report.edges_run += isinstance(which, str)
-        report.results.append((case.name, True, ""))
-        for out, v in verdicts.items():
-            magnitude = abs(v.value)
-            w = report.worst.get(out)
-            if w is None or magnitude > w.value:
-                report.worst[out] = Worst(case.checks[out]["metric"], magnitude, v.bound,
-                                          case.name)
+            report.results.append((case.name, True, ""))
+            for out, v in verdicts.items():
+                magnitude = abs(v.value)
+                w = report.worst.get(out)
+                if w is None or magnitude > w.value:
+                    report.worst[out] = Worst(case.checks[out]["metric"], magnitude, v.bound,
+                                              case.name)
     if report.cases_run == 0:
         report.failure = (f"{contract}: no case ran; the oracle refused every case under "
                           f"{name}: {refused}")
     return report
 
 
-def check_kernel(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
+def check_kernel(contract: str, fn: Callable | str, *, cases: int = 50, seed: int = 0,
                  device: str | torch.device = "cpu", shapes: str = "small",
                  timeout: float | None = DEFAULT_TIMEOUT_S, convention: str | None = None,
                  **kernel_options) -> CheckReport:
     """Check ``fn`` against ``glm_dsa.oracle.<contract>`` on generated cases.
 
     ``fn`` takes the oracle function's arguments (the upstream kernel's own): required ones
-    positionally, the optional ones a case sets by keyword. Every named edge case of the
+    positionally, the optional ones a case sets by keyword. It is a callable, run in this
+    process, or its name, ``"MODULE:FUNCTION"`` or ``"path/to/file.py:FUNCTION"``, imported and
+    run in a process of its own (``glm_dsa.testing.isolation``; as ``glm-dsa check`` runs it). Every named edge case of the
     contract runs (``edge_case_names``; ``clauses`` says which contract clause each holds), then
     random cases up to ``cases`` in all, drawn from ``seed`` over the size table ``shapes``
     (``"small"``, or ``"glm-5.3"`` for GPU runs). Inputs are built on the CPU and moved to
@@ -449,8 +385,13 @@ def check_kernel(contract: str, fn: Callable, *, cases: int = 50, seed: int = 0,
     sets (ties interchangeable), FlashMLA's ``check_is_allclose`` tolerances for sparse
     attention, bitwise for quantizers and cache bytes.
 
-    Each call runs with a ``timeout`` in seconds (None: no limit, on the calling thread); a
-    kernel that hangs, raises, calls ``sys.exit`` or writes to an input fails the case.
+    Each call runs with a ``timeout`` in seconds (None: no limit; a callable then runs on the
+    calling thread); a kernel that hangs, raises, calls ``sys.exit`` or writes to an input fails
+    the case. A named kernel also fails it, with the reason, when it ends its process
+    (``os._exit``), forks it, crashes it (a segfault, ``abort``, SIGKILL), holds the GIL past
+    the timeout, or its module hangs or exits at import; in this process any of those takes
+    the caller down (a script giving a name guards its top level with ``if __name__ ==
+    "__main__":``, as multiprocessing requires).
 
     Sparse-attention inputs have std 0.1 (``randn / 10``), as FlashMLA's own tests; small shapes
     use FlashMLA's ``sm_scale = 0.5``, ``"glm-5.3"`` the models' softmax scales.

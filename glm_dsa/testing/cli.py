@@ -1,96 +1,34 @@
 """``glm-dsa check`` and ``glm-dsa compare``: check a kernel from the shell or in CI.
 
 ``check MODULE:FUNCTION --contract NAME`` runs the case table on the kernel; ``compare --golden
-DIR`` checks a kernel's saved outputs (``--candidate FILE``) or runs the kernel itself over the
-golden inputs (``--kernel MODULE:FUNCTION``). Both print one line per output (PASS/FAIL, the
-deciding criterion and its bound), take ``--json`` (stdout: the report, with ``schema``) and
-``--junit-xml FILE`` (one testcase per output, for CI), and exit 0 (pass) or 1 (fail). Usage
-errors (unknown contract or shapes, a kernel that cannot be imported, a device this machine does
-not have) are ValueErrors, which ``glm-dsa`` prints as one line with status 2.
+DIR`` checks a kernel's saved outputs (``--candidate FILE``), runs the kernel itself over the
+golden inputs (``--kernel MODULE:FUNCTION``), or checks the golden set itself against the
+installed oracle (``--verify``). All print one line per output (PASS/FAIL, the deciding
+criterion and its bound) and a summary line, take ``--json`` (stdout: the report, with
+``schema``) and ``--junit-xml FILE`` (one testcase per case, for CI), and exit 0 (pass) or 1
+(fail). Usage errors (unknown contract or shapes, a kernel that cannot be imported, a device
+this machine does not have, an output that is an input) are ValueErrors, which ``glm-dsa``
+prints as one line with status 2.
 
 A kernel is named ``MODULE:FUNCTION`` (the module imported, the current directory searched
-first, as ``python -m`` does; FUNCTION may be dotted) or ``path/to/file.py:FUNCTION``.
+first, as ``python -m`` does; FUNCTION may be dotted) or ``path/to/file.py:FUNCTION``, and runs
+in a process of its own (``glm_dsa.testing.isolation``): whatever it does to that process, the
+command reports it as a FAIL and ends with its summary line.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
-import sys
 import xml.etree.ElementTree as ET
+from typing import Any
 
-__all__ = ["add_parser", "add_compare_parser", "run", "run_compare", "load_kernel",
-           "CHECK_SCHEMA", "COMPARE_SCHEMA"]
+__all__ = ["add_parser", "add_compare_parser", "run", "run_compare", "CHECK_SCHEMA", "COMPARE_SCHEMA"]
 
 CHECK_SCHEMA = "glm-dsa.check/1"
 COMPARE_SCHEMA = "glm-dsa.compare/1"
-
-
-def _load_file(path: str, attr: str, spec: str):
-    import importlib.util
-
-    if not os.path.isfile(path):
-        raise ValueError(f"kernel {spec!r}: {path} does not exist")
-    name = os.path.splitext(os.path.basename(path))[0]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"kernel {spec!r}: {path} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules.setdefault(name, module)
-    # Its siblings import as they would with the file's directory as the working directory.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # any import-time failure of user code is a usage error
-        raise ValueError(f"cannot import {path}: {type(e).__name__}: {e}") from None
-    return _attr(module, attr, spec)
-
-
-def _attr(obj, attr: str, spec: str):
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{spec.rpartition(':')[0]!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
-
-
-def load_kernel(spec: str):
-    """The callable ``MODULE:FUNCTION`` or ``path/to/file.py:FUNCTION``.
-
-    The module is imported by name (a missing dependency of it is named as such), with the
-    current directory first on the search path (``python -m`` puts it there; the ``glm-dsa``
-    console script does not).
-    """
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(f"kernel {spec!r} must be MODULE:FUNCTION or path/to/file.py:FUNCTION, "
-                         f"e.g. glm_dsa.oracle:act_quant")
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        obj = _load_file(target, attr, spec)
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        # import_module, not pkgutil.resolve_name: that one turns a failed import of the module
-        # (a dependency missing) into "module 'pkg' has no attribute 'mod'".
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            missing = e.name or ""
-            if missing and not (target == missing or target.startswith(missing + ".")):
-                raise ValueError(f"cannot import {target!r}: it imports {missing!r}, which is not "
-                                 f"installed ({e})") from None
-            raise ValueError(
-                f"cannot import {target!r}: {e} (searched the current directory {os.getcwd()} and "
-                f"sys.path; name a file as path/to/{target.split('.')[-1]}.py:{attr})") from None
-        except Exception as e:  # any import-time failure of user code is a usage error
-            raise ValueError(f"cannot import {target!r}: {type(e).__name__}: {e}") from None
-        obj = _attr(module, attr, spec)
-    if not callable(obj):
-        raise ValueError(f"{spec} is a {type(obj).__name__}, not a function")
-    return obj
 
 
 def _common(p) -> None:
@@ -192,20 +130,35 @@ def add_compare_parser(subparsers) -> None:
     what.add_argument("--kernel", metavar="MODULE:FUNCTION",
                       help="run this kernel on the golden inputs (its contract: --contract, or "
                       "the function's name)")
-    p.add_argument("--contract", metavar="NAME", help="with --kernel: the contract it implements")
+    what.add_argument("--verify", action="store_true",
+                      help="check the golden set itself: recompute every expected output from its "
+                      "stored inputs with the installed oracle and judge the stored one against it")
+    p.add_argument("--contract", metavar="NAME",
+                   help="with --kernel: the contract it implements; with --verify: only its cases")
     _common(p)
     p.set_defaults(func=run_compare)
 
 
 def _check_common(args) -> None:
-    from glm_dsa.outputs import check_output_file
     from glm_dsa.preflight import check_device
 
     check_device("--device", args.device)
     if args.timeout is not None and not 0 < args.timeout < math.inf:
         raise ValueError(f"--timeout {args.timeout:g} must be a positive number of seconds, finite")
-    if args.junit_xml is not None:
-        check_output_file("--junit-xml", args.junit_xml)
+
+
+def _check_junit(args, inputs: dict[str, Any]) -> None:
+    """``--junit-xml`` is no input of the run (``inputs``: {flag: path or paths}): checked with
+    the kernel's file before the kernel starts, and with the files its import loaded after."""
+    from glm_dsa.outputs import check_output_paths
+
+    check_output_paths({"--junit-xml": args.junit_xml}, inputs)
+
+
+def _kernel_file(spec: str) -> dict[str, str | None]:
+    from glm_dsa.testing.isolation import kernel_file
+
+    return {"kernel": kernel_file(spec)}
 
 
 def _timeout(args) -> float:
@@ -216,6 +169,8 @@ def _timeout(args) -> float:
 
 def _write_junit(path: str, suite: str, cases: list[tuple[str, bool, str]]) -> None:
     """One testsuite; each (name, passed, message) a testcase, a failure carrying the message."""
+    from glm_dsa.outputs import write_file
+
     root = ET.Element("testsuites")
     failures = sum(not ok for _, ok, _ in cases)
     ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)),
@@ -226,13 +181,19 @@ def _write_junit(path: str, suite: str, cases: list[tuple[str, bool, str]]) -> N
             failure = ET.SubElement(tc, "failure", message=message.splitlines()[0] if message else "")
             failure.text = message
     ET.indent(root)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n")
+    text = ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    write_file(path, write)
 
 
 def run(args: argparse.Namespace) -> int:
     from glm_dsa.testing.cases import CONTRACTS, SHAPES, check_seed
     from glm_dsa.testing.check import run_checks
+    from glm_dsa.testing.isolation import KernelProcess
 
     if args.definition is not None:
         return _run_definition(args)
@@ -249,9 +210,11 @@ def run(args: argparse.Namespace) -> int:
                          f"always run; --cases counts them)")
     options, _ = _convention(args, args.contract)
     _check_common(args)
-    fn = load_kernel(args.kernel)
-    report = run_checks(args.contract, fn, cases=args.cases, seed=args.seed, device=args.device,
-                        shapes=args.shapes, timeout=_timeout(args), **options)
+    _check_junit(args, _kernel_file(args.kernel))
+    with KernelProcess(args.kernel, _timeout(args)) as fn:
+        _check_junit(args, {"kernel module": fn.files})
+        report = run_checks(args.contract, fn, cases=args.cases, seed=args.seed, device=args.device,
+                            shapes=args.shapes, timeout=_timeout(args), **options)
     return _print_check(args, args.contract, report)
 
 
@@ -259,6 +222,7 @@ def _run_definition(args: argparse.Namespace) -> int:
     """``check --definition``: the definition's contract, cases at its constant axes."""
     from glm_dsa.testing.cases import check_seed
     from glm_dsa.testing.definitions import check_definition, definition_map, load_definition
+    from glm_dsa.testing.isolation import KernelProcess
 
     given = [f for f, (dest, *_) in _OPTION_FLAGS.items() if getattr(args, dest) is not None]
     if args.convention is not None or given:
@@ -272,10 +236,12 @@ def _run_definition(args: argparse.Namespace) -> int:
     defn = load_definition(args.definition)
     definition_map(defn)
     _check_common(args)
-    fn = load_kernel(args.kernel)
-    report, reference = check_definition(defn, fn, cases=args.cases, seed=args.seed,
-                                         device=args.device, timeout=_timeout(args),
-                                         against_reference=args.against_reference)
+    _check_junit(args, {"--definition": args.definition, **_kernel_file(args.kernel)})
+    with KernelProcess(args.kernel, _timeout(args)) as fn:
+        _check_junit(args, {"kernel module": fn.files})
+        report, reference = check_definition(defn, fn, cases=args.cases, seed=args.seed,
+                                             device=args.device, timeout=_timeout(args),
+                                             against_reference=args.against_reference)
     if args.json:
         return _print_check(args, defn.name, report, {"definition": defn.name,
                                                       "reference": reference})
@@ -308,24 +274,35 @@ def _print_check(args: argparse.Namespace, name: str, report, extra: dict | None
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from glm_dsa.testing.cases import CONTRACTS
-    from glm_dsa.testing.golden import MANIFEST, compare, compare_kernel, format_report
+    from glm_dsa.testing.golden import MANIFEST, compare, format_report, verify_golden
 
     if not os.path.isfile(os.path.join(args.golden, MANIFEST)):
         raise ValueError(f"--golden {args.golden}: {MANIFEST} not found; write it with glm-dsa golden --out DIR")
+    given = [f for f, (dest, *_) in _OPTION_FLAGS.items() if getattr(args, dest) is not None]
+    given = (["--convention"] if args.convention is not None else []) + given
+    if args.verify:
+        for flag, value, default in (("--device", args.device, "cpu"), ("--timeout", args.timeout, None)):
+            if value != default:
+                raise ValueError(f"{flag} does not go with --verify: the oracle runs on the CPU")
+        if given:
+            raise ValueError(f"{given[0]} does not go with --verify: it checks every convention's cases")
     _check_common(args)
-    if args.candidate is not None:
+    inputs: dict[str, Any] = {"--golden": args.golden, "--candidate": args.candidate}
+    if args.kernel is not None:
+        inputs.update(_kernel_file(args.kernel))
+    _check_junit(args, inputs)
+    if args.verify:
+        report = verify_golden(args.golden, None if args.contract is None else (args.contract,))
+    elif args.candidate is not None:
         from safetensors.torch import load_file
 
         from glm_dsa.preflight import safetensors_header
 
         if args.contract is not None:
             raise ValueError("--contract goes with --kernel; a --candidate's tensors name their contract")
-        given = [f for f, (dest, *_) in _OPTION_FLAGS.items() if getattr(args, dest) is not None]
-        if args.convention is not None or given:
-            raise ValueError(f"{(['--convention'] if args.convention else given)[0]} goes with "
-                             f"--kernel; a --candidate's tensor names carry their convention "
-                             f"(flash_mla_sparse_fwd.sep2025_lonely_row.lse)")
+        if given:
+            raise ValueError(f"{given[0]} goes with --kernel; a --candidate's tensor names carry their "
+                             f"convention (flash_mla_sparse_fwd.sep2025_lonely_row.lse)")
         safetensors_header("--candidate", args.candidate)
         try:
             candidate = load_file(args.candidate)
@@ -333,17 +310,7 @@ def run_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"--candidate {args.candidate} is not a readable safetensors file: {e}") from None
         report = compare(args.golden, candidate)
     else:
-        fn = load_kernel(args.kernel)
-        contract = args.contract or getattr(fn, "__name__", "")
-        convention = args.convention
-        if contract in CONTRACTS:
-            _, convention = _convention(args, contract)
-            if convention.startswith("custom"):
-                raise ValueError(f"the golden set holds {contract}'s named conventions only; "
-                                 f"{convention} is none of them: check it with glm-dsa check")
-        contracts = None if args.contract is None else (args.contract,)
-        report = compare_kernel(args.golden, fn, device=args.device, timeout=_timeout(args),
-                                contracts=contracts, convention=convention)
+        report = _compare_kernel(args)
     if args.junit_xml is not None:
         by_case: dict[str, list] = {}
         for c in report.checks:
@@ -357,3 +324,24 @@ def run_compare(args: argparse.Namespace) -> int:
     else:
         print(format_report(report))
     return 0 if report.passed else 1
+
+
+def _compare_kernel(args: argparse.Namespace):
+    """``compare --kernel``: the kernel in its own process, its contract from ``--contract`` or
+    its name, run on the golden cases of its convention."""
+    from glm_dsa.testing.cases import CONTRACTS
+    from glm_dsa.testing.golden import compare_kernel
+    from glm_dsa.testing.isolation import KernelProcess
+
+    with KernelProcess(args.kernel, _timeout(args)) as fn:
+        _check_junit(args, {"kernel module": fn.files})
+        contract = args.contract or fn.__name__
+        convention = args.convention
+        if contract in CONTRACTS:
+            _, convention = _convention(args, contract)
+            if convention.startswith("custom"):
+                raise ValueError(f"the golden set holds {contract}'s named conventions only; "
+                                 f"{convention} is none of them: check it with glm-dsa check")
+        contracts = None if args.contract is None else (args.contract,)
+        return compare_kernel(args.golden, fn, device=args.device, timeout=_timeout(args),
+                              contracts=contracts, convention=convention)

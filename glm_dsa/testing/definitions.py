@@ -42,12 +42,11 @@ from glm_dsa.testing.check import (
     DEFAULT_TIMEOUT_S,
     CheckReport,
     Worst,
-    call_kernel,
-    to_device,
     expected_outputs,
     failure_context,
     verdicts_of,
 )
+from glm_dsa.testing.isolation import InputsChanged, call_kernel, kernel_session, tensor_leaves
 
 __all__ = ["Definition", "DefinitionMap", "KINDS", "load_definition", "definition_map",
            "definition_cases", "check_definition", "positions_of_slots", "reference_fn"]
@@ -296,21 +295,42 @@ def _in_definition_terms(line: str, m: DefinitionMap) -> str:
                                  f"the definition's is {flags}", line)
 
 
-def check_definition(defn: Definition, fn: Callable, *, cases: int = 50, seed: int = 0,
+def check_definition(defn: Definition, fn: Callable | str, *, cases: int = 50, seed: int = 0,
                      device: str | torch.device = "cpu", timeout: float | None = DEFAULT_TIMEOUT_S,
                      against_reference: bool = False) -> tuple[CheckReport, list[str]]:
     """Check ``fn`` (taking the definition's inputs positionally, in its order, and returning
-    its outputs) on the mapped contract's cases; the report (``convention`` names the
-    definition) and, with ``against_reference``, one line per output: how far the definition's
-    ``reference`` is from the oracle over the same cases, by the contract's metric.
+    its outputs; a callable, or its ``"MODULE:FUNCTION"`` name, run in a process of its own)
+    on the mapped contract's cases; the report (``convention`` names the definition) and, with
+    ``against_reference``, one line per output: how far the definition's ``reference`` is from
+    the oracle over the same cases, by the contract's metric.
 
-    A kernel that raises, hangs or returns other outputs fails its case; a failed metric fails
-    it with the message ``check_kernel`` gives (cause, clause, criteria, the case's rebuild).
+    A kernel that raises, hangs, writes to an input or returns other outputs fails its case
+    (a named one also when it ends, forks or crashes its process); a failed metric fails it
+    with the message ``check_kernel`` gives (cause, clause, criteria, the case's rebuild). No
+    case run is a failure too.
     """
     m = definition_map(defn)
     run_reference = reference_fn(defn) if against_reference else None
     built, skipped = definition_cases(defn, cases, seed)
     report = CheckReport(m.contract, convention=f"definition {defn.name}", skipped=skipped)
+    if not built:
+        report.failure = (f"{defn.name}: no case ran; the definition cannot state any of "
+                          f"{m.contract}'s cases")
+        return report, []
+    with kernel_session(fn, timeout) as kernel:  # a named kernel: one process for every case
+        reference = _check_cases(defn, m, kernel, built, report, device, timeout, run_reference)
+    alias = {ours: theirs for theirs, ours in m.names.items()}
+    lines = [f"REFERENCE  {defn.name}.{alias[out]}  {built[0].checks[out]['metric']}: {ok} of {n} "
+             f"cases within the contract's bound of the oracle (worst passing value {worst:.3g}){why}"
+             for out, (ok, n, worst, why) in reference.items()]
+    return report, lines
+
+
+def _check_cases(defn: Definition, m: DefinitionMap, fn: Callable, built: list[Case],
+                 report: CheckReport, device, timeout: float | None,
+                 run_reference: Callable | None) -> dict[str, list]:
+    """``check_definition``'s cases, until the first failure, into ``report``; per output,
+    [passed, cases, worst passing value, first failure] of the reference."""
     alias = {ours: theirs for theirs, ours in m.names.items()}
     outputs = tuple(defn.outputs)  # the order the kernel returns them in
     reference: dict[str, list] = {}  # output → [passed, cases, worst passing value, first failure]
@@ -319,12 +339,16 @@ def check_definition(defn: Definition, fn: Callable, *, cases: int = 50, seed: i
         expected = dict(zip(case.checks, expected_outputs(case)))
         message = None
         try:
-            called = call_kernel(fn, to_device(inputs, device), {}, timeout, device)
+            called = call_kernel(fn, inputs, {}, timeout, device)
             got = m.from_outputs(case, _by_name(outputs, called))
         except (RuntimeError, ValueError) as e:
+            reason = str(e)
+            if isinstance(e, InputsChanged):  # named as the definition names its inputs
+                names = [p for n, v in zip(defn.inputs, inputs) for p, _ in tensor_leaves(v, n)]
+                reason = str(InputsChanged(e.leaves, [names[i] for i in e.leaves]))
             out = next(iter(alias))
-            message = f"{defn.name} [case {case.name}]: {e} — rebuild with {case.repro}"
-            report.worst[out] = Worst(case.checks[out]["metric"], math.nan, math.nan, case.name, False, str(e))
+            message = f"{defn.name} [case {case.name}]: {reason} — rebuild with {case.repro}"
+            report.worst[out] = Worst(case.checks[out]["metric"], math.nan, math.nan, case.name, False, reason)
         else:
             for out, v in verdicts_of(case, got, expected).items():
                 w = report.worst.get(out)
@@ -352,7 +376,4 @@ def check_definition(defn: Definition, fn: Callable, *, cases: int = 50, seed: i
         if message is not None:
             report.failure = message
             break
-    lines = [f"REFERENCE  {defn.name}.{alias[out]}  {built[0].checks[out]['metric']}: {ok} of {n} "
-             f"cases within the contract's bound of the oracle (worst passing value {worst:.3g}){why}"
-             for out, (ok, n, worst, why) in reference.items()]
-    return report, lines
+    return reference

@@ -17,7 +17,11 @@ Each manifest case gives its call as data (``args``: a list, ``kwargs``: a dict,
 the metric and tolerances. ``compare`` checks outputs with the metric of the case table (the
 same definitions as ``check_kernel``, ``glm_dsa.testing.metrics``), refuses a manifest whose
 recorded metric differs from it, and verifies the manifest's own sha256 (``manifest_sha256``)
-and each data file's: a hand-loosened tolerance is refused, not obeyed.
+and each data file's: a hand-loosened tolerance is refused, not obeyed; every manifest problem
+(not JSON, a key missing or of the wrong type, a file listed but absent or one not listed) is
+one line naming the file and the fix. The hashes catch accidents, not a wrong set:
+``verify_golden`` (``compare --verify``) recomputes each expected output from the stored inputs
+with the installed oracle.
 
 Files are deterministic: CPU generators seeded from ``seed`` and the case name, sorted manifest
 keys, one fixed metadata entry per file; regenerating with the same seed, torch version and CPU
@@ -58,6 +62,7 @@ from glm_dsa.testing.check import (
     takes_keywords,
     verdicts_of,
 )
+from glm_dsa.testing.isolation import kernel_session
 
 __all__ = [
     "FORMAT",
@@ -73,6 +78,7 @@ __all__ = [
     "compare",
     "check_outputs",
     "compare_kernel",
+    "verify_golden",
     "format_report",
 ]
 
@@ -258,61 +264,172 @@ def _tensor_names(args: list, kwargs: dict) -> list[str]:
 
 
 def load_golden(golden_dir: str | os.PathLike) -> tuple[dict, dict[str, Tensor]]:
-    """Read ``manifest.json`` and every golden tensor, checking the manifest's own sha256 and
-    each file's."""
+    """Read ``manifest.json`` and every golden tensor, checking the manifest's own sha256, its
+    structure (every key the cases are read from, of its type; every tensor a case names
+    present), each file's sha256, that the directory holds no data file the manifest does not
+    list, and that each case's metrics are the case table's. Any problem is a ValueError of one
+    line naming the file and what to do."""
     golden_dir = os.fspath(golden_dir)
     path = os.path.join(golden_dir, MANIFEST)
     if not os.path.isfile(path):
         raise ValueError(f"{path} not found; write golden vectors with: glm-dsa golden --out {golden_dir}")
-    with open(path) as f:
-        try:
-            manifest = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON ({e}); regenerate with: glm-dsa golden --out {golden_dir}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else None
-        raise ValueError(f"{path} has format {got!r}, expected {FORMAT!r}; regenerate with: "
-                         f"glm-dsa golden --out {golden_dir}")
-    again = f"regenerate with: glm-dsa golden --out {golden_dir} --seed {manifest.get('seed', 0)}"
+    manifest = _read_manifest(path, golden_dir)
+    seed = manifest.get("seed")
+    again = (f"regenerate the set with: glm-dsa golden --out {golden_dir}"
+             + (f" --seed {seed}" if isinstance(seed, int) and not isinstance(seed, bool) else ""))
     if manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise ValueError(f"{path} was edited after it was written (its manifest_sha256 does not "
                          f"match its content); {again}")
+    _check_structure(path, manifest, again)
+    _check_directory(path, golden_dir, manifest["files"], again)
     tensors: dict[str, Tensor] = {}
-    for name in manifest["files"]:
-        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
-            raise ValueError(f"{path}: its files entry {name!r} is not a file name in {golden_dir} "
-                             f"(the golden writer names <contract>.safetensors beside the "
-                             f"manifest); {again}")
-    for name, info in sorted(manifest["files"].items()):
-        file_path = os.path.join(golden_dir, name)
-        if not os.path.isfile(file_path) or _sha256(file_path) != info["sha256"]:
-            raise ValueError(f"{file_path} is missing or differs from the manifest's sha256; {again}")
-        tensors.update(load_file(file_path))
+    for name in sorted(manifest["files"]):
+        try:
+            tensors.update(load_file(os.path.join(golden_dir, name)))
+        except Exception:  # safetensors raises its own error type for a malformed file
+            raise ValueError(f"{os.path.join(golden_dir, name)} is not a readable safetensors file "
+                             f"though its sha256 matches the manifest's; {again}") from None
+    _check_tensors_named(path, manifest["cases"], tensors, again)
+    load_cases(manifest, tensors, where=path)  # the metrics are the case table's
     return manifest, tensors
 
 
-def load_cases(manifest: dict, golden: Mapping[str, Tensor]) -> list[tuple[Case, dict[str, Tensor]]]:
+def _read_manifest(path: str, golden_dir: str) -> dict:
+    """The manifest as a JSON object of this format."""
+    again = f"regenerate the set with: glm-dsa golden --out {golden_dir}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except PermissionError:
+        raise ValueError(f"{path} is not readable; check its permissions") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not JSON (not UTF-8 text); {again}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+                         f"{again}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path} is not a JSON object (it holds a {type(manifest).__name__}); {again}")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}; {again}")
+    return manifest
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_structure(path: str, manifest: dict, again: str) -> None:
+    """Every key the cases are read from, of its type."""
+
+    def bad(where: str, what: str) -> ValueError:
+        return ValueError(f"{path}: {where} {what}; {again}")
+
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise bad("'files'", "is not a non-empty {file name: {sha256, bytes, contract}} object")
+    for name, info in files.items():
+        if os.path.basename(name) != name or name in ("", ".", ".."):
+            raise ValueError(f"{path}: its files entry {name!r} is not a file name in "
+                             f"{os.path.dirname(path)} (the golden writer names "
+                             f"<contract>.safetensors beside the manifest); {again}")
+        if not isinstance(info, dict) or not _is_sha256(info.get("sha256")):
+            raise bad(f"files entry {name!r}", "has no sha256 of 64 hex digits")
+        if isinstance(info.get("bytes"), bool) or not isinstance(info.get("bytes"), int):
+            raise bad(f"files entry {name!r}", "has no 'bytes' count")
+    cases = manifest.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise bad("'cases'", "is not a non-empty list of cases")
+    kinds = {"contract": str, "case": str, "file": str, "args": list, "kwargs": dict,
+             "outputs": dict, "aux": dict}
+    seen = set()
+    for i, entry in enumerate(cases):
+        if not isinstance(entry, dict):
+            raise bad(f"case #{i}", "is not a JSON object")
+        for key, kind in kinds.items():
+            if not isinstance(entry.get(key), kind):
+                raise bad(f"case #{i} ({entry.get('contract')}.{entry.get('case')})",
+                          f"has no {key!r} {kind.__name__}")
+        label = f"case {entry['contract']}.{entry['case']}"
+        if (entry["contract"], entry["case"]) in seen:
+            raise bad(label, "is given twice")
+        seen.add((entry["contract"], entry["case"]))
+        if entry["file"] not in files:
+            raise bad(label, f"is in {entry['file']!r}, which 'files' does not list")
+        for spec in (*entry["args"], *entry["kwargs"].values()):
+            if not _is_call_spec(spec):
+                raise bad(label, f"has the argument {spec!r}, which is none of {{\"tensor\": NAME}}, "
+                                 f"{{\"tuple\": [...]}}, {{\"value\": JSON}}")
+        if not all(isinstance(v, dict) for v in entry["outputs"].values()):
+            raise bad(label, "has an output whose metric is not a JSON object")
+        if not isinstance(entry.get("pinned", []), list):
+            raise bad(label, "has a 'pinned' that is not a list")
+        for key in ("repro", "clause"):
+            if not isinstance(entry.get(key, ""), str):
+                raise bad(label, f"has a {key!r} that is not a string")
+
+
+def _is_call_spec(spec: object) -> bool:
+    if not isinstance(spec, dict) or len(spec) != 1:
+        return False
+    (kind, value), = spec.items()
+    if kind == "tensor":
+        return isinstance(value, str)
+    if kind == "tuple":
+        return isinstance(value, list) and all(_is_call_spec(s) for s in value)
+    return kind == "value"
+
+
+def _check_directory(path: str, golden_dir: str, files: dict, again: str) -> None:
+    """Each listed file present with its sha256, and no data file the manifest does not list."""
+    for name, info in sorted(files.items()):
+        file_path = os.path.join(golden_dir, name)
+        if not os.path.isfile(file_path):
+            raise ValueError(f"{file_path} is listed in {path} but absent; restore it or {again}")
+        if _sha256(file_path) != info["sha256"]:
+            raise ValueError(f"{file_path} differs from the manifest's sha256 (a changed or "
+                             f"truncated file); restore it or {again}")
+    strays = sorted(n for n in os.listdir(golden_dir) if n.endswith(".safetensors") and n not in files)
+    if strays:
+        raise ValueError(f"{golden_dir} holds {', '.join(strays[:5])}, which {path} does not list "
+                         f"(a file of another golden set?); remove it or {again}")
+
+
+def _check_tensors_named(path: str, cases: list[dict], tensors: Mapping[str, Tensor], again: str) -> None:
+    """Every tensor a case reads (its call, expected outputs and metric tensors) is in the files."""
+    for entry in cases:
+        names = _tensor_names(entry["args"], entry["kwargs"]) + list(entry["outputs"]) + list(entry["aux"])
+        absent = [n for n in names if n not in tensors]
+        if absent:
+            raise ValueError(f"{path}: case {entry['contract']}.{entry['case']} reads the tensor "
+                             f"{absent[0]!r}, which no listed file holds; {again}")
+
+
+def load_cases(manifest: dict, golden: Mapping[str, Tensor],
+               where: str = MANIFEST) -> list[tuple[Case, dict[str, Tensor]]]:
     """Each manifest case as a ``Case`` (tensors from ``golden``, metrics from the case table)
-    with its expected outputs by full name. A manifest whose recorded metric or tolerance differs
-    from the case table's is a ValueError."""
+    with its expected outputs by full name. A manifest (``where``, for the message) naming a
+    contract this glm-dsa does not know, or whose recorded metric or tolerance differs from the
+    case table's, is a ValueError."""
+    fix = "regenerate it with this glm-dsa's golden command: glm-dsa golden --out DIR"
     out = []
     for entry in manifest["cases"]:
         contract, prefix = entry["contract"], f"{entry['contract']}.{entry['case']}."
         if contract not in CONTRACTS:
-            raise ValueError(f"{MANIFEST} names contract {contract!r}, which glm-dsa does not know; "
-                             f"regenerate it with this glm-dsa's golden command")
+            raise ValueError(f"{where} names contract {contract!r}, which glm-dsa does not know; {fix}")
         args = tuple(_decode(a, golden) for a in entry["args"])
         kwargs = {n: _decode(v, golden) for n, v in entry["kwargs"].items()}
         spec = CONTRACTS[contract]
         checks = spec.checks(kwargs)
         aux = {n.removeprefix(prefix): golden[n] for n in entry["aux"]}
         for name, check in checks.items():
+            if prefix + name not in entry["outputs"]:
+                raise ValueError(f"{where}: case {prefix[:-1]} has no expected output {name!r}; {fix}")
             recorded = {k: v for k, v in entry["outputs"][prefix + name].items()
                         if k not in ("shape", "dtype")}
             if recorded != _resolve(check, prefix):
                 raise ValueError(
-                    f"{MANIFEST}: the metric of {prefix + name} ({recorded}) differs from "
-                    f"glm-dsa's case table ({check}); regenerate with: glm-dsa golden --out DIR")
+                    f"{where}: the metric of {prefix + name} ({recorded}) differs from "
+                    f"glm-dsa's case table ({check}); {fix}")
         case = Case(contract, entry["case"], args, kwargs, checks, spec.dtypes, aux,
                     entry.get("repro", ""), entry.get("clause", ""), tuple(entry.get("pinned", ())))
         out.append((case, {prefix + n: golden[prefix + n] for n in checks}))
@@ -348,17 +465,20 @@ class CompareReport:
 
     conventions: the conventions whose cases were checked; not_run: per convention left out,
     the reason (``compare --kernel`` runs another convention's cases only when asked to, or
-    when the kernel takes that convention's keywords).
+    when the kernel takes that convention's keywords); recomputed: the checks are of the golden
+    set's own outputs against the installed oracle (``verify_golden``). Nothing checked is not
+    a pass.
     """
 
     checks: tuple[TensorCheck, ...]
     not_in_candidate: tuple[str, ...]
     conventions: tuple[str, ...] = ()
     not_run: tuple[tuple[str, str], ...] = ()
+    recomputed: bool = False
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        return bool(self.checks) and all(c.passed for c in self.checks)
 
     def to_json(self) -> dict:
         return {"passed": self.passed,
@@ -436,8 +556,8 @@ def _once(fn: Callable[[], list[str]]) -> Callable[[], list[str]]:
     return once
 
 
-def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str | torch.device = "cpu",
-                   timeout: float | None = DEFAULT_TIMEOUT_S,
+def compare_kernel(golden_dir: str | os.PathLike, fn: Callable | str, *,
+                   device: str | torch.device = "cpu", timeout: float | None = DEFAULT_TIMEOUT_S,
                    contracts: tuple[str, ...] | None = None,
                    convention: str | None = None) -> CompareReport:
     """Run ``fn`` on the golden inputs of every case of ``contracts`` (default: every contract
@@ -446,12 +566,20 @@ def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str |
     Only the cases of ``convention`` (default the newest) run, and those of another convention
     whose keywords the kernel takes (it is then told which convention to follow): a kernel with
     an upstream signature implements one convention and is judged by it. The kernel is called
-    as ``check_kernel`` calls it (inputs moved to ``device``, a per-call ``timeout`` in
-    seconds; an exception, ``sys.exit`` or a change to an input is a FAIL of every output of
-    that case).
+    as ``check_kernel`` calls it (a callable in this process, a ``"MODULE:FUNCTION"`` name in a
+    process of its own, restarted after it dies; inputs moved to ``device``, a per-call
+    ``timeout`` in seconds; an exception, ``sys.exit``, a change to an input, or the kernel's
+    process ending, forking or crashing is a FAIL of every output of that case).
     """
     manifest, golden = load_golden(golden_dir)
     loaded = load_cases(manifest, golden)
+    with kernel_session(fn, timeout) as kernel:
+        return _compare_cases(loaded, kernel, device, timeout, contracts, convention)
+
+
+def _compare_cases(loaded: list[tuple[Case, dict[str, Tensor]]], fn: Callable, device,
+                   timeout: float | None, contracts: tuple[str, ...] | None,
+                   convention: str | None) -> CompareReport:
     known = {case.contract for case, _ in loaded}
     if contracts is None:
         name = getattr(fn, "__name__", "")
@@ -493,6 +621,59 @@ def compare_kernel(golden_dir: str | os.PathLike, fn: Callable, *, device: str |
     return CompareReport(tuple(checks), (), tuple(sorted(checked)), tuple(sorted(not_run.items())))
 
 
+def verify_golden(golden_dir: str | os.PathLike, contracts: tuple[str, ...] | None = None) -> CompareReport:
+    """Recompute every expected output of the golden set (of ``contracts``; default all) from
+    its stored inputs with the installed oracle, and judge each stored output against it by the
+    contract's metric (``glm-dsa compare --verify``).
+
+    The manifest's hashes catch accidents, not a wrong set: an expected output replaced, or an
+    input replaced, and the hashes recomputed, passes ``load_golden`` but fails here, naming the
+    case, the output and how far it is (the elements that differ, then the metric's criteria).
+    Recomputed outputs are bitwise the stored ones on the machine and torch that wrote the set;
+    elsewhere they may differ in the last bits, within the metric.
+    """
+    manifest, golden = load_golden(golden_dir)
+    loaded = load_cases(manifest, golden)
+    known = {case.contract for case, _ in loaded}
+    for c in contracts or ():
+        if c not in known:
+            raise ValueError(f"the golden set has no contract {c!r}; one of: {', '.join(sorted(known))}")
+    checks = []
+    for case, stored in loaded:
+        if contracts is not None and case.contract not in contracts:
+            continue
+        prefix = f"{case.contract}.{case.name}."
+        got = {n.removeprefix(prefix): t for n, t in stored.items()}
+        try:
+            recomputed = dict(zip(case.checks, expected_outputs(case)))
+        except ValueError as e:  # the oracle refuses the stored inputs
+            checks += [TensorCheck(prefix + n, case.checks[n]["metric"], False, float("nan"),
+                                   f"the oracle refuses the stored inputs: {e}") for n in got]
+            continue
+        for n, v in verdicts_of(case, got, recomputed).items():
+            check = _tensor_check(case, prefix + n, v, lambda: [])
+            detail = f"{_difference(got[n], recomputed[n])}; {check.detail}"
+            checks.append(TensorCheck(check.name, check.metric, check.passed, check.value, detail))
+    return CompareReport(tuple(checks), (), recomputed=True)
+
+
+def _difference(stored: Tensor, recomputed: Tensor) -> str:
+    """How far a stored output is from the recomputed one, element by element."""
+    if stored.shape != recomputed.shape or stored.dtype != recomputed.dtype:
+        return (f"stored {tuple(stored.shape)} {stored.dtype}, recomputed {tuple(recomputed.shape)} "
+                f"{recomputed.dtype}")
+    a, b = stored.reshape(-1), recomputed.reshape(-1)
+    if a.numel() == 0:
+        return "bitwise the recomputed output (no elements)"
+    same = (a.view(torch.uint8) == b.view(torch.uint8)).reshape(a.numel(), -1).all(1)
+    differ = int((~same).sum())
+    if differ == 0:
+        return "bitwise the recomputed output"
+    first = int((~same).nonzero()[0])
+    return (f"{differ} of {a.numel()} elements differ from the recomputed output, the first at flat "
+            f"index {first}: stored {a[first].item()}, recomputed {b[first].item()}")
+
+
 def format_report(report: CompareReport) -> str:
     """One line per checked tensor (PASS / FAIL, name, the deciding criterion; the other
     criteria and a hint indented below a failure) and a summary line."""
@@ -503,12 +684,16 @@ def format_report(report: CompareReport) -> str:
         lines.append(f"{'PASS' if c.passed else 'FAIL'}  {c.name:<{width}}  {c.metric}: {first}")
         lines += [f"      {line}" for line in rest] if not c.passed else []
     failed = sum(not c.passed for c in report.checks)
-    lines.append(
-        f"{len(report.checks)} checked: {len(report.checks) - failed} passed, {failed} failed; "
-        f"{len(report.not_in_candidate)} golden outputs not in the candidate"
-    )
-    if report.conventions:
-        line = f"conventions checked: {', '.join(report.conventions)}"
+    counts = f"{len(report.checks)} checked: {len(report.checks) - failed} passed, {failed} failed; "
+    if report.recomputed:
+        lines.append(counts + "each golden output judged against the installed oracle run on "
+                     "its stored inputs")
+    else:
+        lines.append(counts + f"{len(report.not_in_candidate)} golden outputs not in the candidate")
+    if not report.checks:
+        lines.append("FAIL: no case ran, so nothing passed")
+    if report.conventions or report.not_run:
+        line = f"conventions checked: {', '.join(report.conventions) or 'none'}"
         line += "".join(f"; {name} not run ({why})" for name, why in report.not_run)
         lines.append(line)
     return "\n".join(lines)
