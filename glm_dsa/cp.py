@@ -35,11 +35,15 @@ under ``torchrun``, ``init_from_env()`` joins the group torchrun set up.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import math
 import os
 import signal
 import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable
 
