@@ -11,9 +11,11 @@ one definition of every formula.
 Outputs are float32 "truth" (float64 for float64 inputs) where the kernel would round to bf16.
 Where upstream conventions changed between versions, the version is an explicit argument
 (``lse_base``, ``lonely_lse``, ``scale_fmt``, ``base``, ``pad``); the snapshots (Sources in
-docs/conventions.md): DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261 (newest);
-FlashMLA c28eca9 (Sep 2025), 9241ae3 (newest); tile-ai/tilelang a35008a; fast-hadamard-transform
-e7706fa; DeepSeek-V3.2-Exp 3b99a53; SGLang and vLLM unpinned.
+docs/conventions.md): DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261, and 559d79f
+(#377, Jul 2026, the MXFP8 indexer; read from a fork carrying the upstream commit) for the MX
+entry points; FlashMLA c28eca9 (Sep 2025), 9241ae3 (newest); tile-ai/tilelang a35008a;
+fast-hadamard-transform e7706fa; DeepSeek-V3.2-Exp 3b99a53; SGLang 1875c52 for its FP4 index-K
+writer, otherwise SGLang and vLLM unpinned.
 """
 
 from __future__ import annotations
