@@ -393,3 +393,44 @@ def test_the_shard_tables_reach_the_new_contracts():
 def mx_paged_logits_big_endian(*args, **kwargs):
     """A planted mutant for the docs' example: the scale words read big-endian."""
     return mx_paged_logits(*args, **kwargs, bug="big_endian")
+
+
+# ------------------------------------------------------------------ float64 truth for attention
+def _sparse_ref64(q, kv_rows, idx, valid, sm_scale, sink=None):
+    """FlashMLA's ref_sparse_attn_fwd in float64: out, lse per (row, head)."""
+    keys = kv_rows.double()[idx.clamp(0, kv_rows.shape[0] - 1)]  # [r, topk, d]
+    s = torch.einsum("rhd,rtd->rht", q.double(), keys) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    lse = s.logsumexp(-1)
+    out = torch.einsum("rht,rtd->rhd", torch.exp(s - lse[..., None]).nan_to_num(0.0), keys[..., :512])
+    if sink is not None:
+        out = out / (1 + torch.exp(sink.double() - lse))[..., None]
+    return out, lse
+
+
+@pytest.mark.parametrize("contract, edge", [("flash_mla_sparse_fwd", "attn_sink"),
+                                            ("flash_mla_sparse_decode_bf16", "repeated_slot")])
+def test_attention_truth_is_the_float64_result_rounded_once(contract, edge):
+    """Within half a float32 ulp of an independent float64 computation (a float32 one errs by
+    several ulps on some elements)."""
+    from glm_dsa.testing.cases import expected_outputs
+
+    case = make_case(contract, edge)
+    if contract == "flash_mla_sparse_fwd":
+        q, kv, indices, sm_scale = case.args
+        idx = indices[:, 0].long()
+        valid = (idx >= 0) & (idx < kv.shape[0])
+        out, lse = _sparse_ref64(q, kv[:, 0], idx, valid, sm_scale, case.kwargs.get("attn_sink"))
+        got = dict(zip(case.checks, expected_outputs(case)))
+    else:
+        q, cache, indices, sm_scale = case.args
+        b, s_q, h, d = q.shape
+        idx = indices.reshape(b * s_q, -1).long()
+        out, lse = _sparse_ref64(q.reshape(b * s_q, h, d), cache.reshape(-1, d), idx, idx >= 0, sm_scale)
+        out, lse = out.view(b, s_q, h, 512), lse.view(b, s_q, h).transpose(1, 2)
+        got = dict(zip(case.checks, expected_outputs(case)))
+    for name, ref in (("out", out), ("lse", lse)):
+        fin = torch.isfinite(ref)
+        half_ulp = ref.abs().float().double() * 2.0**-24 * (1 + 1e-9) + 1e-40
+        err = (got[name].double() - ref).abs()
+        assert got[name].dtype == torch.float32 and bool((err[fin] <= half_ulp[fin]).all()), name
