@@ -39,24 +39,31 @@ from glm_dsa.budget import rows_within
 from glm_dsa.config import DSAConfig
 from glm_dsa.fp8 import act_quant
 from glm_dsa.hadamard import hadamard_transform
-from glm_dsa.kv_format import index_k_load, index_k_page_bytes, index_k_store
+from glm_dsa.kv_format import MX_BLOCK, index_k_load, index_k_page_bytes, index_k_store
 from glm_dsa.norm import LayerNorm
 from glm_dsa.row_chunks import RowChunk, chunked_topk, prefix_indices
 from glm_dsa.rope import apply_rope, rope_cos_sin
 from glm_dsa.validate import (
     MAX_EXACT_DIM,
+    check_block_exponents,
     check_index_vector,
     check_indexer_topk_inputs,
+    check_logits_inputs,
     check_paged_inputs,
+    check_paged_rows,
     check_ragged_logits_inputs,
+    check_ragged_rows,
     check_ranges,
     need,
+    shape_of,
 )
 
 __all__ = [
     "TILE_BYTES",
     "mqa_logits",
     "paged_mqa_logits",
+    "mx_mqa_logits",
+    "mx_paged_mqa_logits",
     "topk_per_row",
     "topk_transform_ragged",
     "topk_transform_paged",
@@ -111,6 +118,29 @@ def _dot_products(q: Tensor, k: Tensor, dtype: torch.dtype) -> Tensor:
     return (q @ k.t()).to(dtype)
 
 
+def _block_scaled(x_fp8: Tensor, exponents: Tensor) -> Tensor:
+    """float64 ``[n, D]`` element values ``x_fp8 × 2**(e − 127)`` of block-scaled (MX) operands,
+    one ue8m0 byte ``e`` per block of 32 (``exponents`` uint8 ``[n, D / 32]``): exact, the
+    scale built from its exponent bits."""
+    scale = ((exponents.to(torch.int64) + (1023 - 127)) << 52).view(torch.float64)  # [n, D/32]
+    blocks = x_fp8.to(torch.float64).unflatten(-1, (-1, MX_BLOCK))
+    return (blocks * scale[..., None]).flatten(-2)
+
+
+def _block_dot_products(q: Tensor, k: Tensor, dtype: torch.dtype) -> Tensor:
+    """``q [M, D] @ k [T, D]ᵀ`` of block-scaled operands (``_block_scaled``), block by block:
+    within a block of 32 every q element shares one power of two and every k element another,
+    so each block's dot is exact in float64 (as ``_dot_products``); the blocks' dots are added
+    in block order, then rounded once to ``dtype``. Neither depends on tiling or device."""
+    qb = rearrange(q, "m (b e) -> b m e", e=MX_BLOCK).contiguous()
+    kb = rearrange(k, "t (b e) -> b e t", e=MX_BLOCK).contiguous()
+    dots = torch.bmm(qb, kb)  # [blocks, M, T], each exact
+    acc = dots[0]
+    for b in range(1, dots.shape[0]):
+        acc += dots[b]
+    return acc.to(dtype)
+
+
 def _weighted_relu_head_sum(scores: Tensor, weights: Tensor) -> Tensor:
     """``sum_h weights[r, h] * relu(scores[r, h, c])`` → ``[r, c]``, heads added in a fixed tree.
 
@@ -163,35 +193,82 @@ def mqa_logits(
     return _mqa_logits(q_fp8, k_fp8, k_scale, weights, ks, ke, ks.tolist(), ke.tolist(), clean_logits)
 
 
-def _mqa_logits(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor, ke: Tensor,
-                ks_host: list[int], ke_host: list[int], clean_logits: bool) -> Tensor:
+def mx_mqa_logits(
+    q_fp8: Tensor,
+    q_exponents: Tensor,
+    k_fp8: Tensor,
+    k_exponents: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    clean_logits: bool = True,
+) -> Tensor:
+    """Weighted-ReLU MQA logits of block-scaled (MX) queries and keys (DeepGEMM 559d79f
+    ``fp8_fp4_mqa_logits`` with ``q = (fp, sf)``: MXFP8, and MXFP4 once its e2m1 codes are read
+    as the e4m3 values they equal, ``kv_format.e2m1_to_e4m3``).
+
+    ``I[m, n] = sum_h weights[m, h] * relu(sum_b 2**(qe[m, h, b] + ke[n, b] − 254) ·
+    (q_fp8[m, h, b] · k_fp8[n, b]))`` over blocks ``b`` of 32 elements, for the columns
+    ``[ks[m], ke[m])``. Each block's dot is exact, the blocks are added in order in float64 and
+    rounded once to float32; the rest as ``mqa_logits`` (there is no key scale: it is in the
+    exponents), so every logit is a fixed function of its inputs.
+
+    Args:
+        q_fp8: ``[S, H, D]`` float8_e4m3fn element values; ``q_exponents``: uint8 ue8m0 bytes
+            ``[S, H, D / 32]`` (the first ``D / 32`` bytes of each int32 ``q_sf`` word).
+        k_fp8: ``[S_kv, D]`` float8_e4m3fn; ``k_exponents``: uint8 ``[S_kv, D / 32]``.
+        weights, ks, ke, clean_logits: as ``mqa_logits`` (float64 weights give float64 logits).
+
+    Returns:
+        ``[S, S_kv]`` float32 (float64 for float64 weights).
+    """
+    S, H, D, S_kv = check_logits_inputs(q_fp8, k_fp8, None, weights)
+    check_block_exponents("q_exponents", q_exponents, (S, H), D, q_fp8.device)
+    check_block_exponents("k_exponents", k_exponents, (S_kv,), D, q_fp8.device)
+    check_ragged_rows(ks, ke, S, S_kv, q_fp8.device)
+    return _mqa_logits(q_fp8, k_fp8, None, weights, ks, ke, ks.tolist(), ke.tolist(), clean_logits,
+                       q_exp=q_exponents, k_exp=k_exponents)
+
+
+def _mqa_logits(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor | None, weights: Tensor, ks: Tensor,
+                ke: Tensor, ks_host: list[int], ke_host: list[int], clean_logits: bool,
+                q_exp: Tensor | None = None, k_exp: Tensor | None = None) -> Tensor:
     """``mqa_logits`` on checked inputs; ``ks_host``, ``ke_host`` are ``ks``, ``ke`` as lists
     (the caller's one host sync). Scores ``[rows, H, cols]`` tile by tile, never the whole
-    ``[S, H, S_kv]``."""
+    ``[S, H, S_kv]``. With block exponents (``q_exp [S, H, D/32]``, ``k_exp [S_kv, D/32]``,
+    ``k_scale`` None) the dots are ``_block_dot_products`` (``mx_mqa_logits``)."""
     S, H, D = q_fp8.shape
     S_kv, dev = k_fp8.shape[0], q_fp8.device
     dtype = torch.promote_types(weights.dtype, torch.float32)
     fill = float("-inf") if clean_logits else 0.0
     logits = torch.full((S, S_kv), fill, dtype=dtype, device=dev)
-    # Per score element: the float64 GEMM output and its rounded copy.
-    rows, cols = _tile_shape(S, H, 8 + dtype.itemsize)
+    blocked = k_exp is not None
+    # Per score element: the float64 GEMM output(s) and the rounded copy.
+    rows, cols = _tile_shape(S, H, (16 if blocked else 8) + dtype.itemsize)
     q2d = rearrange(q_fp8, "s h d -> (s h) d")
+    q_exp2d = None if q_exp is None else rearrange(q_exp, "s h b -> (s h) b")
     for r0 in range(0, S, rows):
         r1 = min(S, r0 + rows)
         lo, hi = _column_span(ks_host[r0:r1], ke_host[r0:r1])
         if lo == hi:
             continue
-        q_op = _dot_operand(q2d[r0 * H : r1 * H])  # [r * H, D]
+        q_rows = q2d[r0 * H : r1 * H]
+        # [r * H, D]
+        q_op = _block_scaled(q_rows, q_exp2d[r0 * H : r1 * H]) if q_exp2d is not None else _dot_operand(q_rows)
         w = weights[r0:r1].to(dtype)  # [r, H]
         row_ks, row_ke = ks[r0:r1, None], ke[r0:r1, None]
         for c0 in range(lo, hi, cols):
             c1 = min(hi, c0 + cols)
-            scores = _dot_products(q_op, _dot_operand(k_fp8[c0:c1]), dtype)  # [r * H, c]
+            if k_exp is not None:
+                scores = _block_dot_products(q_op, _block_scaled(k_fp8[c0:c1], k_exp[c0:c1]), dtype)
+            else:
+                scores = _dot_products(q_op, _dot_operand(k_fp8[c0:c1]), dtype)  # [r * H, c]
             scores = rearrange(scores, "(r h) c -> r h c", h=H)
             tile = _weighted_relu_head_sum(scores, w)  # [r, c]
             # The key scale is applied after ReLU and the head sum, as the kernel does
             # (equivalent: scales are positive).
-            tile.mul_(k_scale[c0:c1].to(dtype))
+            if k_scale is not None:
+                tile.mul_(k_scale[c0:c1].to(dtype))
             if clean_logits:
                 col = torch.arange(c0, c1, device=dev)
                 tile.masked_fill_((col < row_ks) | (col >= row_ke), float("-inf"))
@@ -231,17 +308,71 @@ def paged_mqa_logits(
     ends = check_paged_inputs(
         q_fp8, index_k_pages, weights, context_lens, block_table, max_context_len, page_size
     )
+    D = q_fp8.shape[3]
+
+    def keys(slots: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        return (*index_k_load(index_k_pages, slots, D, page_size), None)
+
     return _paged_mqa_logits(
-        q_fp8, index_k_pages, weights, ends.tolist(), block_table, max_context_len, clean_logits,
+        q_fp8, None, keys, weights, ends.tolist(), block_table, max_context_len, clean_logits,
         page_size
     )
 
 
-def _paged_mqa_logits(q_fp8: Tensor, index_k_pages: Tensor, weights: Tensor, ends: list[list[int]],
-                      block_table: Tensor, max_context_len: int, clean_logits: bool,
-                      page_size: int) -> Tensor:
-    """``paged_mqa_logits`` on checked inputs: per request, gather its keys through the block
-    table and score its ``next_n`` rows (row ``(b, j)`` over positions ``< ends[b][j]``)."""
+def mx_paged_mqa_logits(
+    q_fp8: Tensor,
+    q_exponents: Tensor,
+    k_fp8: Tensor,
+    k_exponents: Tensor,
+    weights: Tensor,
+    context_lens: Tensor,
+    block_table: Tensor,
+    max_context_len: int,
+    clean_logits: bool = True,
+) -> Tensor:
+    """``mx_mqa_logits`` read through a block table (DeepGEMM 559d79f ``fp8_fp4_paged_mqa_logits``
+    with ``q = (fp, sf)``), on the pages' element values and exponents.
+
+    Args:
+        q_fp8: ``[B, next_n, H, D]`` float8_e4m3fn; ``q_exponents``: uint8 ``[B, next_n, H, D/32]``.
+        k_fp8: ``[num_pages, page_size, D]`` float8_e4m3fn; ``k_exponents``: uint8
+            ``[num_pages, page_size, D / 32]`` (``kv_format.index_k_page_split`` of the cache).
+        weights, context_lens, block_table, max_context_len, clean_logits: as
+            ``paged_mqa_logits``.
+
+    Returns:
+        ``[B * next_n, max_context_len]`` float32 (float64 for float64 weights).
+    """
+    need(isinstance(q_fp8, Tensor) and q_fp8.dtype == torch.float8_e4m3fn and q_fp8.dim() == 4,
+         f"q_fp8 must be float8_e4m3fn [B, next_n, H, D], got {getattr(q_fp8, 'dtype', None)} "
+         f"{shape_of(q_fp8)}")
+    B, next_n, H, D = q_fp8.shape
+    need(isinstance(k_fp8, Tensor) and k_fp8.dtype == torch.float8_e4m3fn and k_fp8.dim() == 3
+         and k_fp8.shape[2] == D,
+         f"k_fp8 must be float8_e4m3fn [num_pages, page_size, D={D}], got "
+         f"{getattr(k_fp8, 'dtype', None)} {shape_of(k_fp8)}")
+    num_pages, page_size = k_fp8.shape[:2]
+    check_block_exponents("q_exponents", q_exponents, (B, next_n, H), D, q_fp8.device)
+    check_block_exponents("k_exponents", k_exponents, (num_pages, page_size), D, q_fp8.device)
+    need(k_fp8.device == q_fp8.device, f"k_fp8 is on {k_fp8.device}, q_fp8 on {q_fp8.device}")
+    ends = check_paged_rows(B, next_n, H, weights, context_lens, block_table, max_context_len,
+                            page_size, q_fp8.device)
+
+    def keys(slots: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        page, offset = slots // page_size, slots % page_size
+        return k_fp8[page, offset], None, k_exponents[page, offset]
+
+    return _paged_mqa_logits(q_fp8, q_exponents, keys, weights, ends.tolist(), block_table,
+                             max_context_len, clean_logits, page_size)
+
+
+def _paged_mqa_logits(q_fp8: Tensor, q_exp: Tensor | None,
+                      keys: Callable[[Tensor], tuple[Tensor, Tensor | None, Tensor | None]],
+                      weights: Tensor, ends: list[list[int]], block_table: Tensor,
+                      max_context_len: int, clean_logits: bool, page_size: int) -> Tensor:
+    """The paged logits on checked inputs: per request, gather its keys through the block
+    table (``keys(slots)`` → ``(k_fp8, k_scale, k_exponents)`` of those slots, the format's
+    reader) and score its ``next_n`` rows (row ``(b, j)`` over positions ``< ends[b][j]``)."""
     B, next_n, H, D = q_fp8.shape
     dev = q_fp8.device
     dtype = torch.promote_types(weights.dtype, torch.float32)
@@ -253,14 +384,14 @@ def _paged_mqa_logits(q_fp8: Tensor, index_k_pages: Tensor, weights: Tensor, end
             continue
         pos = torch.arange(n_ctx, device=dev)
         slots = block_table[b, pos // page_size].long() * page_size + pos % page_size
-        k_fp8, k_scale = index_k_load(index_k_pages, slots, D, page_size)  # [n_ctx, D], [n_ctx]
+        k_fp8, k_scale, k_exp = keys(slots)  # [n_ctx, D], [n_ctx] or [n_ctx, D / 32]
         rows = slice(b * next_n, (b + 1) * next_n)
         zeros = [0] * next_n
         logits[rows, :n_ctx] = _mqa_logits(
             q_fp8[b], k_fp8, k_scale, weights[rows],
             torch.tensor(zeros, dtype=torch.int32, device=dev),
             torch.tensor(row_ends, dtype=torch.int32, device=dev),
-            zeros, row_ends, clean_logits,
+            zeros, row_ends, clean_logits, q_exp=None if q_exp is None else q_exp[b], k_exp=k_exp,
         )
     return logits
 

@@ -15,7 +15,15 @@ e2m1 codes, two per byte (element 2i in the low nibble, 2i + 1 in the high one; 
 ``t * head_dim / 2``), then ``page_size`` int32 words of ue8m0 block scales, one exponent byte
 per block of 32 elements, little-endian (block j of token t at byte
 ``page_size * head_dim / 2 + 4 t + j``; 64 dims leave bytes 2, 3 at 127 = 1.0): 68 bytes per
-128-dim token, 4352 per 64-token page.
+128-dim token, 4352 per 64-token page. SGLang's writer (``store_fp4_index_k_cache``,
+sgl-project/sglang 1875c52 ``python/sglang/kernels/ops/attention/dsv4/fp4_indexer.py``) puts
+the same bytes at the same places; its scale floors ``amax / 6`` rather than ``amax`` at 1e-4
+(``scale_floor="scale"``), and its ``rne=True`` takes midpoints to the even code (``ties="even"``).
+
+MXFP8 index-K page (DeepGEMM 559d79f, #377, ``tests/test_attention.py``
+``kv_cache_cast_to_mxfp8``): the FP8 page's shape (``page_size * head_dim`` e4m3 bytes, then
+``page_size`` 4-byte words: 132 bytes per 128-dim token) with one ue8m0 exponent byte per block
+of 32 elements in each word, as in the MXFP4 page, instead of one float32 scale per token.
 
 A slot is ``page * page_size + offset``, the physical token index into a paged pool.
 """
@@ -26,13 +34,19 @@ import torch
 from torch import Tensor
 
 from glm_dsa import syncfree
-from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, ceil_pow2, narrow_cast, raw_scale
+from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, act_quant, ceil_pow2, narrow_cast, raw_scale
 
 __all__ = [
     "MLA_KV_FORMATS",
-    "FP4_BLOCK",
+    "MX_BLOCK",
+    "FP4_FLOORS",
+    "FP4_TIES",
     "mxfp4_quantize",
     "mxfp4_dequantize",
+    "e2m1_to_e4m3",
+    "mxfp8_quantize",
+    "ue8m0_bytes",
+    "index_k_page_split",
     "index_k_page_bytes",
     "index_k_store",
     "index_k_load",
@@ -102,14 +116,24 @@ def _check_pages(pages: Tensor, page_size: int, head_dim: int) -> None:
         )
 
 
+def index_k_page_split(pages: Tensor, page_size: int, payload_bytes: int) -> tuple[Tensor, Tensor]:
+    """Views of paged index keys laid out as DeepGEMM lays every format out (FP8, MXFP8,
+    MXFP4): per page, ``page_size`` payloads of ``payload_bytes`` bytes, then ``page_size``
+    4-byte scale words. pages: uint8 ``[num_pages, page_size * (payload_bytes + 4)]`` (any
+    page stride). Returns ``(payload uint8 [num_pages, page_size, payload_bytes], words uint8
+    [num_pages, page_size, 4])``, sharing the pages' storage."""
+    num_pages, split = pages.shape[0], page_size * payload_bytes
+    payload = pages[:, :split].unflatten(1, (page_size, payload_bytes))
+    words = pages[:, split:].unflatten(1, (page_size, _SCALE_BYTES))
+    return payload, words
+
+
 def _index_k_views(pages: Tensor, page_size: int, head_dim: int) -> tuple[Tensor, Tensor]:
     """Views of index-K pages: the fp8 payloads uint8 ``[num_pages, page_size, head_dim]`` and the
     scales float32 ``[num_pages, page_size]``, sharing the pages' storage. Indexing them by
     ``(page, offset)`` moves one row per token (an index per byte would cost 8 bytes per byte)."""
-    num_pages, split = pages.shape[0], page_size * head_dim
-    payload = pages[:, :split].view(num_pages, page_size, head_dim)
-    scale = pages[:, split:].view(torch.float32)
-    return payload, scale
+    payload, words = index_k_page_split(pages, page_size, head_dim)
+    return payload, words.view(torch.float32)[..., 0]
 
 
 def check_index_k_store(pages: Tensor, slots: Tensor, n: int, head_dim: int, page_size: int) -> None:
@@ -310,8 +334,8 @@ def mla_kv_load(pool: Tensor, slots: Tensor) -> Tensor:
     return pool[slots // page_size, slots % page_size]
 
 
-# ------------------------------------------------------------------------- MXFP4 index keys
-FP4_BLOCK = 32  # elements per ue8m0 scale (DeepGEMM's gran_k=32 for FP4 index keys)
+# ------------------------------------------------------------------------- MX index keys
+MX_BLOCK = 32  # elements per ue8m0 scale (DeepGEMM's gran_k=32 for MXFP4 and MXFP8 index keys)
 FP4_E2M1_MAX = 6.0
 # e2m1 magnitudes by code 0-7, and the midpoints between neighbours: a value on a midpoint
 # takes the smaller code (DeepGEMM's _quantize_to_fp4_e2m1 counts strict ``>``), not the
@@ -319,48 +343,112 @@ FP4_E2M1_MAX = 6.0
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _UE8M0_ONE = 127  # the exponent byte of 1.0
+# Where the 1e-4 floor of an MXFP4 scale applies: to amax (DeepGEMM's helper,
+# ``max(amax, 1e-4) / 6``) or to the scale (SGLang's writer, ``max(amax / 6, 1e-4)``).
+FP4_FLOORS = ("amax", "scale")
+# A value on a midpoint of the e2m1 grid: the smaller magnitude (DeepGEMM's helper, SGLang's
+# default) or the even code (SGLang's rne=True, a hardware cvt.rn).
+FP4_TIES = ("smaller", "even")
 
 
-def mxfp4_quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+def _ceil_exponent(s: Tensor) -> Tensor:
+    """int32 biased exponent of the smallest power of two ``>= s`` (float32, positive, finite),
+    clamped to [1, 254] as DeepGEMM's ``ceil_to_ue8m0``: the exponent field, plus one if any
+    mantissa bit is set."""
+    bits = s.view(torch.int32)
+    return (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(1, 254)
+
+
+def _packed_words(exponent: Tensor) -> Tensor:
+    """uint8 ``[n, 4 * ceil(blocks / 4)]``: the block exponents, padded with 127 (1.0) to whole
+    int32 words (upstream pads with 1.0 so ``pack_ue8m0_to_int`` takes 32 or 64 dims)."""
+    n, blocks = exponent.shape
+    out = torch.full((n, -(-blocks // 4) * 4), _UE8M0_ONE, dtype=torch.uint8, device=exponent.device)
+    out[:, :blocks] = exponent.to(torch.uint8)
+    return out
+
+
+def mxfp4_quantize(x: Tensor, scale_floor: str = "amax", ties: str = "smaller") -> tuple[Tensor, Tensor]:
     """``deep_gemm.utils.per_token_cast_to_fp4(x, use_ue8m0=True, gran_k=32,
     use_packed_ue8m0=True)`` (DeepGEMM 54e2261 ``deep_gemm/utils/math.py``), as bytes.
 
     Per block of 32 along the last dim: ``s = 2**ceil(log2(max(amax, 1e-4) / 6))`` (ue8m0,
     exponent clamped to [1, 254]); each ``x / s`` (exact: s is a power of two) to the nearest
     e2m1 value, a midpoint to the smaller magnitude, saturating at 6; ``-0`` written as ``+0``.
+    ``scale_floor="scale"`` floors the scale instead, ``s = 2**ceil(log2(max(amax / 6,
+    1e-4)))``, and ``ties="even"`` takes a midpoint to the even code: SGLang's writer and its
+    ``rne=True`` (``FP4_FLOORS``, ``FP4_TIES``).
 
     x: ``[n, d]`` floating, d a multiple of 32 (64 or 128 upstream).
     Returns ``(codes uint8 [n, d / 2]``, two per byte, element 2i low;
     ``exponents uint8 [n, 4 * ceil(d / 128)]``, one byte per block, padded with 127 to whole
     int32 words).
     """
+    if scale_floor not in FP4_FLOORS or ties not in FP4_TIES:
+        raise ValueError(f"scale_floor={scale_floor!r}, ties={ties!r}: scale_floor is one of "
+                         f"{FP4_FLOORS}, ties one of {FP4_TIES}")
     n, d = x.shape
-    blocks = x.float().reshape(n, d // FP4_BLOCK, FP4_BLOCK)
-    amax = blocks.abs().amax(-1).clamp_min(1e-4)
-    bits = (amax / FP4_E2M1_MAX).view(torch.int32)
-    # ceil to a power of two: the exponent, plus one if any mantissa bit is set.
-    exponent = (((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(1, 254)
-    scale = (exponent << 23).view(torch.float32)
-    scaled = blocks * (1.0 / scale)[..., None]
-    magnitude = torch.zeros_like(scaled, dtype=torch.uint8)
-    for midpoint in _E2M1_MIDPOINTS:
-        magnitude += (scaled.abs() > midpoint).to(torch.uint8)
+    blocks = x.float().reshape(n, d // MX_BLOCK, MX_BLOCK)
+    amax = blocks.abs().amax(-1)
+    raw = (amax.clamp_min(AMAX_FLOOR) / FP4_E2M1_MAX if scale_floor == "amax"
+           else (amax / FP4_E2M1_MAX).clamp_min(AMAX_FLOOR))
+    exponent = _ceil_exponent(raw)
+    scaled = blocks * (1.0 / (exponent << 23).view(torch.float32))[..., None]
+    midpoints = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
+    # The midpoints below |x| (strictly, or at or below it for "even"): the code's magnitude.
+    magnitude = torch.bucketize(scaled.abs(), midpoints, right=ties == "even").to(torch.uint8)
+    if ties == "even":  # on a midpoint the count is the upper code: an odd one steps down
+        on_midpoint = torch.isin(scaled.abs(), midpoints)
+        magnitude -= (on_midpoint & (magnitude % 2 == 1)).to(torch.uint8)
     codes = magnitude | (((scaled < 0) & (magnitude != 0)).to(torch.uint8) << 3)
     codes = codes.reshape(n, d // 2, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
-    words = -(-exponent.shape[1] // 4) * 4
-    exponents = torch.full((n, words), _UE8M0_ONE, dtype=torch.uint8, device=x.device)
-    exponents[:, : exponent.shape[1]] = exponent.to(torch.uint8)
-    return packed, exponents
+    return packed, _packed_words(exponent)
+
+
+def _e4m3_of_code_bytes() -> Tensor:
+    """uint8 ``[256, 2]``: the e4m3 bytes of a code byte's two elements (low nibble first)."""
+    magnitude = torch.tensor(_E2M1).to(torch.float8_e4m3fn).view(torch.uint8)  # codes 0-7
+    nibble = torch.arange(16)
+    e4m3 = magnitude[nibble & 7] | torch.where((nibble >= 8) & (nibble != 8), 0x80, 0).to(torch.uint8)
+    byte = torch.arange(256)
+    return torch.stack([e4m3[byte & 0x0F], e4m3[byte >> 4]], dim=-1)
+
+
+_E4M3_OF_CODE_BYTE = _e4m3_of_code_bytes()
+
+
+def e2m1_to_e4m3(codes: Tensor, d: int) -> Tensor:
+    """float8_e4m3fn ``[n, d]`` of packed e2m1 codes (uint8 or int8 ``[n, d / 2]``, element 2i
+    in the low nibble): every e2m1 value is an e4m3 value, so this is exact (``-0`` becomes
+    ``+0``, as DeepGEMM's ``cast_back_from_fp4`` reads it)."""
+    raw = codes.view(torch.uint8)
+    table = _E4M3_OF_CODE_BYTE.to(codes.device)
+    return table[raw.long()].reshape(raw.shape[0], d).view(torch.float8_e4m3fn)
 
 
 def mxfp4_dequantize(codes: Tensor, exponents: Tensor, d: int) -> Tensor:
     """float32 ``[n, d]`` of ``mxfp4_quantize``'s bytes: e2m1 value × 2**(exponent − 127)
     (DeepGEMM's ``cast_back_from_fp4``)."""
-    low, high = codes & 0x0F, codes >> 4
-    both = torch.stack([low, high], dim=-1).reshape(codes.shape[0], d)
-    table = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
-    value = table[(both & 0x07).long()]
-    value = torch.where((both & 0x08) != 0, -value, value)
-    scale = torch.exp2(exponents[:, : d // FP4_BLOCK].float() - _UE8M0_ONE)
-    return value * scale.repeat_interleave(FP4_BLOCK, dim=1)
+    scale = torch.exp2(exponents[:, : d // MX_BLOCK].float() - _UE8M0_ONE)
+    return e2m1_to_e4m3(codes, d).float() * scale.repeat_interleave(MX_BLOCK, dim=1)
+
+
+def ue8m0_bytes(scale: Tensor) -> Tensor:
+    """uint8 exponent bytes of float32 power-of-two scales ``[n, blocks]``, padded with 127 to
+    whole int32 words (``deep_gemm.utils.pack_ue8m0_to_int``)."""
+    return _packed_words((scale.contiguous().view(torch.int32) >> 23) & 0xFF)
+
+
+def mxfp8_quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``deep_gemm.utils.per_token_cast_to_fp8(x, use_ue8m0=True, gran_k=32,
+    use_packed_ue8m0=True)`` (DeepGEMM 559d79f, #377, ``deep_gemm/utils/math.py``), as bytes:
+    per block of 32, ``s = 2**ceil(log2(max(amax, 1e-4) × fl32(1/448)))`` and the payload
+    ``x × (1/s)`` rounded to e4m3 (``fp8.act_quant(x, 32, "ue8m0", reciprocal=True)``: the
+    helper's bytes on CUDA, where ``amax / 448.0`` is that product).
+
+    x: ``[n, d]`` floating, d a multiple of 32 (32, 64 or 128 upstream).
+    Returns ``(payload float8_e4m3fn [n, d], exponents uint8 [n, 4 * ceil(d / 128)])``.
+    """
+    payload, scale = act_quant(x, MX_BLOCK, "ue8m0", reciprocal=True)
+    return payload, ue8m0_bytes(scale)

@@ -11,9 +11,11 @@ one definition of every formula.
 Outputs are float32 "truth" (float64 for float64 inputs) where the kernel would round to bf16.
 Where upstream conventions changed between versions, the version is an explicit argument
 (``lse_base``, ``lonely_lse``, ``scale_fmt``, ``base``, ``pad``); the snapshots (Sources in
-docs/conventions.md): DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261 (newest);
-FlashMLA c28eca9 (Sep 2025), 9241ae3 (newest); tile-ai/tilelang a35008a; fast-hadamard-transform
-e7706fa; DeepSeek-V3.2-Exp 3b99a53; SGLang and vLLM unpinned.
+docs/conventions.md): DeepGEMM 80ceeb2 (Sep 2025), 38f8ef7 (Nov 2025), 54e2261, and 559d79f
+(#377, Jul 2026, the MXFP8 indexer; read from a fork carrying the upstream commit) for the MX
+entry points; FlashMLA c28eca9 (Sep 2025), 9241ae3 (newest); tile-ai/tilelang a35008a;
+fast-hadamard-transform e7706fa; DeepSeek-V3.2-Exp 3b99a53; SGLang 1875c52 for its FP4 index-K
+writer, otherwise SGLang and vLLM unpinned.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ from glm_dsa.validate import (
     shape_of,
 )
 from glm_dsa.kv_format import (
-    FP4_BLOCK,
+    MX_BLOCK,
     index_k_page_bytes,
     index_k_store,
     mla_kv_dequantize,
     mla_kv_quantize,
     mla_kv_row_bytes,
+    e2m1_to_e4m3,
+    index_k_page_split,
     mxfp4_quantize,
+    mxfp8_quantize,
 )
 
 __all__ = [
@@ -52,8 +57,12 @@ __all__ = [
     "act_quant",
     "kv_cache_cast_to_fp8",
     "kv_cache_cast_to_fp4",
+    "kv_cache_cast_to_mxfp8",
     "fp8_mqa_logits",
     "fp8_paged_mqa_logits",
+    "fp8_fp4_mqa_logits",
+    "fp8_fp4_paged_mqa_logits",
+    "index_format",
     "topk_per_row",
     "fp8_mqa_topk",
     "fp8_paged_mqa_topk",
@@ -64,6 +73,7 @@ __all__ = [
     "flash_mla_sparse_fwd",
     "sparse_mla_q8kv8_prefill_fwd",
     "flash_mla_sparse_decode",
+    "flash_mla_sparse_decode_bf16",
     "calc_diff",
     "AllcloseResult",
     "check_allclose",
@@ -161,33 +171,73 @@ def kv_cache_cast_to_fp8(k: Tensor) -> Tensor:
     return pages.view(num_blocks, block_size, 1, head_dim + 4)
 
 
-def kv_cache_cast_to_fp4(k: Tensor) -> Tensor:
-    """``kv_cache_cast_to_fp4(x)`` of DeepGEMM 54e2261 ``tests/test_attention.py``: the MXFP4
-    index-K cache of the SM100 ``fp8_fp4_paged_mqa_logits`` (``kv_format`` has the layout).
+def _mx_pages(payload: Tensor, exponents: Tensor, num_blocks: int, block_size: int) -> Tensor:
+    """uint8 ``[num_blocks, block_size, 1, payload_bytes + 4]``: each block's payloads
+    (``[num_blocks * block_size, payload_bytes]`` uint8), then its exponent words."""
+    need(exponents.shape[1] == 4, "one int32 of scales per token holds 4 blocks of 32: head_dim ≤ 128")
+    pages = torch.cat([payload.reshape(num_blocks, -1), exponents.reshape(num_blocks, -1)], dim=1)
+    return pages.view(num_blocks, block_size, 1, payload.shape[1] + 4)
 
-    Each key is quantized by ``per_token_cast_to_fp4(use_ue8m0=True, gran_k=32,
-    use_packed_ue8m0=True)`` (``kv_format.mxfp4_quantize``: ue8m0 scale
-    ``2**ceil(log2(amax / 6))`` per 32 elements, e2m1 codes, midpoints to the smaller
-    magnitude) and each block of ``block_size`` tokens laid out as its ``block_size × D / 2``
-    code bytes then ``block_size`` int32 words of packed exponents: ``D / 2 + 4`` bytes per
-    token (68 for D = 128, the size of SGLang's MXFP4 index-K cache, sgl-project/sglang
-    #30546). Upstream's helper also returns the dequantized keys; ``kv_format.mxfp4_dequantize``
-    gives them.
 
-    k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 upstream), head_dim 64 or 128.
-    Returns uint8 ``[num_blocks, block_size, 1, head_dim / 2 + 4]``.
-    """
+def _check_index_keys(k: Tensor, head_dims: tuple[int, ...], what: str) -> tuple[int, int, int]:
     need(
         isinstance(k, Tensor) and k.dim() == 4 and k.shape[2] == 1,
         f"k must be [num_blocks, block_size, 1, head_dim] (one KV head), got {shape_of(k)}",
     )
     num_blocks, block_size, _, head_dim = k.shape
-    need(head_dim in (64, 128),
-         f"head_dim={head_dim}: the FP4 index-K cache packs 64 or 128 dims (4 scale bytes per token)")
-    codes, exponents = mxfp4_quantize(k.reshape(num_blocks * block_size, head_dim))
-    need(exponents.shape[1] == 4, "one int32 of scales per token holds 4 blocks of 32")
-    pages = torch.cat([codes.reshape(num_blocks, -1), exponents.reshape(num_blocks, -1)], dim=1)
-    return pages.view(num_blocks, block_size, 1, head_dim // 2 + 4)
+    need(head_dim in head_dims,
+         f"head_dim={head_dim}: the {what} index-K cache takes {', '.join(map(str, head_dims))} dims")
+    return num_blocks, block_size, head_dim
+
+
+def kv_cache_cast_to_fp4(k: Tensor, scale_floor: str = "amax", ties: str = "smaller") -> Tensor:
+    """``kv_cache_cast_to_fp4(x)`` of DeepGEMM 54e2261 ``tests/test_attention.py`` (renamed
+    ``kv_cache_cast_to_mxfp4`` in 559d79f): the MXFP4 index-K cache of the SM100
+    ``fp8_fp4_paged_mqa_logits`` (``kv_format`` has the layout).
+
+    Each key is quantized by ``per_token_cast_to_fp4(use_ue8m0=True, gran_k=32,
+    use_packed_ue8m0=True)`` (``kv_format.mxfp4_quantize``: ue8m0 scale
+    ``2**ceil(log2(max(amax, 1e-4) / 6))`` per 32 elements, e2m1 codes, midpoints to the
+    smaller magnitude) and each block of ``block_size`` tokens laid out as its
+    ``block_size × D / 2`` code bytes then ``block_size`` int32 words of packed exponents:
+    ``D / 2 + 4`` bytes per token (68 for D = 128). Upstream's helper also returns the
+    dequantized keys; ``kv_format.mxfp4_dequantize`` gives them.
+
+    SGLang's 68-byte index-K cache (``store_fp4_index_k_cache``, sgl-project/sglang 1875c52
+    ``python/sglang/kernels/ops/attention/dsv4/fp4_indexer.py``, which #30546 ports to the
+    GLM-5.x / V3.2 indexer, read by DeepGEMM's kernel) has this byte layout; its quantizer
+    floors the scale, ``max(amax / 6, 1e-4)``, not amax (``scale_floor="scale"``, the
+    ``sglang`` convention: different bytes only for blocks with amax < 6e-4, an all-zero key's
+    exponent byte 114 instead of 112), and with ``rne=True`` takes midpoints to the even code
+    (``ties="even"``).
+
+    k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 upstream), head_dim 64 or 128.
+    Returns uint8 ``[num_blocks, block_size, 1, head_dim / 2 + 4]``.
+    """
+    num_blocks, block_size, head_dim = _check_index_keys(k, (64, 128), "MXFP4")
+    codes, exponents = mxfp4_quantize(k.reshape(num_blocks * block_size, head_dim), scale_floor, ties)
+    return _mx_pages(codes, exponents, num_blocks, block_size)
+
+
+def kv_cache_cast_to_mxfp8(k: Tensor) -> Tensor:
+    """``kv_cache_cast_to_mxfp8(x)`` of DeepGEMM 559d79f (#377, "Support MXFP8 indexer")
+    ``tests/test_attention.py``: the MXFP8 index-K cache of the SM100 ``fp8_fp4_paged_mqa_logits``.
+
+    Each key is quantized by ``per_token_cast_to_fp8(use_ue8m0=True, gran_k=32,
+    use_packed_ue8m0=True)`` (``kv_format.mxfp8_quantize``: ue8m0 scale
+    ``2**ceil(log2(max(amax, 1e-4) / 448))`` per 32 elements, payload ``x × (1/s)`` in e4m3)
+    and each block of ``block_size`` tokens laid out as its ``block_size × D`` e4m3 bytes then
+    ``block_size`` int32 words of exponent bytes (32 or 64 dims pad the word with 127 = 1.0):
+    ``D + 4`` bytes per token, the FP8 cache's size (132 for D = 128) with ue8m0 exponents
+    where ``kv_cache_cast_to_fp8`` has a float32 scale. Upstream's helper also returns the
+    dequantized keys (``e4m3 × 2**(e − 127)`` per block).
+
+    k: ``[num_blocks, block_size, 1, head_dim]`` floating (bf16 upstream), head_dim 32, 64 or 128.
+    Returns uint8 ``[num_blocks, block_size, 1, head_dim + 4]``.
+    """
+    num_blocks, block_size, head_dim = _check_index_keys(k, (32, 64, 128), "MXFP8")
+    payload, exponents = mxfp8_quantize(k.reshape(num_blocks * block_size, head_dim))
+    return _mx_pages(payload.view(torch.uint8), exponents, num_blocks, block_size)
 
 
 # ------------------------------------------------------------------------- indexer logits
@@ -226,12 +276,18 @@ def fp8_mqa_logits(
     if max_seqlen_k == 0:
         return indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits)
     full = indexer.mqa_logits(q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, True)
-    check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    lens = cu_seqlen_ke.long() - cu_seqlen_ks.long()
+    return _compressed(full, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
+
+
+def _compressed(full: Tensor, ks: Tensor, ke: Tensor, max_seqlen_k: int) -> Tensor:
+    """The compressed logits ``[S, max_seqlen_k]`` of cleaned ``full`` ``[S, S_kv]``: entry
+    ``(i, j)`` is key ``ks[i] + j``, ``-inf`` from ``ke[i] - ks[i]`` on."""
+    check_compressed_width(ks, ke, max_seqlen_k)
+    lens = ke.long() - ks.long()
     col = torch.arange(max_seqlen_k, device=full.device)
     rows, cols = (col[None, :] < lens[:, None]).nonzero(as_tuple=True)
     out = torch.full((full.shape[0], max_seqlen_k), -math.inf, dtype=full.dtype, device=full.device)
-    out[rows, cols] = full[rows, cu_seqlen_ks.long()[rows] + cols]
+    out[rows, cols] = full[rows, ks.long()[rows] + cols]
     return out
 
 
@@ -276,6 +332,184 @@ def fp8_paged_mqa_logits(
     return indexer.paged_mqa_logits(
         q, pages, weights, context_lens, block_table, max_context_len, clean_logits, block_size
     )
+
+
+# ------------------------------------------------------------------------- MX indexer logits (SM100)
+# The head dims DeepGEMM 559d79f takes per format (csrc/apis/attention.hpp: FP4 64 / 128,
+# e4m3 32 / 64 / 128); one int32 word of exponent bytes per row holds four blocks of 32.
+MX_HEAD_DIMS = {"mxfp8": (32, 64, 128), "mxfp4": (64, 128)}
+LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+_MX_ELEMENT = {"mxfp8": torch.float8_e4m3fn, "mxfp4": torch.int8}
+
+
+def index_format(q: tuple[Tensor, Tensor | None]) -> str:
+    """``"fp8"``, ``"mxfp8"`` or ``"mxfp4"``: the key format a ``fp8_fp4_*mqa_logits`` call
+    uses, read from ``q = (q_fp, q_sf)`` as DeepGEMM reads it (packed FP4 is int8 and needs
+    ``q_sf``; e4m3 with ``q_sf`` is MXFP8, without it FP8 with the q scale in the gates)."""
+    need(isinstance(q, (tuple, list)) and len(q) == 2,
+         "q must be the pair (q_fp, q_sf): q_sf int32 for MXFP8 / MXFP4, None for FP8")
+    q_fp, q_sf = q
+    need(isinstance(q_fp, Tensor) and q_fp.dtype in (torch.float8_e4m3fn, torch.int8),
+         f"q[0] must be float8_e4m3fn (FP8, MXFP8) or int8 packed e2m1 (MXFP4, DeepGEMM's "
+         f"kPackedFP4), got {getattr(q_fp, 'dtype', type(q_fp).__name__)}")
+    if q_fp.dtype == torch.int8:
+        need(q_sf is not None, "q = (packed FP4, None): MXFP4 queries need their int32 ue8m0 scales q_sf")
+        return "mxfp4"
+    return "fp8" if q_sf is None else "mxfp8"
+
+
+def _mx_dim(fmt: str, q_fp: Tensor, dims: int) -> int:
+    need(q_fp.dim() == dims, f"q[0] must have {dims} dims, got {shape_of(q_fp)}")
+    d = q_fp.shape[-1] * (2 if fmt == "mxfp4" else 1)
+    need(d in MX_HEAD_DIMS[fmt], f"head_dim={d}: {fmt} takes {', '.join(map(str, MX_HEAD_DIMS[fmt]))}")
+    return d
+
+
+def _exponents(words: Tensor, d: int, name: str) -> Tensor:
+    """The ue8m0 bytes of each row's int32 scale word (uint8 ``[..., 4]``, little-endian) that
+    its ``d / 32`` blocks use: uint8 ``[..., d / 32]``."""
+    exps = words[..., : d // MX_BLOCK].contiguous()
+    need(not bool((exps == 255).any()),
+         f"{name} holds the exponent byte 255, NaN in ue8m0: a writer clamps exponents to [1, 254]")
+    return exps
+
+
+def _mx_values(fp: Tensor, fmt: str, lead: tuple[int, ...], d: int, name: str) -> Tensor:
+    """float8_e4m3fn ``[*lead, d]`` element values of ``fp`` (e4m3, or packed e2m1 codes)."""
+    width = d // 2 if fmt == "mxfp4" else d
+    need(isinstance(fp, Tensor) and fp.dtype == _MX_ELEMENT[fmt] and tuple(fp.shape) == (*lead, width),
+         f"{name} must be {_MX_ELEMENT[fmt]} {(*lead, width)} ({fmt}), got "
+         f"{getattr(fp, 'dtype', None)} {shape_of(fp)}")
+    return fp if fmt == "mxfp8" else e2m1_to_e4m3(fp.reshape(-1, width), d).reshape(*lead, d)
+
+
+def _mx_operand(fp: Tensor, sf: Tensor | None, fmt: str, lead: tuple[int, ...], d: int, name: str
+                ) -> tuple[Tensor, Tensor]:
+    """(element values e4m3 ``[*lead, d]``, exponent bytes uint8 ``[*lead, d / 32]``) of an
+    MX operand ``(fp, sf)``, ``sf`` int32 ``[*lead]`` (four packed ue8m0 bytes per row)."""
+    if not (isinstance(sf, Tensor) and sf.dtype == torch.int32 and tuple(sf.shape) == lead):
+        raise ValueError(f"{name}[1] must be int32 {lead} (one word of four ue8m0 bytes per row), "
+                         f"got {getattr(sf, 'dtype', None)} {shape_of(sf)}")
+    words = sf.contiguous().view(torch.uint8).reshape(*lead, 4)
+    return _mx_values(fp, fmt, lead, d, f"{name}[0]"), _exponents(words, d, f"{name}[1]")
+
+
+def _check_logits_dtype(logits_dtype: torch.dtype) -> None:
+    need(logits_dtype in LOGITS_DTYPES,
+         f"logits_dtype={logits_dtype!r} must be torch.float32 or torch.bfloat16, as DeepGEMM's")
+
+
+def fp8_fp4_mqa_logits(
+    q: tuple[Tensor, Tensor | None],
+    kv: tuple[Tensor, Tensor],
+    weights: Tensor,
+    cu_seq_len_k_start: Tensor,
+    cu_seq_len_k_end: Tensor,
+    clean_logits: bool = True,
+    max_seqlen_k: int = 0,
+    logits_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """``deep_gemm.fp8_fp4_mqa_logits`` (54e2261: FP8 and MXFP4; 559d79f, #377: MXFP8 too),
+    the ragged indexer logits in every key format; ``index_format`` reads which from ``q``.
+
+    * FP8: ``q = (q_fp8 [S, H, D] e4m3, None)``, ``kv = (k_fp8 [S_kv, D] e4m3, k_scale [S_kv]
+      float32)``: ``fp8_mqa_logits`` (q's scale in the gates).
+    * MXFP8: ``q = (q_fp8 [S, H, D] e4m3, q_sf [S, H] int32)``, ``kv = (k_fp8 [S_kv, D],
+      kv_sf [S_kv] int32)``, D 32 / 64 / 128; MXFP4: the same with int8 packed e2m1 codes
+      ``[S, H, D / 2]`` and ``[S_kv, D / 2]`` (element 2i in the low nibble), D 64 / 128. Each
+      int32 is four ue8m0 bytes, block j of 32 elements in byte j (little-endian; bytes past
+      ``D / 32`` are padding, 127 from upstream's writers): the values are
+      ``element × 2**(byte − 127)`` (DeepGEMM's test: ``cast_back_from_fp4`` /
+      ``cast_back_from_fp8``; its reference then runs on those values). ``indexer.mx_mqa_logits``:
+      ``out[i, j] = sum_h weights[i, h] * relu(q[i, h] · kv[j])`` on the values, each block's
+      dot exact, the blocks summed in float64, the rest in float32. ``weights`` are the plain
+      gates (the q scale is in ``q_sf``).
+
+    Args:
+        cu_seq_len_k_start, cu_seq_len_k_end: int32 ``[S]``, row i's keys ``[ks[i], ke[i])``.
+        clean_logits, max_seqlen_k: as ``fp8_mqa_logits``.
+        logits_dtype: ``torch.float32`` or ``torch.bfloat16``, the dtype the kernel writes; the
+            oracle returns the float32 truth either way (the bf16 bound judges bf16 logits).
+        weights: ``[S, H]`` float32 (float64 gives float64 logits; DeepGEMM's SM100 bf16 gates
+            are exact in float32: pass ``weights.float()``).
+
+    Returns:
+        float32 ``[S, S_kv]``, or ``[S, max_seqlen_k]`` in compressed mode.
+    """
+    fmt = index_format(q)
+    check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
+    _check_logits_dtype(logits_dtype)
+    q_fp, q_sf = q
+    ks, ke = cu_seq_len_k_start, cu_seq_len_k_end
+    if fmt == "fp8":
+        return fp8_mqa_logits(q_fp, kv, weights, ks, ke, clean_logits, max_seqlen_k)
+    d = _mx_dim(fmt, q_fp, 3)
+    S, H = q_fp.shape[:2]
+    need(isinstance(kv[0], Tensor) and kv[0].dim() == 2,
+         f"kv[0] must be [S_kv, {d // 2 if fmt == 'mxfp4' else d}] ({fmt}), got {shape_of(kv[0])}")
+    S_kv = kv[0].shape[0]
+    q_vals, q_exp = _mx_operand(q_fp, q_sf, fmt, (S, H), d, "q")
+    k_vals, k_exp = _mx_operand(kv[0], kv[1], fmt, (S_kv,), d, "kv")
+    if max_seqlen_k == 0:
+        return indexer.mx_mqa_logits(q_vals, q_exp, k_vals, k_exp, weights, ks, ke, clean_logits)
+    full = indexer.mx_mqa_logits(q_vals, q_exp, k_vals, k_exp, weights, ks, ke, True)
+    return _compressed(full, ks, ke, max_seqlen_k)
+
+
+def fp8_fp4_paged_mqa_logits(
+    q: tuple[Tensor, Tensor | None],
+    kv_cache: Tensor,
+    weights: Tensor,
+    context_lens: Tensor,
+    block_table: Tensor,
+    max_context_len: int,
+    clean_logits: bool = True,
+    logits_dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """``deep_gemm.fp8_fp4_paged_mqa_logits`` (54e2261: FP8 and MXFP4; 559d79f, #377: MXFP8),
+    the paged indexer logits in every key format (``index_format`` reads it from ``q``).
+
+    * FP8: ``q = (q_fp8 [B, next_n, H, D], None)``, the 132-byte cache of
+      ``kv_cache_cast_to_fp8``: ``fp8_paged_mqa_logits``.
+    * MXFP8 / MXFP4: ``q = (q_fp [B, next_n, H, D or D / 2], q_sf [B, next_n, H] int32)`` and
+      ``kv_cache`` uint8 ``[num_blocks, block_kv, 1, D + 4]`` (``kv_cache_cast_to_mxfp8``) or
+      ``[num_blocks, block_kv, 1, D / 2 + 4]`` (``kv_cache_cast_to_fp4``): per block the
+      ``block_kv`` payloads, then ``block_kv`` int32 words of exponent bytes (upstream finds
+      them at ``block_kv · payload`` bytes into the block; any block stride). block_kv is 32,
+      64 or 128 upstream (SM100); the oracle takes any.
+
+    ``indices`` (SM100's varlen mode) and ``schedule_meta`` are not arguments: the first groups
+    the rows of one request for the scheduler (each row still has its own ``context_lens`` entry
+    and block-table row, as upstream's test repeats them), the second balances load. Upstream
+    defaults to ``clean_logits=False`` and takes only 2-D ``context_lens``; this oracle takes
+    both forms and cleans on request (the ``deepgemm`` convention pins False), as
+    ``fp8_paged_mqa_logits``. ``logits_dtype`` as ``fp8_fp4_mqa_logits``.
+
+    Returns:
+        float32 ``[B * next_n, max_context_len]``.
+    """
+    fmt = index_format(q)
+    _check_logits_dtype(logits_dtype)
+    q_fp, q_sf = q
+    if fmt == "fp8":
+        return fp8_paged_mqa_logits(q_fp, kv_cache, weights, context_lens, block_table,
+                                    max_context_len, clean_logits)
+    d = _mx_dim(fmt, q_fp, 4)
+    B, next_n, H, width = q_fp.shape
+    need(isinstance(kv_cache, Tensor) and kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4
+         and kv_cache.shape[2] == 1 and kv_cache.shape[3] == width + 4,
+         f"kv_cache must be uint8 [num_blocks, block_kv, 1, {width + 4}] ({fmt}, head_dim {d}), got "
+         f"{getattr(kv_cache, 'dtype', None)} {shape_of(kv_cache)}")
+    num_blocks, block_kv = kv_cache.shape[:2]
+    q_vals, q_exp = _mx_operand(q_fp, q_sf, fmt, (B, next_n, H), d, "q")
+    payload, words = index_k_page_split(kv_cache.reshape(num_blocks, -1), block_kv, width)
+    k_exp = _exponents(words, d, "kv_cache's exponent words")
+    if fmt == "mxfp8":
+        k_vals = payload.contiguous().view(torch.float8_e4m3fn)
+    else:
+        k_vals = e2m1_to_e4m3(payload.reshape(-1, width), d).reshape(num_blocks, block_kv, d)
+    return indexer.mx_paged_mqa_logits(q_vals, q_exp, k_vals, k_exp, weights, context_lens,
+                                       block_table, max_context_len, clean_logits)
 
 
 # ------------------------------------------------------------------------- top-k
@@ -596,12 +830,67 @@ def flash_mla_sparse_decode(
         ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float32 (float64 for float64 q);
         natural-log ``lse``; upstream returns ``out`` in bf16.
     """
+    return _sparse_decode(q, dequantize_k_cache(k_cache), indices, sm_scale, d_v, topk_length,
+                          attn_sink, "e", "+inf", budget_bytes)
+
+
+def flash_mla_sparse_decode_bf16(
+    q: Tensor,
+    k_cache: Tensor,
+    indices: Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: Tensor | None = None,
+    attn_sink: Tensor | None = None,
+    lse_base: str = "e",
+    lonely_lse: str = "+inf",
+    budget_bytes: int = SPARSE_BUDGET_BYTES,
+) -> tuple[Tensor, Tensor]:
+    """Sparse MLA decode over a bf16 paged cache: ``flash_mla.flash_mla_with_kvcache``'s sparse
+    interface with ``is_fp8_kvcache=False``, FlashMLA 9241ae3 ``tests/ref.py``
+    ``ref_sparse_attn_decode`` on the cache as it is (no quantization).
+
+    FlashMLA 9241ae3 builds its sparse decode kernels for the FP8 layouts only
+    (``csrc/api/sparse_decode.h``: V32 and MODEL1 caches); a bf16 cache is what
+    flashinfer-bench's DSA decode definitions and contest kernels read (``[c | k_pe]`` rows of
+    576 bf16 values, 1152 bytes, ``kv_format.mla_kv_pack_bf16``). The contract is
+    ``flash_mla_sparse_decode``'s with that cache: ``indices`` are physical slots
+    ``block * block_size + offset`` (any ``block_size``), only ``-1`` is padding (any other
+    value outside the cache is a ValueError), columns ``≥ topk_length[b]`` are not read (so
+    whatever those slots hold, NaN included, does not matter), ``attn_sink`` scales the output by
+    ``exp(lse) / (exp(lse) + exp(sink))`` and is not in ``lse``, a query with no valid slot gives
+    ``out = 0`` and ``lse = +inf``. ``lse_base="2", lonely_lse="-inf"`` is the convention of
+    flashinfer-bench's DSA definitions (``flashinfer`` here, as ``flash_mla_sparse_fwd``'s
+    ``sep2025``).
+
+    Args:
+        q: ``[b, s_q, h_q, 576]`` (bf16 upstream; float64 gives float64 outputs).
+        k_cache: ``[num_blocks, block_size, 1, 576]`` bf16 (float32 / float64 accepted).
+        indices, sm_scale, d_v, topk_length, attn_sink, budget_bytes: as
+            ``flash_mla_sparse_decode``.
+        lse_base: ``"e"`` or ``"2"``; lonely_lse: ``"+inf"`` or ``"-inf"``.
+
+    Returns:
+        ``(out [b, s_q, h_q, d_v], lse [b, h_q, s_q])`` in float32 (float64 for float64 inputs);
+        upstream kernels return ``out`` in bf16.
+    """
+    need(isinstance(k_cache, Tensor) and k_cache.is_floating_point() and k_cache.dim() == 4
+         and k_cache.shape[2] == 1 and k_cache.shape[3] == MLA_DIM,
+         f"k_cache must be a bf16 [num_blocks, block_size, 1, {MLA_DIM}] cache (dequantize an FP8 "
+         f"one, or use flash_mla_sparse_decode), got {getattr(k_cache, 'dtype', None)} {shape_of(k_cache)}")
+    return _sparse_decode(q, k_cache, indices, sm_scale, d_v, topk_length, attn_sink, lse_base,
+                          lonely_lse, budget_bytes)
+
+
+def _sparse_decode(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int,
+                   topk_length: Tensor | None, attn_sink: Tensor | None, lse_base: str,
+                   lonely_lse: str, budget_bytes: int) -> tuple[Tensor, Tensor]:
+    """The sparse decode of either cache, on its rows ``kv [num_blocks, block_size, 1, 576]``."""
     need(
         isinstance(q, Tensor) and q.dim() == 4 and q.shape[3] == MLA_DIM,
         f"q must be [b, s_q, h_q, {MLA_DIM}], got {shape_of(q)}",
     )
     b, s_q, h_q, _ = q.shape
-    kv = dequantize_k_cache(k_cache)
     num_slots = kv.shape[0] * kv.shape[1]
     need(
         isinstance(indices, Tensor)
@@ -634,6 +923,8 @@ def flash_mla_sparse_decode(
         d_v,
         attn_sink,
         row_lengths,
+        lse_base,
+        lonely_lse,
         budget_bytes=budget_bytes,
     )
     return out.view(b, s_q, h_q, d_v), lse.view(b, s_q, h_q).transpose(1, 2).contiguous()

@@ -27,6 +27,9 @@ __all__ = [
     "check_ragged_logits_inputs",
     "check_indexer_topk_inputs",
     "check_paged_inputs",
+    "check_paged_rows",
+    "check_ragged_rows",
+    "check_block_exponents",
     "check_mqa_logits_mode",
     "check_compressed_width",
     "check_paged_kv_cache",
@@ -89,8 +92,8 @@ def check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int, 
     )
     S_kv = k_fp8.shape[0]
     need(
-        k_scale.dtype == torch.float32 and tuple(k_scale.shape) == (S_kv,),
-        f"k_scale must be float32 [S_kv={S_kv}], got {k_scale.dtype} {tuple(k_scale.shape)}",
+        k_scale is None or (k_scale.dtype == torch.float32 and tuple(k_scale.shape) == (S_kv,)),
+        f"k_scale must be float32 [S_kv={S_kv}], got {getattr(k_scale, 'dtype', None)} {shape_of(k_scale)}",
     )
     need(
         weights.dtype in (torch.float32, torch.float64) and tuple(weights.shape) == (S, H),
@@ -99,15 +102,33 @@ def check_logits_inputs(q_fp8, k_fp8, k_scale, weights) -> tuple[int, int, int, 
     )
     dev = q_fp8.device
     for name, t in (("k_fp8", k_fp8), ("k_scale", k_scale), ("weights", weights)):
-        need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+        if t is not None:
+            need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
     return S, H, D, S_kv
+
+
+def check_block_exponents(name: str, exponents, lead: tuple[int, ...], D: int, device) -> None:
+    """``exponents`` are uint8 ue8m0 bytes ``[*lead, D / 32]`` (one per block of 32 elements,
+    ``indexer.mx_mqa_logits``) on ``device``."""
+    need(D % 32 == 0, f"head dim D={D} must be a multiple of 32 (one ue8m0 scale per 32 elements)")
+    want = (*lead, D // 32)
+    need(isinstance(exponents, Tensor) and exponents.dtype == torch.uint8
+         and tuple(exponents.shape) == want,
+         f"{name} must be uint8 ue8m0 exponent bytes {want}, got "
+         f"{getattr(exponents, 'dtype', None)} {shape_of(exponents)}")
+    need(exponents.device == device, f"{name} is on {exponents.device}, q on {device}")
 
 
 def check_ragged_logits_inputs(q_fp8, k_fp8, k_scale, weights, ks, ke) -> None:
     """``mqa_logits``' inputs: the logits operands, then ``0 ≤ ks ≤ ke ≤ S_kv`` per row."""
     S, _, _, S_kv = check_logits_inputs(q_fp8, k_fp8, k_scale, weights)
-    check_index_vector("ks", ks, S, q_fp8.device)
-    check_index_vector("ke", ke, S, q_fp8.device)
+    check_ragged_rows(ks, ke, S, S_kv, q_fp8.device)
+
+
+def check_ragged_rows(ks: Tensor, ke: Tensor, S: int, S_kv: int, device) -> None:
+    """``S`` rows' key windows: int32 ``[S]`` each, ``0 ≤ ks ≤ ke ≤ S_kv``."""
+    check_index_vector("ks", ks, S, device)
+    check_index_vector("ke", ke, S, device)
     check_ranges(ks, ke, S_kv, "S_kv")
 
 
@@ -147,6 +168,18 @@ def check_paged_inputs(
         f"index_k_pages must be uint8 [num_pages, {page_bytes}] (page_size={page_size}, D={D}), "
         f"got {index_k_pages.dtype} {tuple(index_k_pages.shape)}",
     )
+    need(index_k_pages.device == q_fp8.device,
+         f"index_k_pages is on {index_k_pages.device}, q_fp8 on {q_fp8.device}")
+    return check_paged_rows(B, next_n, H, weights, context_lens, block_table, max_context_len,
+                            page_size, q_fp8.device)
+
+
+def check_paged_rows(B: int, next_n: int, H: int, weights, context_lens, block_table,
+                     max_context_len, page_size: int, dev) -> Tensor:
+    """The per-row arguments of a paged logits call of ``B`` requests, ``next_n`` rows each,
+    ``H`` heads (every key format's: ``check_paged_inputs``, the MX oracles): gates, context
+    lengths, block table, output width; returns the row ends, int64 ``[B, next_n]`` on ``dev``
+    (row ``(b, j)`` sees positions ``< ends[b, j]``), checked there."""
     need(
         weights.dtype in (torch.float32, torch.float64)
         and tuple(weights.shape) == (B * next_n, H),
@@ -170,14 +203,12 @@ def check_paged_inputs(
         isinstance(max_context_len, int) and max_context_len >= 0,
         f"max_context_len={max_context_len!r} must be a non-negative int",
     )
-    dev = q_fp8.device
     for name, t in (
-        ("index_k_pages", index_k_pages),
         ("weights", weights),
         ("context_lens", context_lens),
         ("block_table", block_table),
     ):
-        need(t.device == dev, f"{name} is on {t.device}, q_fp8 on {dev}")
+        need(t.device == dev, f"{name} is on {t.device}, q on {dev}")
     ends = paged_row_ends(context_lens, next_n)
     bad = (ends < 0) | (ends > max_context_len)
     if bool(bad.any()):

@@ -99,6 +99,11 @@ def test_golden_set_covers_the_contracts_head_counts_and_edge_cases(loaded, gold
     assert heads("flash_mla_sparse_fwd", 1) == {64, 128}
     assert heads("sparse_mla_q8kv8_prefill_fwd", 1) == {64, 128}
     assert heads("flash_mla_sparse_decode", 2) == {64, 128}
+    # The MX indexer logits: both formats at the index heads; the bf16 decode at h16.
+    mx = [c for c in manifest["cases"] if c["contract"] == "fp8_fp4_mqa_logits"]
+    assert {golden[f"fp8_fp4_mqa_logits.{c['case']}.q[0]"].dtype for c in mx} == {torch.int8, torch.float8_e4m3fn}
+    assert {golden[f"fp8_fp4_mqa_logits.{c['case']}.q[0]"].shape[1] for c in mx} == {32, 64}
+    assert heads("flash_mla_sparse_decode_bf16", 2) == {16}
     # A prefix: some row sees more keys than the request has query rows.
     assert any(int((golden[f"fp8_mqa_logits.{c}.cu_seqlen_ke"] - golden[f"fp8_mqa_logits.{c}.cu_seqlen_ks"]).max())
                > golden[f"fp8_mqa_logits.{c}.q"].shape[0] for c in ("random_0", "uncleaned", "compressed"))
@@ -160,14 +165,16 @@ def test_golden_cases_are_the_case_tables_edge_and_random_cases(loaded):
 
 
 # FlashMLA's Sep-2025 kernel (c28eca9) has no attn_sink and no topk_length argument.
-NOT_IN_CONVENTION = {"sep2025": ("attn_sink", "topk_length")}
+NOT_IN_CONVENTION = {"sep2025": ("attn_sink", "topk_length"),
+                     "flashinfer": ("attn_sink", "topk_length", "unread_nan")}
 
 CONTRACTS_ALL = (
     "hadamard_transform", "act_quant", "kv_cache_cast_to_fp8", "kv_cache_cast_to_fp4", "fp8_mqa_logits",
     "fp8_paged_mqa_logits", "fp8_mqa_topk", "fp8_paged_mqa_topk", "topk_per_row", "topk_transform_ragged",
     "topk_transform_paged",
     "quantize_k_cache", "dequantize_k_cache", "flash_mla_sparse_fwd", "sparse_mla_q8kv8_prefill_fwd",
-    "flash_mla_sparse_decode",
+    "flash_mla_sparse_decode", "kv_cache_cast_to_mxfp8", "fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits",
+    "flash_mla_sparse_decode_bf16",
 )
 
 

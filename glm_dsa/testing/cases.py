@@ -26,6 +26,7 @@ from torch import Tensor
 
 from glm_dsa import oracle
 from glm_dsa.config import get_config
+from glm_dsa.kv_format import MX_BLOCK, mxfp4_quantize, mxfp8_quantize
 from glm_dsa.testing.metrics import (
     CALC_DIFF_MAX,
     CALC_DIFF_MAX_BF16,
@@ -41,7 +42,7 @@ from glm_dsa.testing.metrics import (
 __all__ = ["SHAPES", "CONTRACTS", "CONVENTIONS", "NEWEST", "Case", "clauses", "conventions",
            "convention_of", "expected_outputs", "invalid_indices", "index_queries", "index_weights",
            "Pick", "edge_case_names", "make_case", "build_case", "topk_scores", "TP_TOPK",
-           "positions_of_slots", "check_seed"]
+           "positions_of_slots", "check_seed", "mx_quantize", "MX_FORMATS", "FLOAT64_TRUTH"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 PAGE = 64  # tokens per KV page (both caches)
@@ -83,6 +84,23 @@ SHAPES["tp"] = {**SHAPES["glm-5.3"], "index_heads": (8, 16, 32, 64),
                 "mla_heads": (8, 16, 32, 64, 128), "topk": TP_TOPK, "mla_topk": TP_TOPK}
 for _h in (8, 16, 32, 64, 128):
     SHAPES[f"h{_h}"] = {**SHAPES["tp"], "index_heads": (min(_h, 64),), "mla_heads": (_h,)}
+
+# The MX indexer contracts (fp8_fp4_*mqa_logits) draw their key format and block size from
+# each table: DeepGEMM 559d79f takes MXFP8 and MXFP4 with block_kv 32 / 64 / 128 on SM100
+# (csrc/apis/attention.hpp). "sm90" is what its SM90 path runs, FP8 only, 32 or 64 heads,
+# 64-token blocks; "mxfp8" / "mxfp4" pin one format (a kernel that implements one).
+MX_FORMATS = ("mxfp8", "mxfp4")
+for _table in SHAPES.values():
+    _table.setdefault("index_formats", MX_FORMATS)
+    _table.setdefault("block_kv", (32, PAGE, PAGE, 128))
+SHAPES["sm90"] = {**SHAPES["glm-5.3"], "index_formats": ("fp8",), "block_kv": (PAGE,)}
+# The bf16-cache decode's heads: the table's MLA heads, but flashinfer-bench's h16 in the golden
+# set (its DSA definitions' shard; 1152-byte rows at 64 / 128 heads would take 13 MB there).
+for _table in SHAPES.values():
+    _table.setdefault("bf16_decode_heads", _table["mla_heads"])
+SHAPES["golden"]["bf16_decode_heads"] = (16,)
+for _fmt in MX_FORMATS:
+    SHAPES[_fmt] = {**SHAPES["small"], "index_formats": (_fmt,)}
 
 # FlashMLA's sparse prefill tests draw q and kv as randn / 10 (docs/conventions.md §7).
 MLA_INPUT_STD = 0.1
@@ -410,6 +428,150 @@ def _logits_checks(call: dict) -> dict:
                        "mask": "mask", "outside_mask": "-inf" if cleaned else "unspecified"}}
 
 
+# --------------------------------------------------------------------------- MX indexer logits
+def mx_quantize(x: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """``(payload, sf)`` of ``x [..., D]`` as DeepGEMM's MX kernels take them, one int32 word of
+    ue8m0 bytes per row: MXFP8 e4m3 ``[..., D]`` (``per_token_cast_to_fp8``) or MXFP4 int8
+    packed e2m1 ``[..., D / 2]`` (``per_token_cast_to_fp4``), both ``gran_k=32``,
+    ``use_packed_ue8m0=True``; ``sf`` int32 ``[...]``."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, d)
+    if fmt == "mxfp8":
+        payload, exps = mxfp8_quantize(flat)
+    else:
+        codes, exps = mxfp4_quantize(flat)
+        payload = codes.view(torch.int8)
+    return payload.reshape(*lead, -1), exps.view(torch.int32).reshape(lead)
+
+
+# The key format each MX edge case prefers (the table's first format where it lacks it), so the
+# default tables' edge cases hold every clause in both formats between them.
+_MX_EDGE_FORMAT = {"empty_window": "mxfp4", "uncleaned": "mxfp8", "compressed": "mxfp4",
+                   "smallest_head_dim": "mxfp8", "exponent_spread": "mxfp4", "zero_blocks": "mxfp8",
+                   "large_scores": "mxfp4", "context_63_64_65": "mxfp8", "smallest_block_kv": "mxfp4",
+                   "largest_block_kv": "mxfp8", "context_lens_2d": "mxfp4"}
+# Per-block magnitudes of the exponent_spread case: the four blocks of a row 2^33 apart at most.
+_SPREAD = (2.0**-20, 1.0, 2.0**13, 2.0**-7)
+
+
+def _mx_format_and_dim(pick: Pick, shp: dict, edge: str | None, paged: bool = False) -> tuple[str, int]:
+    formats: tuple[str, ...] = shp["index_formats"]
+    preferred = _MX_EDGE_FORMAT.get(edge or "", "")
+    fmt: str = pick.choice(formats) if edge is None else (preferred if preferred in formats else formats[0])
+    # FP8: DeepGEMM's 32 / 64 / 128, paged 128 (the only one its SM90 paged kernel is tested at,
+    # 54e2261 tests/test_attention.py).
+    dims = oracle.MX_HEAD_DIMS.get(fmt, (INDEX_DIM,) if paged else (32, 64, INDEX_DIM))
+    d = pick.choice(dims) if edge is None else INDEX_DIM
+    return fmt, min(dims) if edge == "smallest_head_dim" else d
+
+
+def _mx_values(g: torch.Generator, lead: tuple[int, ...], d: int, edge: str | None,
+               aligned: Tensor | None) -> Tensor:
+    """bf16 ``[*lead, d]`` queries or keys, per-row magnitudes over ~e^±3; the MX edge cases'
+    block patterns (blocks 2^33 apart, all-zero blocks, one sign pattern for large scores)."""
+    x = _randn(g, *lead, d) * torch.exp(_randn(g, *lead, 1))
+    if edge == "exponent_spread":
+        x = x * torch.tensor(_SPREAD).repeat_interleave(MX_BLOCK)[: d]
+    if edge == "zero_blocks":
+        x.reshape(-1, d)[::2, MX_BLOCK : 2 * MX_BLOCK] = 0.0
+    if aligned is not None:
+        x = (x.abs() + 0.5) * aligned[:d] * 30.0
+    return x.to(torch.bfloat16)
+
+
+def _mx_queries(g: torch.Generator, fmt: str, lead: tuple[int, ...], heads: int, d: int,
+                edge: str | None, aligned: Tensor | None) -> tuple[tuple, Tensor]:
+    """``(q, weights)``: MX queries with their scale words and plain gates ``w · H^-1/2 ·
+    D^-1/2``; FP8 queries as the model makes them (``act_quant``, the scale in the gates)."""
+    x = _mx_values(g, (*lead, heads), d, edge, aligned)
+    if fmt == "fp8":
+        q_fp8, q_scale = oracle.act_quant(x, d)
+        scales = q_scale[..., 0].reshape(-1, heads)
+        return (q_fp8, None), _randn(g, *scales.shape) * heads**-0.5 * scales * d**-0.5
+    return mx_quantize(x, fmt), _randn(g, x[..., 0, 0].numel(), heads) * heads**-0.5 * d**-0.5
+
+
+def _mx_logits(g, pick, shp, edge):
+    heads = pick.choice(shp["index_heads"])
+    fmt, d = _mx_format_and_dim(pick, shp, edge)
+    requests = [(pick.int(0, shp["max_prefix"]), pick.int(1, shp["max_extend"]))
+                for _ in range(pick.int(1, 3))]
+    ks, ke, s_kv = ragged_rows(requests)
+    if edge == "empty_window":
+        ke[0] = ks[0]
+    aligned = _signs(g) if edge == "large_scores" else None
+    q, weights = _mx_queries(g, fmt, (len(ks),), heads, d, edge, aligned)
+    keys = _mx_values(g, (s_kv,), d, edge, aligned)
+    if fmt == "fp8":
+        k_fp8, k_scale = oracle.act_quant(keys, d)
+        kv = (k_fp8, k_scale[:, 0])
+    else:
+        kv = mx_quantize(keys, fmt)
+    kwargs: dict[str, Any] = {}
+    if edge in ("uncleaned", "compressed"):
+        kwargs["clean_logits"] = False
+    if edge == "compressed":
+        kwargs["max_seqlen_k"] = max(1, int((ke - ks).max()))
+    args = (q, kv, weights, ks, ke)
+    if edge == "compressed":  # column j of row i is key ks[i] + j
+        mask = torch.arange(kwargs["max_seqlen_k"])[None, :] < (ke - ks)[:, None]
+    else:
+        col = torch.arange(s_kv)[None, :]
+        mask = (col >= ks[:, None]) & (col < ke[:, None])
+    return args, kwargs, {"mask": mask}
+
+
+def _mx_paged_logits(g, pick, shp, edge):
+    heads = pick.choice(shp["index_heads"])
+    fmt, d = _mx_format_and_dim(pick, shp, edge, paged=True)
+    block_kv = pick.choice(shp["block_kv"])
+    next_n = pick.choice((1, 2))
+    lens: list = [pick.int(next_n, shp["max_context"]) for _ in range(pick.int(1, 3))]
+    two_d = pick.choice((False, True))
+    if edge is not None:
+        next_n, lens, two_d = 1, [2 * block_kv + 5, block_kv - 7], False
+    if edge == "smallest_block_kv":
+        block_kv = min(shp["block_kv"])
+    if edge == "largest_block_kv":
+        block_kv = max(shp["block_kv"])
+    if edge == "context_63_64_65":
+        lens = [block_kv - 1, block_kv, block_kv + 1]
+    if edge == "context_lens_2d":
+        next_n, two_d = 2, True
+    if two_d:  # row (b, j) sees < lens[b][j], the last column the longest (DeepGEMM's scheduler)
+        lens = [[max(1, n - j) for j in reversed(range(next_n))] for n in lens]
+    longest = [max(n) if isinstance(n, list) else n for n in lens]
+    blocks = [-(-n // block_kv) for n in longest]
+    num_blocks = sum(blocks) + 2  # two spare blocks no row may see
+    keys = _mx_values(g, (num_blocks * block_kv,), d, edge, None).view(num_blocks, block_kv, 1, d)
+    writer = {"fp8": oracle.kv_cache_cast_to_fp8, "mxfp8": oracle.kv_cache_cast_to_mxfp8,
+              "mxfp4": oracle.kv_cache_cast_to_fp4}[fmt]
+    table = block_table(g, blocks, num_blocks)
+    q, weights = _mx_queries(g, fmt, (len(longest), next_n), heads, d, edge, None)
+    max_len = -(-max(longest) // block_kv) * block_kv
+    args = (q, writer(keys), weights, _i32(lens), table, max_len)
+    kwargs = {"clean_logits": False} if edge == "uncleaned" else {}
+    ends = oracle.visible_lens(args[3], next_n)
+    return args, kwargs, {"mask": torch.arange(max_len)[None, :] < ends[:, None]}
+
+
+def _kv_cache_cast_mxfp8(g, pick, shp, edge):
+    num_blocks, head_dim = pick.int(1, 3), pick.choice((32, 64, INDEX_DIM, INDEX_DIM))
+    if edge is not None:
+        num_blocks, head_dim = 1, {"head_dim_32": 32, "head_dim_64": 64}.get(edge, INDEX_DIM)
+    k = _randn(g, num_blocks, PAGE, 1, head_dim) * torch.exp(_randn(g, num_blocks, PAGE, 1, 1))
+    if edge == "zero_key":
+        k[0, 7] = 0.0
+    if edge == "power_of_two_amax":
+        # amax = 448 * 2^k: the raw scale amax × fl32(1/448) may land a hair above 2^k, whose
+        # ceiling then doubles the scale; the helper's bytes say which.
+        k[0, :, 0, :32] = k[0, :, 0, :32].clamp(-440, 440)
+        k[0, :, 0, 0] = 448.0 * 2.0 ** torch.randint(-12, 4, (PAGE,), generator=g).float()
+    if edge == "exponent_spread":
+        k = k * torch.tensor(_SPREAD).repeat_interleave(MX_BLOCK)[:head_dim]
+    return (k.to(torch.bfloat16),), {}, {}
+
+
 # --------------------------------------------------------------------------- top-k
 def _topk(g, pick, shp, edge):
     topk = pick.choice(shp["topk"])
@@ -607,18 +769,33 @@ def _q8kv8(g, pick, shp, edge):
     return (q_fp8, kv_fp8, indices, sm_scale, q_scale, kv_scale), kwargs, {}
 
 
-def _sparse_decode(g, pick, shp, edge):
-    heads, topk = pick.choice(shp["mla_heads"]), pick.choice(shp["mla_topk"])
-    b, s_q, num_blocks = pick.int(1, 3), pick.int(1, 2), pick.int(1, max(2, topk // PAGE + 1))
+def _sparse_decode(g, pick, shp, edge, bf16_cache: bool = False):
+    heads = pick.choice(shp["bf16_decode_heads"] if bf16_cache else shp["mla_heads"])
+    topk = pick.choice(shp["mla_topk"])
+    block_size = pick.choice((PAGE, PAGE, 1)) if bf16_cache else PAGE
+    b, s_q = pick.int(1, 3), pick.int(1, 2)
+    num_blocks = pick.int(1, max(2, topk // block_size + 1))
     sink, lengths = pick.choice((False, True)), pick.choice((False, True))
     sm_scale = pick.choice(shp["sm_scale"])
     if edge is not None:
-        b, s_q, num_blocks = 2, 1, topk // PAGE + 1
+        block_size = 1 if edge == "page_size_1" else PAGE
+        # bf16: a context of a quarter of the top-k (rows end in -1), as decode rows of short
+        # requests do (two pages at least); the golden set's bf16 caches then fit its size.
+        b, s_q, num_blocks = 2, 1, topk // block_size + 1
+        if bf16_cache:
+            num_blocks = max(2 * PAGE // block_size, topk // 4 // block_size + 1)
         sink, lengths = edge == "attn_sink", edge == "topk_length"
-    latent = _latent(g, num_blocks, std=MLA_INPUT_STD).to(torch.bfloat16)
-    k_cache = oracle.quantize_k_cache(latent, "ue8m0")  # the decode kernel's bf16(fp8)·bf16(scale)
-    slots = num_blocks * PAGE
-    idx = torch.stack([torch.randperm(slots, generator=g)[:topk] for _ in range(b * s_q)])
+    if edge == "unread_nan":
+        num_blocks += 1  # a spare page of NaN, never named by a read slot
+    if bf16_cache:
+        k_cache = _randn(g, num_blocks, block_size, 1, oracle.MLA_DIM, std=MLA_INPUT_STD)
+        k_cache = (k_cache * torch.exp(_randn(g, num_blocks, block_size, 1, 1))).to(torch.bfloat16)
+    else:
+        latent = _latent(g, num_blocks, std=MLA_INPUT_STD).to(torch.bfloat16)
+        k_cache = oracle.quantize_k_cache(latent, "ue8m0")  # the decode kernel's bf16(fp8)·bf16(scale)
+    slots = num_blocks * block_size
+    readable = slots - (block_size if edge == "unread_nan" else 0)
+    idx = torch.stack([torch.randperm(readable, generator=g)[:topk] for _ in range(b * s_q)])
     idx = torch.cat([idx, torch.full((b * s_q, topk - idx.shape[1]), -1)], dim=1)
     pad = torch.rand(b * s_q, topk, generator=g) < float(torch.rand(1, generator=g)) / 4
     indices = torch.where(pad, -1, idx).view(b, s_q, topk)
@@ -629,15 +806,30 @@ def _sparse_decode(g, pick, shp, edge):
     if edge == "repeated_slot":
         indices[0, 0, :6] = 7  # a valid slot listed six times is attended six times
         indices[1, 0, 1::2] = indices[1, 0, ::2]
+    if edge == "unread_nan":
+        k_cache[-1] = float("nan")
     q = _randn(g, b, s_q, heads, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
     kwargs = {}
     if lengths:
         kwargs["topk_length"] = torch.randint(0, topk + 1, (b,), generator=g).to(torch.int32)
         if edge == "topk_length":
             kwargs["topk_length"][:] = _i32([0, topk // 2 + 1])
+    if edge == "unread_nan":
+        # Both entries read their first half; the slots only entry 1's second half names hold
+        # NaN (a kernel that loads them and weights them 0 gets 0 × NaN = NaN).
+        half = topk // 2
+        kwargs["topk_length"] = _i32([half, half])
+        read = indices[:, 0, :half]
+        tail = indices[1, 0, half:]
+        unread = tail[(tail >= 0) & ~torch.isin(tail, read)]
+        k_cache.view(-1, oracle.MLA_DIM)[unread.long()] = float("nan")
     if sink:
         kwargs["attn_sink"] = _randn(g, heads)
     return (q, k_cache, indices.to(torch.int32), sm_scale), kwargs, {}
+
+
+def _sparse_decode_bf16(g, pick, shp, edge):
+    return _sparse_decode(g, pick, shp, edge, bf16_cache=True)
 
 
 # --------------------------------------------------------------------------- the table
@@ -710,6 +902,18 @@ CONTRACTS: dict[str, Contract] = {
             "head_dim_64": "64 dims: two exponent bytes per token, the other two 127 (1.0)",
         },
         _same("bitwise", "kv_cache"), {"kv_cache": (torch.uint8,)}),
+    "kv_cache_cast_to_mxfp8": Contract(
+        _kv_cache_cast_mxfp8, {
+            "zero_key": "an all-zero key takes the 1e-4 amax floor: exponent byte of "
+                        "2^ceil(log2(1e-4 × fl32(1/448)))",
+            "power_of_two_amax": "amax = 448 * 2^k: the raw scale amax × fl32(1/448) rounds to 2^k "
+                                 "exactly, whose ceiling is 2^k",
+            "head_dim_32": "32 dims: one exponent byte per token, the other three 127 (1.0)",
+            "head_dim_64": "64 dims: two exponent bytes per token, the other two 127 (1.0)",
+            "exponent_spread": "blocks of one key 2^33 apart: one exponent byte per 32 elements, "
+                               "block j in byte j of the token's word",
+        },
+        _same("bitwise", "kv_cache"), {"kv_cache": (torch.uint8,)}),
     "fp8_mqa_logits": Contract(
         _mqa_logits, {
             "empty_window": "a row with ke == ks sees no key: every entry -inf",
@@ -758,6 +962,35 @@ CONTRACTS: dict[str, Contract] = {
             "tied_keys": "eight distinct keys: positions of equal score are interchangeable",
         },
         _margin_checks, {"indices": (torch.int32,)}),
+    "fp8_fp4_mqa_logits": Contract(
+        _mx_logits, {
+            "empty_window": "a row with ke == ks sees no key: every entry -inf",
+            "uncleaned": "clean_logits=False: entries outside [ks, ke) are unspecified",
+            "compressed": "max_seqlen_k > 0: out[i, j] is key ks[i] + j, -inf past ke",
+            "smallest_head_dim": "the format's smallest head dim (MXFP8 32, MXFP4 64): the bytes of "
+                                 "a scale word past D/32 are 127 padding, not read",
+            "exponent_spread": "the blocks of every query and key 2^-20, 1, 2^13, 2^-7 apart: "
+                               "each ue8m0 byte scales its own 32 elements",
+            "zero_blocks": "all-zero blocks (their exponent from the 1e-4 floor) add nothing",
+            "large_scores": "q and k of one sign pattern: q·k far past float16's 65504; the "
+                            "kernel accumulates in float32",
+        },
+        _logits_checks, {"logits": (_F32, _BF16)}),
+    "fp8_fp4_paged_mqa_logits": Contract(
+        _mx_paged_logits, {
+            "context_63_64_65": "contexts one short of, at and one past a block",
+            "smallest_block_kv": "the table's smallest block_kv (32 on SM100): a block's scale "
+                                 "words start block_kv × payload bytes into it",
+            "largest_block_kv": "the table's largest block_kv (128 on SM100)",
+            "context_lens_2d": "2-D context_lens [B, next_n] (DeepGEMM's only form): row (b, j) "
+                               "sees positions < ctx[b, j], the last column each request's longest",
+            "uncleaned": "clean_logits=False: entries past the context are unspecified",
+            "exponent_spread": "the blocks of every query and key 2^-20, 1, 2^13, 2^-7 apart: "
+                               "each ue8m0 byte scales its own 32 elements",
+            "smallest_head_dim": "the format's smallest head dim (MXFP8 32, MXFP4 64): a token is "
+                                 "D (or D/2) payload bytes and one 4-byte word",
+        },
+        _logits_checks, {"logits": (_F32, _BF16)}),
     "topk_per_row": Contract(
         _topk, {
             "ties_at_kth": "the k-th value tied with unselected columns: any of them may be taken",
@@ -844,6 +1077,21 @@ CONTRACTS: dict[str, Contract] = {
         lambda call: {"out": {"metric": "allclose", **DECODE_OUT_TOL},
                       "lse": {"metric": "allclose", **DECODE_LSE_TOL}},
         {"out": (_BF16, _F32), "lse": (_F32,)}),
+    "flash_mla_sparse_decode_bf16": Contract(
+        _sparse_decode_bf16, {
+            "lonely_entry": "a query with no valid slot: out 0, lse +inf",
+            "attn_sink": "attn_sink, a value-less key per head: out normalised by "
+                         "logaddexp(lse, sink), lse without it",
+            "topk_length": "slots at or past topk_length[b] are not read",
+            "slots_across_pages": "slots 63, 64, 127, 0: the page is slot // 64",
+            "repeated_slot": "a valid slot listed twice is attended twice",
+            "page_size_1": "block_size 1: a slot is a block",
+            "unread_nan": "slots named only at or past topk_length, and a page no slot names, hold "
+                          "NaN: nothing reads them",
+        },
+        lambda call: {"out": {"metric": "allclose", **DECODE_OUT_TOL},
+                      "lse": {"metric": "allclose", **DECODE_LSE_TOL}},
+        {"out": (_BF16, _F32), "lse": (_F32,)}),
 }
 
 
@@ -857,13 +1105,19 @@ CONVENTIONS: dict[str, dict[str, dict]] = {
     # DeepGEMM's own default (clean_logits=False), which its newest kernel cannot change for
     # 2-D context_lens: entries past a row's context are left as they are.
     "fp8_paged_mqa_logits": {"deepgemm": {"clean_logits": False}},
+    "fp8_fp4_paged_mqa_logits": {"deepgemm": {"clean_logits": False}},
+    # SGLang's FP4 index-K writer floors the scale, not amax (its default rounding).
+    "kv_cache_cast_to_fp4": {"sglang": {"scale_floor": "scale"}},
+    # flashinfer-bench's DSA definitions: base-2 lse, -inf for a query with no valid slot.
+    "flash_mla_sparse_decode_bf16": {"flashinfer": {"lse_base": "2", "lonely_lse": "-inf"}},
 }
 
 
 # Arguments an older convention's kernel does not have (attn_sink and topk_length came after
 # FlashMLA c28eca9): its random cases are drawn without them, its edge cases that need them
 # do not exist.
-CONVENTION_LACKS: dict[str, tuple[str, ...]] = {"sep2025": ("attn_sink", "topk_length")}
+CONVENTION_LACKS: dict[str, tuple[str, ...]] = {"sep2025": ("attn_sink", "topk_length"),
+                                                 "flashinfer": ("attn_sink", "topk_length")}
 
 
 def conventions(contract: str) -> dict[str, dict]:
@@ -960,12 +1214,34 @@ def positions_of_slots(slots: Tensor, block_table: Tensor, block_size: int, next
     return out
 
 
+# Attention contracts whose expected outputs are computed in float64 (q and kv, or their
+# scales, upcast exactly) and rounded once to the float32 the oracle gives for the case's
+# inputs: the truth within half a float32 ulp, its own rounding error out of the bound, and the
+# golden files no larger than float32 outputs make them.
+FLOAT64_TRUTH = ("flash_mla_sparse_fwd", "sparse_mla_q8kv8_prefill_fwd", "flash_mla_sparse_decode",
+                 "flash_mla_sparse_decode_bf16")
+
+
+def _float64_inputs(contract: str, args: tuple) -> tuple:
+    def up(t):
+        return t.double() if isinstance(t, Tensor) and t.dtype in (torch.bfloat16, torch.float32) else t
+    if contract == "sparse_mla_q8kv8_prefill_fwd":  # e4m3 q and kv stay; float64 scales lift it
+        return args[:4] + tuple(up(t) for t in args[4:])
+    if contract == "flash_mla_sparse_decode":  # the 656-byte cache stays bytes
+        return (up(args[0]),) + args[1:]
+    return tuple(up(t) for t in args)
+
+
 def expected_outputs(case: Case) -> tuple[Tensor, ...]:
-    """The oracle's outputs on ``case`` (CPU), in the order of ``case.checks``."""
+    """The oracle's outputs on ``case`` (CPU), in the order of ``case.checks``; attention
+    contracts' (``FLOAT64_TRUTH``) computed in float64, rounded once to float32."""
     fn = getattr(oracle, case.contract)
     args = case.args
     if case.contract == "hadamard_transform":
         args = (args[0].float(),) + args[1:]  # the float32 truth a bf16 output is rounded from
+    if case.contract in FLOAT64_TRUTH:
+        out = fn(*_float64_inputs(case.contract, args), **case.kwargs)
+        return tuple(t.float() for t in out)
     out = fn(*args, **case.kwargs)
     return out if isinstance(out, tuple) else (out,)
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from glm_dsa import oracle
+from glm_dsa.kv_format import index_k_page_split
 from glm_dsa.testing.cases import (
     CONTRACTS,
     Case,
@@ -235,6 +236,159 @@ _LOGITS = (
 )
 
 
+# ----------------------------------------------------------------------------- MX indexer logits
+def _mx_dim(case: Case) -> int | None:
+    """The head dim of an MX logits case, None for its FP8 format (no scale words)."""
+    q_fp, _ = case.args[0]
+    fmt = oracle.index_format(case.args[0])
+    return None if fmt == "fp8" else q_fp.shape[-1] * (2 if fmt == "mxfp4" else 1)
+
+
+def _word_bytes(sf: Tensor) -> Tensor:
+    return sf.contiguous().view(torch.uint8).reshape(*sf.shape, 4).clone()
+
+
+def _as_words(b: Tensor, shape: torch.Size) -> Tensor:
+    return b.contiguous().view(torch.int32).reshape(shape)
+
+
+def _paged_parts(case: Case) -> tuple[Tensor, Tensor, Tensor]:
+    """A copy of the case's paged cache and views of its payloads and scale words."""
+    cache = case.args[1].clone()
+    nb, bkv, _, width = cache.shape
+    payload, words = index_k_page_split(cache.view(nb, -1), bkv, width - 4)
+    return cache, payload, words
+
+
+def _mx_scales(f: Callable[[Tensor, int], Tensor], which: str) -> Variant:
+    """The case with ``f(bytes [..., 4], d)`` applied to the scale words of ``which`` ("q",
+    "kv" or "q+kv"): what a kernel that reads them that way computes."""
+    def variant(case: Case) -> Case | None:
+        d = _mx_dim(case)
+        if d is None:
+            return None
+        changes: dict = {}
+        if "q" in which.split("+"):
+            q_fp, q_sf = case.args[0]
+            changes["q"] = (q_fp, _as_words(f(_word_bytes(q_sf), d), q_sf.shape))
+        if "kv" in which.split("+"):
+            if isinstance(case.args[1], tuple):
+                kv_fp, kv_sf = case.args[1]
+                changes["kv"] = (kv_fp, _as_words(f(_word_bytes(kv_sf), d), kv_sf.shape))
+            else:
+                cache, _, words = _paged_parts(case)
+                words.copy_(f(words.clone(), d))
+                changes["kv_cache"] = cache
+        return _with_args(case, **changes)
+    return variant
+
+
+def _used(f: Callable[[Tensor], Tensor]) -> Callable[[Tensor, int], Tensor]:
+    """``f`` on the ``d / 32`` exponent bytes a row uses, the padding bytes kept."""
+    def edit(b: Tensor, d: int) -> Tensor:
+        b[..., : d // 32] = f(b[..., : d // 32])
+        return b
+    return edit
+
+
+def _unit(b: Tensor) -> Tensor:
+    return torch.full_like(b, 127)
+
+
+def _doubled(b: Tensor) -> Tensor:
+    return (2 * b.to(torch.int32) - 127).clamp(1, 254).to(torch.uint8)
+
+
+def _first_block(b: Tensor) -> Tensor:
+    return b[..., :1].expand_as(b).clone()
+
+
+def _big_endian(b: Tensor, d: int) -> Tensor:
+    return b.flip(-1)
+
+
+def _mx_key_scales_ignored(case: Case) -> Case | dict[str, Tensor] | None:
+    if _mx_dim(case) is None:  # FP8: the float32 key scales
+        return _k_scales(case, torch.ones_like)
+    return _mx_scales(_used(_unit), "kv")(case)
+
+
+def _swapped_nibbles(case: Case) -> Case | None:
+    q_fp, q_sf = case.args[0]
+    if q_fp.dtype != torch.int8:
+        return None
+
+    def swap(t: Tensor) -> Tensor:
+        raw = t.view(torch.uint8)
+        return ((raw << 4) | (raw >> 4)).view(t.dtype)
+
+    # Swapped in q and in the keys alike, the dot products would not change: the keys alone.
+    if isinstance(case.args[1], tuple):
+        return _with_args(case, kv=(swap(case.args[1][0]), case.args[1][1]))
+    cache, payload, _ = _paged_parts(case)
+    payload.copy_(swap(payload.clone()))
+    return _with_args(case, kv_cache=cache)
+
+
+def _negated(q_fp: Tensor) -> Tensor:
+    """-q exactly: the sign bit of every element (e4m3's 0x80, each e2m1 nibble's 0x8)."""
+    raw = q_fp.view(torch.uint8)
+    return (raw ^ (0x88 if q_fp.dtype == torch.int8 else 0x80)).view(q_fp.dtype)
+
+
+def _mx_without_relu(case: Case) -> dict[str, Tensor]:
+    """relu(x) - relu(-x) = x: the logits on q minus those on -q."""
+    (pos,) = expected_outputs(case)
+    q_fp, q_sf = case.args[0]
+    (neg,) = expected_outputs(replace(case, args=((_negated(q_fp), q_sf), *case.args[1:])))
+    return {"logits": torch.where(torch.isfinite(pos), pos - neg, pos)}
+
+
+_MX_LOGITS = (
+    Mistake("the query scales (q_sf) are not applied: a query block's values are its elements "
+            "× 2^(byte - 127)", _mx_scales(_used(_unit), "q")),
+    Mistake("the key scales are not applied: a key block's values are its elements × "
+            "2^(byte - 127) (FP8: each key's logit needs its k_scale)", _mx_key_scales_ignored),
+    Mistake("the query scale is applied twice (2^(2 (byte - 127))): once, inside the dot",
+            _mx_scales(_used(_doubled), "q")),
+    Mistake("one exponent per row (byte 0 for every block, a per-token scale): byte j scales "
+            "elements 32j … 32j + 31", _mx_scales(_used(_first_block), "q+kv")),
+    Mistake("the scale word is read big-endian (block j from byte 3 - j): block j is byte j of "
+            "the little-endian int32", _mx_scales(_big_endian, "q+kv")),
+    Mistake("the two e2m1 codes of a key byte are swapped: element 2i is the low nibble, 2i + 1 "
+            "the high one", _swapped_nibbles),
+    Mistake("the ReLU is left out: each head's score is relu(q · k) before the gate",
+            _mx_without_relu),
+    Mistake("the head gates (weights) are not applied: each head's ReLU score is weighted",
+            lambda case: _with_args(case, weights=torch.ones_like(case.args[2]))),
+)
+
+
+def _unread_nan_reached(case: Case, got: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> bool:
+    """The kernel's ``out`` is NaN exactly on the queries whose index list names a NaN slot it
+    must not read (past topk_length, or slot 0 for a -1), and finite elsewhere."""
+    if "out" not in got:
+        return False
+    q, k_cache, indices = case.args[0], case.args[1], case.args[2]
+    rows = k_cache.reshape(-1, k_cache.shape[-1])
+    nan_slot = torch.isnan(rows.float()).any(-1)
+    named = nan_slot[indices.clamp_min(0).long()].any(-1)  # [b, s_q]
+    if not bool(named.any()) or bool(torch.isnan(expected["out"]).any()):
+        return False
+    want = named[:, :, None, None].expand_as(got["out"])
+    if not torch.equal(torch.isnan(got["out"]), want):
+        return False
+    rest = torch.where(want, expected["out"], got["out"].to(expected["out"].dtype))
+    return check_tensor(case.checks["out"], rest, expected["out"], case.aux.__getitem__).passed
+
+
+_DECODE_BF16 = _DECODE + (
+    Mistake("a slot that is not read reaches the output (a masked entry multiplied by 0, and "
+            "0 × NaN = NaN): do not load slots past topk_length, or slot 0 for a -1",
+            matches=_unread_nan_reached),
+)
+
+
 # ----------------------------------------------------------------------------- fused top-k
 def _ranks(made: Callable[[Case], dict[str, Tensor] | None]) -> Callable[..., bool]:
     """A fused top-k mistake as a test of the outputs: the kernel's indices pass the contract's
@@ -434,10 +588,51 @@ def _fp4_pages(case: Case, *, swap: bool = False, gran: int = 32, ties_even: boo
     blocks = (exponent + 127).clamp(1, 254).to(torch.uint8).repeat_interleave(32 // gran if gran < 32 else 1, -1)
     exponents = torch.full((nb * bs, 4), 127, dtype=torch.uint8)
     exponents[:, : min(blocks.shape[1], 4)] = blocks[:, :4]
+    return _mx_page_bytes(packed, exponents, nb, bs, interleaved)
+
+
+def _mx_page_bytes(payload: Tensor, exps: Tensor, nb: int, bs: int, interleaved: bool) -> dict[str, Tensor]:
+    """The pages of MX index keys (payloads ``[nb * bs, P]``, exponent words ``[nb * bs, 4]``):
+    a block's payloads then its words, or (``interleaved``) each token's payload and word."""
+    width = payload.shape[1] + 4
     if interleaved:
-        return {"kv_cache": torch.cat([packed, exponents], 1).view(nb, bs, 1, d // 2 + 4)}
-    pages = torch.cat([packed.reshape(nb, -1), exponents.reshape(nb, -1)], 1)
-    return {"kv_cache": pages.view(nb, bs, 1, d // 2 + 4)}
+        return {"kv_cache": torch.cat([payload, exps], 1).view(nb, bs, 1, width)}
+    pages = torch.cat([payload.reshape(nb, -1), exps.reshape(nb, -1)], 1)
+    return {"kv_cache": pages.view(nb, bs, 1, width)}
+
+
+def _mxfp8_pages(case: Case, *, gran: int = 32, nearest: bool = False, interleaved: bool = False,
+                 unbiased: bool = False) -> dict[str, Tensor]:
+    """The MXFP8 index-K pages written with one mistake: scales per ``gran`` elements, the
+    exponent rounded to nearest, 132-byte interleaved rows, or exponent bytes without the bias."""
+    k = case.args[0].float()
+    nb, bs, _, d = k.shape
+    g = min(gran, d)
+    x = k.reshape(nb * bs, d // g, g)
+    raw = x.abs().amax(-1).clamp_min(1e-4) * _RECIP_448
+    mantissa, exp = torch.frexp(raw)
+    e = torch.round(torch.log2(raw)).int() if nearest else torch.where(mantissa == 0.5, exp - 1, exp)
+    payload = (x * torch.exp2(-e.float())[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    code = (e if unbiased else e + 127).to(torch.int64) & 0xFF
+    per_block = code.repeat_interleave(g // 32, dim=1).to(torch.uint8)
+    exps = torch.full((nb * bs, 4), 127, dtype=torch.uint8)
+    exps[:, : per_block.shape[1]] = per_block
+    return _mx_page_bytes(payload.view(torch.uint8).reshape(nb * bs, d), exps, nb, bs, interleaved)
+
+
+_MXFP8_CACHE = (
+    Mistake("the words hold float32 per-token scales (kv_cache_cast_to_fp8's page, the same D + 4 "
+            "bytes): an MXFP8 word is D/32 ue8m0 exponent bytes, one per 32 elements",
+            lambda c: {"kv_cache": oracle.kv_cache_cast_to_fp8(c.args[0])}),
+    Mistake("one ue8m0 scale per 128 elements (per_token_cast_to_fp8's default gran_k): the MXFP8 "
+            "index keys take one per 32", lambda c: _mxfp8_pages(c, gran=128)),
+    Mistake("the ue8m0 exponent is rounded to nearest: it is ceil(log2(amax × fl32(1/448)))",
+            lambda c: _mxfp8_pages(c, nearest=True)),
+    Mistake("the exponent bytes are unbiased (2^e written as e): a ue8m0 byte is e + 127",
+            lambda c: _mxfp8_pages(c, unbiased=True)),
+    Mistake("tokens are written as interleaved D + 4-byte rows: a page is its payloads for every "
+            "token, then the exponent words", lambda c: _mxfp8_pages(c, interleaved=True)),
+)
 
 
 _FP4_CACHE = (
@@ -459,14 +654,18 @@ MISTAKES: dict[str, tuple[Mistake, ...]] = {
     "act_quant": _ACT_QUANT,
     "kv_cache_cast_to_fp8": _INDEX_K_CACHE,
     "kv_cache_cast_to_fp4": _FP4_CACHE,
+    "kv_cache_cast_to_mxfp8": _MXFP8_CACHE,
     "fp8_mqa_logits": _LOGITS,
     "fp8_paged_mqa_logits": _LOGITS,
+    "fp8_fp4_mqa_logits": _MX_LOGITS,
+    "fp8_fp4_paged_mqa_logits": _MX_LOGITS,
     "fp8_mqa_topk": _RAGGED_TOPK,
     "fp8_paged_mqa_topk": _PAGED_TOPK,
     "quantize_k_cache": _MLA_CACHE,
     "flash_mla_sparse_fwd": _SPARSE,
     "sparse_mla_q8kv8_prefill_fwd": _Q8KV8,
     "flash_mla_sparse_decode": _DECODE,
+    "flash_mla_sparse_decode_bf16": _DECODE_BF16,
 }
 
 
