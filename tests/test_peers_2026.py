@@ -147,7 +147,7 @@ def test_deepgemms_cast_helpers_write_the_oracles_mx_bytes_on_cuda(head_dim):
     per_token_cast_to_fp8 packs whole int32 words only, 128 dims; 559d79f pads 32 / 64.)"""
     from deep_gemm.utils import per_token_cast_to_fp4, per_token_cast_to_fp8
 
-    g = _gen(7)
+    g = torch.Generator(device=DEV).manual_seed(7)
     k = (torch.randn(1024, 64, 1, head_dim, generator=g, device=DEV)
          * torch.exp(torch.randn(1024, 64, 1, 1, generator=g, device=DEV) * 3)).bfloat16()
     k[0, 0] = 0  # the floor

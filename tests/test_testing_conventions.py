@@ -353,3 +353,16 @@ def test_run_checks_reports_the_worst_margin():
     line = report.lines()[0]
     assert report.passed and line.startswith("PASS  fp8_paged_mqa_topk.indices  topk_margin: worst ")
     assert f"(bound {TOPK_REL_TOL:g})" in line
+
+
+def test_check_help_names_every_shape_table_and_every_convention(capsys):
+    """`glm-dsa check --help` lists each size table and convention the harness accepts, so a new
+    table or convention cannot be added without saying it there."""
+    from glm_dsa.testing.cases import CONVENTIONS, SHAPES
+
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    names = set(SHAPES) | {name for table in CONVENTIONS.values() for name in table}
+    missing = sorted(n for n in names if n not in text.replace(",", " ").replace(";", " ").split())
+    assert not missing, f"check --help does not name {missing}"

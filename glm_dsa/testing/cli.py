@@ -44,7 +44,9 @@ def _common(p) -> None:
     g.add_argument("--convention", metavar="NAME",
                    help="newest; sep2025 (flash_mla_sparse_fwd: FlashMLA c28eca9, base-2 lse, "
                    "-inf lonely rows); tilelang (topk_per_row: absolute columns, 0 pads); "
-                   "deepgemm (fp8_paged_mqa_logits: entries past the context left uncleaned)")
+                   "deepgemm (fp8_paged_mqa_logits, fp8_fp4_paged_mqa_logits: entries past the "
+                   "context left uncleaned); sglang (kv_cache_cast_to_fp4: the scale floored, not "
+                   "amax); flashinfer (flash_mla_sparse_decode_bf16: base-2 lse, -inf lonely rows)")
     for flag, (_, _, contract, choices, help_) in _OPTION_FLAGS.items():
         g.add_argument(flag, metavar="V", choices=choices, type=None if choices else int,
                        help=f"{contract}: {help_}")
@@ -107,7 +109,9 @@ def add_parser(subparsers) -> None:
                    help="cases in all, edge cases included (default 50)")
     p.add_argument("--shapes", default="small", metavar="NAME",
                    help="size table: small (CPU), golden or glm-5.3 (GPU); tp (every tensor-parallel "
-                   "shard: heads 8-128, top-k 256-2048) or h8, h16, h32, h64, h128 (one shard) "
+                   "shard: heads 8-128, top-k 256-2048) or h8, h16, h32, h64, h128 (one shard); "
+                   "sm90 (glm-5.3 with FP8 index keys in 64-token pages: what DeepGEMM's SM90 "
+                   "MX entry points take); mxfp8, mxfp4 (small with one index-key format) "
                    "(default small)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the random cases")
     _common(p)
