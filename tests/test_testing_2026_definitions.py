@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from glm_dsa.cli import main
+from glm_dsa.testing import edge_case_names, make_case
 from glm_dsa.testing.definitions import (
     check_definition,
     definition_cases,
@@ -248,3 +249,37 @@ def test_a_definition_check_that_runs_no_case_fails(monkeypatch, capsys):
     assert main(["check", "tests/test_testing_2026_definitions.py:dsa_topk_indexer",
                  "--definition", INDEXER]) == 1
     assert capsys.readouterr().out.splitlines()[-1].startswith("FAIL: dsa_topk_indexer_fp8_h64_d128_topk2048_ps64: no case ran")
+
+
+@pytest.mark.parametrize("topk", [1, 3, 5])
+def test_a_definition_with_a_small_topk_builds_every_edge_case(tmp_path, topk):
+    """A definition's top-k below the eight or nine entries an edge case writes (the invalid
+    indices at flat 3..8, a row's repeated pairs at odd length) builds its cases: they crashed in
+    case generation (a size mismatch) at top-k 1 and 3."""
+    axes = {**json.load(open(ATTENTION_PS1))["axes"], "topk": {"type": "const", "value": topk}}
+    path = tmp_path / "def.json"
+    path.write_text(json.dumps({**json.load(open(ATTENTION_PS1)), "axes": axes,
+                                "name": f"dsa_sparse_attention_h16_ckv512_kpe64_topk{topk}_ps1"}))
+    report, _ = check_definition(load_definition(str(path)), dsa_sparse_attention, cases=6)
+    assert report.passed, report.failure
+
+
+@pytest.mark.parametrize("contract", ["flash_mla_sparse_fwd", "flash_mla_sparse_decode",
+                                      "flash_mla_sparse_decode_bf16"])
+@pytest.mark.parametrize("topk", [1, 3])
+def test_sparse_edge_cases_at_a_small_topk_hold_what_they_promise(contract, topk):
+    """Every edge case builds at top-k 1 and 3; the invalid-indices case still carries all six
+    invalid values (across rows when a row is shorter) and the repeated-pairs row repeats."""
+    from glm_dsa.testing.cases import SHAPES, invalid_indices
+
+    shapes = {**SHAPES["small"], "mla_topk": (topk,)}
+    for name in edge_case_names(contract):
+        case = make_case(contract, name, seed=0, shapes=shapes)
+        indices = case.args[2]
+        assert indices.shape[-1] == topk
+        if name == "invalid_indices":
+            s_kv = case.args[1].shape[0]
+            assert set(invalid_indices(s_kv)) <= set(indices.flatten().tolist())
+        if name in ("repeated_index", "repeated_slot") and topk == 3:
+            row = indices[1, 0]
+            assert row[1] == row[0]

@@ -702,26 +702,41 @@ def _prefill_indices(g: torch.Generator, s_q: int, s_kv: int, topk: int) -> Tens
     return torch.stack(rows).to(torch.int32).unsqueeze(1)
 
 
+def _repeat_pairs(row: Tensor) -> None:
+    """Each odd entry of ``row`` repeats the even one before it (in place; any length)."""
+    odd = row[1::2]
+    odd.copy_(row[::2][: odd.numel()])
+
+
+def _put(t: Tensor, start: int, values: list[int]) -> None:
+    """``values`` written over ``t``'s entries from flat position ``start`` on, in row order
+    (across rows when a row is shorter), as many as ``t`` holds."""
+    flat = t.view(-1)[start:start + len(values)]
+    flat.copy_(_i32(values[: flat.numel()]))
+
+
 def _sparse_fwd(g, pick, shp, edge):
     heads, topk = pick.choice(shp["mla_heads"]), pick.choice(shp["mla_topk"])
     s_q, s_kv = pick.int(1, shp["max_s_q"]), pick.int(1, shp["max_kv"])
     sink, lengths = pick.choice((False, True)), pick.choice((False, True))
     sm_scale = pick.choice(shp["sm_scale"])
     if edge is not None:
-        s_q, s_kv, sink, lengths = 3, topk + 50, edge == "attn_sink", edge == "topk_length"
+        # three rows at least, and enough of them for the invalid values at flat 3..8 at any top-k
+        s_q, s_kv = max(3, -(-9 // topk)), topk + 50
+        sink, lengths = edge == "attn_sink", edge == "topk_length"
     if edge == "topk_past_kv":
         s_kv = topk // 2 + 3  # FlashMLA's "irregular shapes with OOB top-k"
     q = _randn(g, s_q, heads, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
     kv = _randn(g, s_kv, 1, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
     indices = _prefill_indices(g, s_q, s_kv, topk)
     if edge == "invalid_indices":
-        indices[0, 0, 3:9] = _i32(list(invalid_indices(s_kv)))
+        _put(indices, 3, list(invalid_indices(s_kv)))
     if edge == "lonely_row":
         indices[1] = -1
         indices[2, 0, ::2] = s_kv
     if edge == "repeated_index":
         indices[0, 0, :8] = 5  # a valid row listed eight times is attended eight times
-        indices[1, 0, 1::2] = indices[1, 0, ::2]
+        _repeat_pairs(indices[1, 0])
     kwargs = {}
     if sink:
         kwargs["attn_sink"] = _randn(g, heads)
@@ -802,10 +817,10 @@ def _sparse_decode(g, pick, shp, edge, bf16_cache: bool = False):
     if edge == "lonely_entry":
         indices[1] = -1
     if edge == "slots_across_pages":
-        indices[0, 0, :4] = _i32([PAGE - 1, PAGE, 2 * PAGE - 1, 0])
+        _put(indices, 0, [PAGE - 1, PAGE, 2 * PAGE - 1, 0])
     if edge == "repeated_slot":
         indices[0, 0, :6] = 7  # a valid slot listed six times is attended six times
-        indices[1, 0, 1::2] = indices[1, 0, ::2]
+        _repeat_pairs(indices[1, 0])
     if edge == "unread_nan":
         k_cache[-1] = float("nan")
     q = _randn(g, b, s_q, heads, oracle.MLA_DIM, std=MLA_INPUT_STD, dtype=torch.bfloat16)
