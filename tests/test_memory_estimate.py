@@ -84,8 +84,8 @@ def _estimate(stderr: str) -> int:
     # two steps in bf16 over a bf16 cache: the first step's freed blocks stay resident
     ["--config", "tiny", "--tokens", "2048", "--chunk", "1024", "--dtype", "bfloat16", "--kv-dtype", "bf16"],
     # two requests, four steps, with their outputs written
-    ["--config", "small", "--tokens", "1024", "--chunk", "512", "--requests", "2", "--save-outputs", "{out}"],
-], ids=["tiny-4096x1", "tiny-bf16-2048x2", "small-2x1024-saved"])
+    ["--config", "small", "--tokens", "512", "--chunk", "256", "--requests", "2", "--save-outputs", "{out}"],
+], ids=["tiny-4096x1", "tiny-bf16-2048x2", "small-2x512-saved"])
 def test_peak_rss_of_a_prefill_stays_under_its_preflight_estimate(flags, tmp_path):
     argv = ["prefill", "--device", "cpu", "--no-progress", "--backend", "reference",
             *[f.format(out=tmp_path / "o.safetensors") for f in flags]]
