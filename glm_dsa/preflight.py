@@ -129,11 +129,17 @@ def resident_bytes() -> int:
     return 0
 
 
+# This module is imported by the command before any config or model is made, once the
+# interpreter, torch and glm_dsa's modules are in: what a prefill process holds apart from its run.
+_RESIDENT_AT_IMPORT = resident_bytes()
+
+
 def host_baseline_bytes() -> int:
     """The host memory a prefill process holds apart from what its run allocates (the ledger's
-    ``prefill_peak_bytes``): what it holds now (``resident_bytes``, the interpreter and the
-    libraries imported so far) and what starting the run loads (``HOST_RUNTIME_BYTES``)."""
-    return resident_bytes() + HOST_RUNTIME_BYTES
+    ``prefill_peak_bytes``): its resident memory when this module was imported (the interpreter
+    and the libraries; taken then, so a process that ran prefills before, as a test does, gets
+    the same estimate each time) and what starting the run loads (``HOST_RUNTIME_BYTES``)."""
+    return _RESIDENT_AT_IMPORT + HOST_RUNTIME_BYTES
 
 
 def check_fits(need: int, device: torch.device, lower: str, held: int = 0) -> None:
