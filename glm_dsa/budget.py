@@ -36,8 +36,10 @@ __all__ = [
     "default_attention_bytes",
     "max_logit_rows",
     "attention_rows",
+    "attention_row_bytes",
     "default_moe_bytes",
     "moe_rows",
+    "moe_row_bytes",
     "rows_within",
 ]
 
@@ -168,6 +170,15 @@ def attention_rows(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
     """
     if budget_bytes is None:
         return max(1, num_rows)
+    per_row = attention_row_bytes(topk, d_qk, d_v, heads, gathered_dtype, dtype)
+    # Whole batch tiles (``mla._sparse_mla`` pads a chunk to them), at least one.
+    return max(BATCH_TILE, budget_bytes // per_row // BATCH_TILE * BATCH_TILE)
+
+
+def attention_row_bytes(topk: int, d_qk: int, d_v: int, heads: int, gathered_dtype: torch.dtype | None,
+                        dtype: torch.dtype) -> int:
+    """Bytes of one query row's sparse-attention temporaries, the per-row model of
+    ``attention_rows`` (its docstring says what they are)."""
     item = dtype.itemsize
     per_row = heads * (2 * d_qk + d_v) * item + heads * d_qk * (3 * 2 + 4)
     if gathered_dtype is not None:
@@ -177,8 +188,7 @@ def attention_rows(num_rows: int, topk: int, d_qk: int, d_v: int, heads: int,
             + heads * topk * (3 * 2 + 4)
             + 3 * topk * 8
         )
-    # Whole batch tiles (``mla._sparse_mla`` pads a chunk to them), at least one.
-    return max(BATCH_TILE, budget_bytes // per_row // BATCH_TILE * BATCH_TILE)
+    return per_row
 
 
 def moe_rows(num_rows: int, top_k: int, hidden: int, intermediate: int, shared_intermediate: int,
@@ -206,6 +216,18 @@ def moe_rows(num_rows: int, top_k: int, hidden: int, intermediate: int, shared_i
         return max(1, num_rows)
     need(isinstance(budget_bytes, int) and budget_bytes >= 1,
          f"budget_bytes={budget_bytes!r} must be a positive int (bytes) or None")
+    per_row = moe_row_bytes(top_k, hidden, intermediate, shared_intermediate, num_experts, dtype, fused)
+    rows = max(1, budget_bytes // per_row)
+    if num_rows <= rows:
+        return max(1, num_rows)
+    blocks = -(-num_rows // rows)
+    return -(-num_rows // blocks)
+
+
+def moe_row_bytes(top_k: int, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
+                  dtype: torch.dtype, fused: bool) -> int:
+    """Bytes of one row's MoE temporaries, the per-row model of ``moe_rows`` (its docstring
+    says what they are)."""
     b = dtype.itemsize
     c = torch.promote_types(dtype, torch.float32).itemsize
     k = top_k
@@ -218,9 +240,4 @@ def moe_rows(num_rows: int, top_k: int, hidden: int, intermediate: int, shared_i
         k * (intermediate + hidden) * b,
         hidden * (3 * c + b) * unfused,
     )
-    per_row = hidden * b + k * (40 + 2 * c) + max(phases)
-    rows = max(1, budget_bytes // per_row)
-    if num_rows <= rows:
-        return max(1, num_rows)
-    blocks = -(-num_rows // rows)
-    return -(-num_rows // blocks)
+    return hidden * b + k * (40 + 2 * c) + max(phases)

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import resource
 import signal
 import sys
 import threading
@@ -436,8 +437,8 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     themselves, read once and checked by value (``_prompts``), which it returns. The memory
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
-    from glm_dsa.preflight import available_bytes, check_fits, check_optional_module
-    from glm_dsa.ledger import param_counts, prefill_peak_bytes
+    from glm_dsa.preflight import available_bytes, check_fits, check_optional_module, resident_bytes
+    from glm_dsa.ledger import param_counts
 
     device, config = run.device, run.config
     if args.cuda_graphs:
@@ -497,15 +498,7 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     if args.plot:
         check_optional_module("--plot", "matplotlib", "plot")
     dtype_bytes = run.dtype.itemsize
-    # On CUDA the default budgets follow free memory, so they are what is left, not a demand.
-    budget = (_budgets(args, device).logits_bytes
-              if args.budget_bytes or device.type == "cpu" else 0)
-    # the kept layers' weights are in the estimate; building them adds one float32 copy of the
-    # largest tensor (its random draw, or an FP8 weight being dequantized)
-    from glm_dsa.weights import largest_tensor_numel
-
-    need = (prefill_peak_bytes(config, lengths, args.chunk, args.kv_dtype, dtype_bytes, budget)
-            + 4 * largest_tensor_numel(config))
+    need = _estimated_peak_bytes(args, run, lengths)
     lower = "lower --tokens / --requests / --chunk or use a smaller --config"
     weights = param_counts(config)["total"] * dtype_bytes
     have = available_bytes(device)
@@ -513,11 +506,35 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
         fewer = "" if args.layers else "keep fewer layers (--layers 6:7), "
         lower = (f"the weights alone take {weights / 1e9:.1f} GB at {dtype_bytes} bytes per "
                  f"parameter: {fewer}use a smaller --config or --dtype bfloat16")
-    if ranks_on_host > 1:
+    held = resident_bytes() if device.type == "cpu" and ranks_on_host == 1 else 0
+    if ranks_on_host > 1:  # each rank a process of its own: this one's memory is not theirs
         need *= ranks_on_host
         lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
-    check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8")
+    check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8", held)
     return _prompts(args, config, text_ids)
+
+
+def _estimated_peak_bytes(args, run: _Resolved, lengths: list[int]) -> int:
+    """The pre-flight estimate of one rank's peak memory (an upper bound): on CUDA the bytes the
+    run allocates on the device (``ledger.prefill_peak_bytes``), on the host those and the
+    process's own (``preflight.host_baseline_bytes``). ``lengths``: every request's tokens, the
+    shared prefix's warm-up request included."""
+    from glm_dsa.ledger import prefill_peak_bytes
+    from glm_dsa.preflight import host_baseline_bytes
+
+    device = run.device
+    # On CUDA the default budgets follow free memory, so they are what is left, not a demand.
+    budgets = _budgets(args, device) if args.budget_bytes or device.type == "cpu" else None
+    inputs = [path for path in (args.input_ids, args.input_hidden) if path]
+    need = prefill_peak_bytes(
+        run.config, lengths, args.chunk, args.kv_dtype, run.dtype.itemsize,
+        budgets.logits_bytes if budgets else 0,
+        attention_bytes=budgets.attention_bytes if budgets else 0,
+        moe_bytes=budgets.moe_bytes if budgets else 0,
+        prefix=args.prefix if not inputs and not args.text else 0,
+        save_outputs=bool(args.save_outputs), layer_outputs=bool(args.save_layer_outputs),
+        input_bytes=sum(os.path.getsize(p) for p in inputs))
+    return need + (host_baseline_bytes() if device.type == "cpu" else 0)
 
 
 def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
@@ -626,11 +643,14 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
         else:
             inputs = _prompts(args, run.config)
     cuda = device.type == "cuda"
+    estimate = _estimated_peak_bytes(args, run, [p.shape[0] for p in inputs[0]]
+                                     + ([] if inputs[1] is None else [inputs[1].numel()]))
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     model = _load_model(args, run, quiet)
     memory = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-              "weights_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None}
+              "weights_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+              "estimate_peak_bytes": estimate}
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     config = model.config
@@ -650,6 +670,8 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
     engine.run(update)
     close()
     memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
+    # the process's peak resident memory so far (Linux reports ru_maxrss in KiB)
+    memory["host_peak_rss_bytes"] = None if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights = args.weights or f"random, seed {args.seed}"
     report = {"schema": PREFILL_SCHEMA, "config": config.name, "weights": weights, "device": str(device),
               "dtype": run.dtype_name, "kv_dtype": args.kv_dtype, "backend": run.backend.name, "chunk": args.chunk,
@@ -674,7 +696,9 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
     print(f"weights {weights}; dtype {run.dtype_name}; KV {args.kv_dtype}; backend {run.backend.name} on {device}")
     print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB" + (
         f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
-        f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else ""))
+        f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else
+        f"; peak RSS {memory['host_peak_rss_bytes'] / 1e9:.2f} GB") +
+        f" (pre-flight estimate {estimate / 1e9:.2f} GB)")
     print(_format_prefill_report(report))
     return 0
 

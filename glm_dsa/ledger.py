@@ -28,8 +28,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from glm_dsa.batch import CP_BOUNDARY_GATHER, CP_SPLITS, INDEX_K_ALLGATHER, LATENT_ALLGATHER
-from glm_dsa.config import DSAConfig
-from glm_dsa.budget import LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS
+import torch
+
+from glm_dsa.budget import (LOGITS_TOTAL_MEM_CAP, NO_CHUNK_LOGITS, attention_row_bytes, attention_rows,
+                            max_logit_rows, moe_row_bytes, moe_rows)
+from glm_dsa.config import FULL, DSAConfig
+from glm_dsa.indexer import TILE_BYTES
+from glm_dsa.invariant import BATCH_TILE
 from glm_dsa.kv_format import MLA_KV_FORMATS, MLA_TILE, index_k_page_bytes, mla_kv_unsupported
 from glm_dsa.validate import need
 
@@ -48,6 +53,16 @@ __all__ = [
     "chunk_plan",
     "chunk_runs",
     "prefill_peak_bytes",
+    "step_peak_bytes",
+    "ALLOCATOR_SLACK_BYTES",
+    "ALLOCATOR_SLACK_PERCENT",
+    "LAYER_KINDS",
+    "layer_kind_counts",
+    "layer_weight_elements",
+    "layer_weight_bytes",
+    "outer_weight_elements",
+    "layer_cache_row_bytes",
+    "largest_tensor_elements",
     "indexer_pairs",
     "index_k_reread_bytes",
     "op_flops",
@@ -428,7 +443,7 @@ def param_counts(config: DSAConfig) -> dict[str, int]:
         "shared_experts_per_moe_layer": c.n_shared_experts * expert,
         "router_per_moe_layer": c.n_routed_experts * h + c.n_routed_experts,
     }
-    counts["indexer_total"] = len(c.full_layers) * indexer
+    counts["indexer_total"] = c.indexer_types.count(FULL) * indexer  # no per-layer tuple: any depth is cheap
     counts["total"] = (
         counts["embedding"] + counts["lm_head"] + counts["norms"]
         + c.num_hidden_layers * attention
@@ -985,6 +1000,171 @@ def build_ledger(
 
 
 # ============================================================================ memory of a run
+# Every size below is a pure function of the config: layers of one kind (full or shared
+# indexer, dense or MoE FFN) have the same sizes, so a stack of any depth is sized by counting
+# its layers of each kind, never by building them.
+LAYER_KINDS: tuple[tuple[bool, bool], ...] = ((True, False), (True, True), (False, False), (False, True))
+"""The ``(full, moe)`` layer kinds: a full layer has an indexer and an index-K cache, a MoE
+layer routed and shared experts in place of the dense MLP."""
+
+
+def layer_kind_counts(config: DSAConfig) -> dict[tuple[bool, bool], int]:
+    """Layers of each kind ``(full, moe)`` of ``config`` (all four keys; zeros included)."""
+    k = config.first_k_dense_replace
+    types = config.indexer_types
+    full_dense = types[:k].count(FULL)
+    full_moe = types[k:].count(FULL)
+    return {(True, False): full_dense, (True, True): full_moe,
+            (False, False): k - full_dense, (False, True): config.num_hidden_layers - k - full_moe}
+
+
+def layer_weight_elements(config: DSAConfig, full: bool, moe: bool) -> int:
+    """Parameters (elements) of one layer of kind ``(full, moe)``: its two norms, MLA, the
+    indexer of a full layer, and the dense MLP or (MoE) the routed and shared experts and the
+    router; ``param_counts``'s components."""
+    counts = param_counts(config)
+    ffn = (counts["experts_per_moe_layer"] + counts["shared_experts_per_moe_layer"]
+           + counts["router_per_moe_layer"]) if moe else counts["dense_mlp_per_layer"]
+    return (2 * config.hidden_size + counts["attention_per_layer"]
+            + (counts["indexer_per_full_layer"] if full else 0) + ffn)
+
+
+def layer_weight_bytes(config: DSAConfig, full: bool, moe: bool, dtype_bytes: int) -> int:
+    """Bytes of one layer's weights of kind ``(full, moe)`` at ``dtype_bytes`` per parameter
+    (every parameter of a built model is in the activation dtype)."""
+    return layer_weight_elements(config, full, moe) * dtype_bytes
+
+
+def outer_weight_elements(config: DSAConfig) -> int:
+    """Parameters outside the layers: the embedding, ``lm_head`` (unless tied) and the final norm."""
+    counts = param_counts(config)
+    return counts["embedding"] + counts["lm_head"] + config.hidden_size
+
+
+def layer_cache_row_bytes(config: DSAConfig, full: bool, kv_dtype: str) -> int:
+    """Bytes one token occupies in one layer's cache pools: its main-KV row (any ``KVCache``
+    format: fp8 rows, or ``kv_latent_dim`` values of a plain dtype) and, in a full layer, its
+    index-K row."""
+    if kv_dtype in MLA_KV_FORMATS:
+        main = main_kv_row_bytes(config, kv_dtype)
+    else:
+        main = _PLAIN_KV_BYTES.get(kv_dtype, BF16_BYTES) * config.kv_latent_dim
+    return main + (index_k_row_bytes(config) if full else 0)
+
+
+_PLAIN_KV_BYTES = {"fp32": 4, "float32": 4, "fp64": 8, "float64": 8, "bf16": 2, "fp16": 2}
+
+
+def largest_tensor_elements(config: DSAConfig) -> int:
+    """Elements of the model's largest checkpoint tensor (a routed expert's projection counts
+    alone, the shared experts as one MLP): what ``init_weights`` draws in float32, and a
+    checkpoint load reads, at a time. The same number as ``weights.largest_tensor_numel``,
+    from the shapes alone."""
+    c = config
+    h, heads = c.hidden_size, c.num_attention_heads
+    sizes = [c.vocab_size * h, h * c.q_lora_rank, c.q_lora_rank * heads * c.qk_head_dim,
+             h * c.kv_latent_dim, c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim),
+             heads * c.v_head_dim * h]
+    if FULL in c.indexer_types:
+        sizes += [c.q_lora_rank * c.index_n_heads * c.index_head_dim, h * c.index_head_dim,
+                  h * c.index_n_heads]
+    if c.first_k_dense_replace:
+        sizes.append(h * c.intermediate_size)
+    if c.num_hidden_layers > c.first_k_dense_replace:
+        sizes += [h * c.moe_intermediate_size, h * c.n_shared_experts * c.moe_intermediate_size,
+                  c.n_routed_experts * h]
+    return max(sizes)
+
+
+def step_peak_bytes(
+    config: DSAConfig,
+    rows: int,
+    context: int,
+    kv_dtype: str,
+    dtype_bytes: int,
+    logits_bytes: int,
+    attention_bytes: int,
+    moe_bytes: int,
+) -> int:
+    """An upper bound on the bytes one prefill step holds beyond the weights, caches and kept
+    outputs: ``rows`` query tokens over at most ``context`` context rows (all requests of the
+    step together), with the three step budgets (``glm_dsa.budget``; 0 counts a budget at its
+    smallest row chunk, as on CUDA where the budgets follow the memory left free).
+
+    The step's live tensors (residual, norms, projections, the top-k of the last full layer, the
+    step's slots) plus the largest of a layer's phases, each its largest tensors at once:
+
+    * indexer (full layers): the context's index keys read back (``D + 8`` bytes a row, twice
+      for the unpacking), the queries and their rotation temporaries, one row chunk's logits
+      (``budget.max_logit_rows`` rows in the compute dtype) and the larger of the scoring tile
+      (``indexer._tile_shape``: float64 scores and their rounded copy, at most ``TILE_BYTES``, with
+      its float64 operands) and the top-k temporaries (16 bytes per logit, at most ``TILE_BYTES``);
+    * attention: the context's latent rows gathered in the activation and compute dtypes with
+      the packed rows (the reference backend; the Triton kernels read the pool in place, so this
+      bounds them too), one row chunk of ``budget.attention_row_bytes`` (``attention_rows`` rows),
+      and, where the context is short enough for the MHA one-shot form, its expanded keys and
+      values and one score chunk (``mla._DENSE_SCORE_BYTES``);
+    * FFN: one MoE block of ``budget.moe_row_bytes`` (``moe_rows`` rows, unfused), or the dense
+      MLP's gate, up and SwiGLU temporaries of every row.
+    """
+    c = config
+    b = dtype_bytes
+    cb = max(FP32_BYTES, b)  # the compute dtype: promote_types(activations, float32)
+    act_dtype = _DTYPES_BY_BYTES[b]
+    h, heads, H, D = c.hidden_size, c.num_attention_heads, c.index_n_heads, c.index_head_dim
+    live = (rows * b * (4 * h + 2 * c.q_lora_rank + 2 * heads * c.qk_head_dim + 2 * c.kv_latent_dim)
+            + rows * (2 * c.qk_rope_head_dim * cb + 2 * c.index_topk * 4 + 64) + context * 8)
+    phases = []
+    if FULL in c.indexer_types:
+        r = max_logit_rows(rows, max(context, 1), logits_bytes)
+        itemsize = 8 + cb  # one float64 score and its rounded copy (indexer._mqa_logits)
+        tile = itemsize * min(r * H * context, max(TILE_BYTES // itemsize, H * 16)) \
+            + r * H * D * 8 + context * D * 8
+        topk = 16 * min(r * context, max(TILE_BYTES // 16, context))
+        phases.append(2 * context * (D + 8) + rows * H * (D * (1 + 3 * cb) + 24) + rows * D * 3 * cb
+                      + r * context * cb + max(tile, topk) + rows * c.index_topk * 4)
+    per_row = attention_row_bytes(c.index_topk, c.kv_latent_dim, c.kv_lora_rank, heads, act_dtype,
+                                  _DTYPES_BY_BYTES[cb])
+    att_rows = attention_rows(rows, c.index_topk, c.kv_latent_dim, c.kv_lora_rank, heads, act_dtype,
+                              _DTYPES_BY_BYTES[cb], max(attention_bytes, 1))
+    padded = -(-rows // BATCH_TILE) * BATCH_TILE
+    gathered = context * (c.kv_latent_dim * (b + cb) + layer_cache_row_bytes(c, False, kv_dtype))
+    attention = gathered + per_row * min(padded, att_rows) + rows * h * b \
+        + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * cb
+    if context <= min(c.dense_attn_kv_len_threshold, c.index_topk):
+        expanded = cb * (context * (c.kv_latent_dim + heads * (c.qk_nope_head_dim + c.v_head_dim)
+                                    + heads * c.qk_head_dim) + rows * heads * (c.qk_head_dim + c.v_head_dim))
+        scores = 2 * min(rows * heads * context * cb, max(_DENSE_SCORE_BYTES, heads * context * cb))
+        attention = max(attention, gathered + expanded + scores + rows * h * b)
+    phases.append(attention)
+    if c.num_hidden_layers > c.first_k_dense_replace:
+        moe_row = moe_row_bytes(c.num_experts_per_tok, h, c.moe_intermediate_size,
+                                c.n_shared_experts * c.moe_intermediate_size, c.n_routed_experts, act_dtype,
+                                fused=False)
+        block = moe_rows(rows, c.num_experts_per_tok, h, c.moe_intermediate_size,
+                         c.n_shared_experts * c.moe_intermediate_size, c.n_routed_experts, act_dtype,
+                         False, max(moe_bytes, 1))
+        phases.append(moe_row * block + rows * h * b)
+    if c.first_k_dense_replace:
+        phases.append(rows * (c.intermediate_size * (3 * b + 4 * cb) + h * b))
+    return live + max(phases)
+
+
+_DTYPES_BY_BYTES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+# What the host allocator keeps resident beyond the step's (or the saved outputs') tensors: glibc
+# serves blocks under its mmap threshold (which rises to 32 MiB as large blocks are freed) from
+# per-thread arenas it does not return, so freed tiles and activations of one layer or step stay
+# resident beside the next one's. Counted as the smaller of those tensors and
+# ``ALLOCATOR_SLACK_BYTES``, plus ``ALLOCATOR_SLACK_PERCENT`` of them. Measured (peak RSS minus
+# the RSS after the model and pools are built, against the step's named tensors): ``--config
+# tiny --tokens 4096 --chunk 4096`` 472-515 MB against 429 MB; ``--tokens 2048 --chunk 1024
+# --dtype bfloat16`` 223 MB against 130 MB, 80 MB of it left resident by the first step.
+ALLOCATOR_SLACK_BYTES = 128 << 20
+ALLOCATOR_SLACK_PERCENT = 10
+# mla._DENSE_SCORE_BYTES: the MHA one-shot form's score chunk
+_DENSE_SCORE_BYTES = 1 << 28
+
+
 def prefill_peak_bytes(
     config: DSAConfig,
     lengths: Sequence[int],
@@ -992,19 +1172,59 @@ def prefill_peak_bytes(
     kv_dtype: str,
     dtype_bytes: int,
     budget_bytes: int,
+    *,
+    attention_bytes: int | None = None,
+    moe_bytes: int | None = None,
+    prefix: int = 0,
+    save_outputs: bool = False,
+    layer_outputs: bool = False,
+    input_bytes: int = 0,
 ) -> int:
-    """A lower bound on the peak bytes of ``glm-dsa prefill`` on one device.
+    """An upper bound on the bytes ``glm-dsa prefill`` allocates on one device, beyond what the
+    process holds before it builds the model (the interpreter and libraries: on the host
+    ``preflight.host_baseline_bytes`` adds them).
 
-    Weights (``param_counts`` at ``dtype_bytes``), the KV pool (``pages_for(lengths)`` pages of
-    every layer's main KV and every full layer's index K), the float32 hidden rows kept for
-    the outputs, the indexer logits budget and one chunk's hidden and MoE activations. Every
-    term is memory the run really allocates, so a run refused by it cannot fit.
+    ``lengths``: every request's tokens, the warm-up request of a shared ``prefix`` included;
+    ``chunk``: tokens per step; ``budget_bytes``, ``attention_bytes``, ``moe_bytes``: the step
+    budgets (``glm_dsa.budget``; the last two default to ``budget_bytes``; 0 counts a budget at
+    its smallest chunk, for CUDA where they follow the memory left free); ``prefix``: the
+    tokens each request finds in the prefix cache; ``save_outputs`` / ``layer_outputs``: the
+    ``--save-outputs`` file is written (with each layer's outputs); ``input_bytes``: the prompts'
+    input file, read whole.
+
+    The weights (``layer_weight_bytes`` per kind, the embedding, head and final norm) are held
+    throughout, with, while they are drawn, one float32 copy of the largest tensor
+    (``largest_tensor_elements``). Then the cache pools (``pages_for(lengths)`` pages of every
+    layer's rows, ``layer_cache_row_bytes``), every request's output rows kept in the activation
+    dtype (and each layer's, with its top-k, under ``layer_outputs``), the prompts, and the larger
+    of the largest step (``step_peak_bytes`` at ``min(chunk, Σ lengths)`` rows over the longest
+    context a step can see) and the saved outputs (their float32 host copies and the bytes the
+    safetensors writer makes of them), with what the allocator keeps resident beside that larger
+    one (``ALLOCATOR_SLACK_BYTES``, ``ALLOCATOR_SLACK_PERCENT``).
     """
     c = config
+    b = dtype_bytes
+    kinds = layer_kind_counts(c)
+    weights = b * (outer_weight_elements(c) + sum(n * layer_weight_elements(c, *kind) for kind, n in kinds.items()))
+    drawing = FP32_BYTES * largest_tensor_elements(c)
     pages = sum(-(-n // c.page_size) for n in lengths)
-    row_main = (main_kv_row_bytes(c, kv_dtype) if kv_dtype in MLA_KV_FORMATS
-                else {"fp32": 4, "fp64": 8}.get(kv_dtype, 2) * c.kv_latent_dim)
-    kv = pages * c.page_size * (c.num_hidden_layers * row_main + len(c.full_layers) * index_k_row_bytes(c))
-    act = min(chunk, max(lengths)) * (c.hidden_size + c.num_experts_per_tok * c.moe_intermediate_size) * dtype_bytes
-    return (param_counts(c)["total"] * dtype_bytes + kv + FP32_BYTES * c.hidden_size * sum(lengths)
-            + budget_bytes + act)
+    pool = pages * c.page_size * sum(n * layer_cache_row_bytes(c, kind[0], kv_dtype) for kind, n in kinds.items())
+    tokens, longest = sum(lengths), max(lengths)
+    full = kinds[(True, False)] + kinds[(True, True)]
+    h = c.hidden_size
+    per_token_kept = h * b + (c.num_hidden_layers * h * b + full * c.index_topk * 4 if layer_outputs else 0)
+    kept = tokens * (per_token_kept + 8) + len(lengths) * c.vocab_size * 2 * FP32_BYTES + input_bytes
+    rows = min(chunk, tokens)
+    # one request part-way (its whole prompt at most) and the new ones, each with its cache hit
+    context = min(tokens, rows + longest + min(len(lengths), rows) * prefix)
+    step = step_peak_bytes(c, rows, context, kv_dtype, b, budget_bytes,
+                           budget_bytes if attention_bytes is None else attention_bytes,
+                           budget_bytes if moe_bytes is None else moe_bytes)
+    saved = 0
+    if save_outputs:
+        per_token_saved = h * FP32_BYTES + 8 + (c.num_hidden_layers * h * FP32_BYTES + full * c.index_topk * 4
+                                                if layer_outputs else 0)
+        saved = 2 * tokens * per_token_saved + tokens * per_token_kept
+    transient = max(step, saved)
+    slack = min(transient, ALLOCATOR_SLACK_BYTES) + transient * ALLOCATOR_SLACK_PERCENT // 100
+    return weights + max(drawing, pool + kept + transient + slack)

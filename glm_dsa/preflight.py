@@ -3,7 +3,8 @@
 Each check raises ``ValueError`` with one line naming the flag or file and the fix; ``glm-dsa``
 prints it as ``glm-dsa <command>: error: …`` with exit status 2. Files are checked by their
 safetensors header alone (no tensor is read), outputs by ``glm_dsa.outputs``, and memory by the
-ledger's estimate of the run's peak (:func:`glm_dsa.ledger.prefill_peak_bytes`).
+ledger's estimate of the run's peak (:func:`glm_dsa.ledger.prefill_peak_bytes`), on the host with
+the process's own memory added (:func:`host_baseline_bytes`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,24 @@ __all__ = [
     "check_device",
     "check_optional_module",
     "available_bytes",
+    "resident_bytes",
+    "host_baseline_bytes",
+    "HOST_RUNTIME_BYTES",
     "check_fits",
 ]
 
 _GB = 1e9
+
+# What a prefill process adds to its resident memory beyond the interpreter and the libraries it
+# has imported when the memory check runs, whatever the config: torch's meta-device operator
+# registrations (loaded by ``build_model``'s first op on a meta tensor), the BLAS and OpenMP
+# thread pools and the allocator's arenas. Measured on the host (torch 2.13.0+cpu, Python 3.11,
+# 2 threads): VmRSS 237 MB after ``import glm_dsa.cli``, 384 MB after building the tiny model on
+# the meta device, 394 MB after one float32 1000x1000 matmul; and the peak RSS (VmHWM) of
+# ``glm-dsa prefill --config tiny --tokens 64 --chunk 64`` (5.6 MB of weights; 19.6 MB for the
+# whole run by ``ledger.prefill_peak_bytes``) is 410 MB: 173 MB above the RSS at import, of
+# which the run's own allocations are at most 19.6 MB. 192 MiB (201 MB) covers the rest.
+HOST_RUNTIME_BYTES = 192 << 20
 
 
 def safetensors_header(flag: str, path: str) -> dict[str, dict]:
@@ -103,9 +118,38 @@ def available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def check_fits(need: int, device: torch.device, lower: str) -> None:
-    """Refuse a run whose estimated peak ``need`` bytes exceeds what ``device`` has free."""
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS, bytes; 0 where /proc does not say)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# This module is imported by the command before any config or model is made, once the
+# interpreter, torch and glm_dsa's modules are in: what a prefill process holds apart from its run.
+_RESIDENT_AT_IMPORT = resident_bytes()
+
+
+def host_baseline_bytes() -> int:
+    """The host memory a prefill process holds apart from what its run allocates (the ledger's
+    ``prefill_peak_bytes``): its resident memory when this module was imported (the interpreter
+    and the libraries; taken then, so a process that ran prefills before, as a test does, gets
+    the same estimate each time) and what starting the run loads (``HOST_RUNTIME_BYTES``)."""
+    return _RESIDENT_AT_IMPORT + HOST_RUNTIME_BYTES
+
+
+def check_fits(need: int, device: torch.device, lower: str, held: int = 0) -> None:
+    """Refuse a run whose estimated peak ``need`` bytes exceeds what ``device`` has free plus
+    ``held``, the part of ``need`` this process holds already (its own resident memory, when
+    the run is this process: free memory does not count it)."""
     have = available_bytes(device)
+    if have is not None:
+        have += held
     if have is not None and need > have:
         where = "host memory" if device.type == "cpu" else f"free on {device}"
         raise ValueError(f"needs {need / _GB:.1f} GB, {have / _GB:.1f} GB {where}; {lower}")
