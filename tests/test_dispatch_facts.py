@@ -23,6 +23,7 @@ from glm_dsa.kernels.sparse_mla import (  # noqa: E402
     call_refusal,
     device_refusal,
     launch_flags,
+    rows_refusal,
     shape_refusal,
 )
 
@@ -35,7 +36,7 @@ GLM_CALL = GluonCall(q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, fp8=False,
 
 def test_the_h200_takes_the_gluon_kernel_at_glm_shapes():
     assert device_refusal(H200) is None
-    assert shape_refusal(H200, torch.bfloat16, 64, 576, 512) is None
+    assert shape_refusal(torch.bfloat16, 64, 576, 512) is None
     assert call_refusal(H200, GLM_CALL) is None
     fp8_rows = dataclasses.replace(GLM_CALL, kv_dtype=torch.uint8, fp8=True, strides=(64 * 576, 576, 656))
     assert call_refusal(H200, fp8_rows) is None
@@ -54,9 +55,9 @@ def test_device_refusals_name_what_is_missing(change, reason):
     facts = dataclasses.replace(H200, **change)
     why = device_refusal(facts)
     assert why is not None and why.startswith(reason), why
-    # Every later rule reports the device's reason first.
-    assert shape_refusal(facts, torch.bfloat16, 64, 576, 512) == why
+    # The call's rule reports the device's reason first.
     assert call_refusal(facts, GLM_CALL) == why
+    assert call_refusal(facts, dataclasses.replace(GLM_CALL, h_q=16, kv_dtype=torch.float32)) == why
 
 
 def test_the_interpreter_is_refused_even_on_an_sm90_device():
@@ -79,7 +80,9 @@ def test_the_interpreter_is_refused_even_on_an_sm90_device():
     (torch.float32, 64, 576, 512, False),
 ])
 def test_shape_refusal_edges(dtype, h_q, d_qk, d_v, ok):
-    why = shape_refusal(H200, dtype, h_q, d_qk, d_v)
+    why = shape_refusal(dtype, h_q, d_qk, d_v)
+    call = dataclasses.replace(GLM_CALL, q_dtype=dtype, h_q=h_q, d_qk=d_qk, d_v=d_v)
+    assert call_refusal(H200, call) == why
     assert (why is None) == ok, why
     if not ok and dtype == torch.bfloat16:
         assert why == f"h_q {h_q}, d_qk {d_qk}, d_v {d_v} (the Gluon kernel: h_q % 64 == 0, 576 / 512)"
@@ -103,13 +106,19 @@ def test_shape_refusal_edges(dtype, h_q, d_qk, d_v, ok):
     ({"data_ptrs": (16, 24)}, False),
     ({"data_ptrs": (2, 16)}, False),
     ({"h_q": 16}, False),
+    ({"h_q": 16, "kv_dtype": torch.float32}, False),
 ])
 def test_call_refusal_edges(change, ok):
-    why = call_refusal(H200, dataclasses.replace(GLM_CALL, **change))
+    call = dataclasses.replace(GLM_CALL, **change)
+    why = call_refusal(H200, call)
     assert (why is None) == ok, why
+    if "h_q" in change:  # the shape's reason comes before the rows'
+        assert why.startswith("h_q 16"), why
+    else:
+        assert rows_refusal(call) == why
     if "strides" in change or "data_ptrs" in change:
         assert ok or why.endswith("or base pointers not 16-aligned"), why
-    if change.get("kv_dtype") in (torch.float32, torch.float16):
+    if change.get("kv_dtype") in (torch.float32, torch.float16) and "h_q" not in change:
         assert why == f"{change['kv_dtype']} rows (the Gluon kernel is bf16)"
 
 
@@ -132,6 +141,7 @@ def test_the_cpus_facts_and_every_public_rule_on_them():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 576, dtype=torch.bfloat16)
     assert sparse_mla._gluon_unsuitable(q, kv, 576, None, 512, False) == "the CPU interpreter"
+    assert sparse_mla._gluon_unsuitable(q.float(), kv, 576, None, 512, False) == "the CPU interpreter"
     with pytest.raises(dataclasses.FrozenInstanceError):
         facts.interpret = False  # type: ignore[misc]
 

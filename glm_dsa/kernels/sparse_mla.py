@@ -51,7 +51,7 @@ from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
            "gluon_unavailable", "gluon_unsuitable", "DeviceFacts", "GluonCall", "device_refusal",
-           "shape_refusal", "call_refusal", "launch_flags"]
+           "shape_refusal", "rows_refusal", "call_refusal", "launch_flags"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -158,13 +158,9 @@ def device_refusal(facts: DeviceFacts) -> str | None:
     return None
 
 
-def shape_refusal(facts: DeviceFacts, dtype: torch.dtype, h_q: int, d_qk: int,
-                  d_v: int) -> str | None:
-    """``device_refusal``, else why ``dtype`` queries of ``h_q`` heads and ``d_qk`` / ``d_v``
-    dims cannot take the Gluon kernel, whatever its rows (None when they can)."""
-    why = device_refusal(facts)
-    if why is not None:
-        return why
+def shape_refusal(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int) -> str | None:
+    """Why ``dtype`` queries of ``h_q`` heads and ``d_qk`` / ``d_v`` dims cannot take the Gluon
+    kernel, whatever its rows and device (None when they can)."""
     if dtype != torch.bfloat16:
         return f"{dtype} activations (the Gluon kernel is bf16)"
     if h_q % 64 or d_qk != 576 or d_v != 512:
@@ -172,18 +168,22 @@ def shape_refusal(facts: DeviceFacts, dtype: torch.dtype, h_q: int, d_qk: int,
     return None
 
 
-def call_refusal(facts: DeviceFacts, call: GluonCall) -> str | None:
-    """``shape_refusal``, else why this call's rows or layout cannot take the Gluon kernel
-    (None when it can)."""
-    why = shape_refusal(facts, call.q_dtype, call.h_q, call.d_qk, call.d_v)
-    if why is not None:
-        return why
+def rows_refusal(call: GluonCall) -> str | None:
+    """Why this call's rows or layout cannot take the Gluon kernel, whatever its shapes and
+    device (None when they can)."""
     if not call.fp8 and call.kv_dtype != torch.bfloat16:
         return f"{call.kv_dtype} rows (the Gluon kernel is bf16)"
     # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
     if any(st % 16 for st in call.strides) or any(p % 16 for p in call.data_ptrs):
         return f"strides {call.strides} or base pointers not 16-aligned"
     return None
+
+
+def call_refusal(facts: DeviceFacts, call: GluonCall) -> str | None:
+    """The first of ``device_refusal``, ``shape_refusal`` and ``rows_refusal`` that refuses
+    the call (None: it takes the Gluon kernel)."""
+    return (device_refusal(facts) or shape_refusal(call.q_dtype, call.h_q, call.d_qk, call.d_v)
+            or rows_refusal(call))
 
 
 def gluon_unavailable(device: torch.device) -> str | None:
@@ -193,15 +193,19 @@ def gluon_unavailable(device: torch.device) -> str | None:
 
 def gluon_unsuitable(device: torch.device, dtype: torch.dtype, h_q: int, d_qk: int,
                      d_v: int) -> str | None:
-    """``shape_refusal`` on ``device``'s facts. The one rule: each call's dispatch here and the
-    triton backend's choice for an FP8 pool both read it."""
-    return shape_refusal(DeviceFacts.of(device), dtype, h_q, d_qk, d_v)
+    """Why sparse MLA of ``dtype`` queries with ``h_q`` heads and ``d_qk`` / ``d_v`` dims on
+    ``device`` cannot take the Gluon kernel, whatever its rows (None when it can):
+    ``gluon_unavailable``, then ``shape_refusal``. The one rule: each call's dispatch here and
+    the triton backend's choice for an FP8 pool both read it."""
+    return gluon_unavailable(device) or shape_refusal(dtype, h_q, d_qk, d_v)
 
 
 def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
                       fp8: bool) -> str | None:
-    """Why this call cannot take the Gluon kernel (None when it can): ``call_refusal``."""
-    return call_refusal(DeviceFacts.of(q.device), GluonCall.of(q, kv_rows, stride_kv, d_v, fp8))
+    """Why this call cannot take the Gluon kernel (None when it can): ``call_refusal`` on the
+    device's facts."""
+    return (gluon_unsuitable(q.device, q.dtype, q.shape[1], q.shape[2], d_v)
+            or rows_refusal(GluonCall.of(q, kv_rows, stride_kv, d_v, fp8)))
 
 
 def _log_once(message: str) -> None:
