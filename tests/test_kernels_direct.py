@@ -408,3 +408,88 @@ def test_fused_pass_math_fixture_is_meaningful():
     assert CPU_PASSES.takes_index_rows(torch.zeros(2, 128, dtype=torch.bfloat16))
     assert math.isclose(TARGET_FACTOR * 4, 10.0)
     assert topk_mod.CAND_FACTOR == 6
+
+
+# ------------------------------------------------------- block edges of the MoE's row kernels
+@pytest.mark.parametrize("width", [1, 1023, 1024, 1025])
+def test_swiglu_at_the_block_edge_with_free_row_strides(width):
+    from glm_dsa.kernels.swiglu import BLOCK, swiglu
+
+    assert BLOCK == 1024
+    g = torch.Generator().manual_seed(width)
+    gate_up = torch.randn(3, 2 * width + 5, generator=g)
+    gate, up = gate_up[:, :width], gate_up[:, width + 5:]  # row stride 2w + 5, up offset
+    got = swiglu(gate.to(DEV), up.to(DEV), torch.float32).cpu()
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    assert got.shape == (3, width) and got.is_contiguous()
+    assert torch.allclose(got.double(), want, rtol=2.0**-20, atol=1e-30)
+
+
+@pytest.mark.parametrize("width", [1, 2047, 2048, 2049])
+def test_gather_rows_at_the_block_edge(width):
+    from glm_dsa.kernels.gather_rows import BLOCK, gather_rows
+
+    assert BLOCK == 2048
+    x = torch.arange(5 * (width + 3), dtype=torch.float32).view(5, width + 3)[:, 1:width + 1]
+    rows = torch.tensor([4, 0, 4, 2], dtype=torch.int64)
+    got = gather_rows(x.to(DEV), rows.to(DEV)).cpu()
+    assert got.is_contiguous() and torch.equal(got, x.index_select(0, rows))
+
+
+@pytest.mark.parametrize("width", [1023, 1025])
+def test_combine_at_the_block_edge_with_strided_operands(width):
+    from glm_dsa.kernels.moe_combine import combine_experts as kernel
+
+    g = torch.Generator().manual_seed(width)
+    n, top_k = 3, 2
+    expert_out = torch.randn(n * top_k, width + 7, generator=g).bfloat16()[:, 2:width + 2]
+    position = torch.tensor([[0, 3], [1, 4], [2, 5]])
+    weights = torch.rand(n, top_k, generator=g)
+    shared = torch.randn(n, width + 1, generator=g).bfloat16()[:, 1:]
+    out = torch.zeros(n, width + 9).bfloat16()[:, :width]
+    got = kernel(*(t.to(DEV) for t in (expert_out, position, weights, shared)), None, out.to(DEV)).cpu()
+    want = moe.combine_experts(expert_out, position, weights, shared, None)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("D, H, ok", [(16, 1, True), (32, 256, True), (8, 1, False), (24, 1, False),
+                                      (0, 1, False), (16, 257, False), (16, 0, False)])
+def test_logits_kernel_shape_edges(D, H, ok):
+    from glm_dsa.kernels.mqa_logits import MAX_HEADS, check_kernel_shapes
+
+    assert MAX_HEADS == 256
+    if ok:
+        check_kernel_shapes(H, D, torch.zeros(1, H))
+    else:
+        with pytest.raises(ValueError, match="head dim|heads"):
+            check_kernel_shapes(H, D, torch.zeros(1, max(H, 1)))
+    with pytest.raises(ValueError, match="weights must be float32"):
+        check_kernel_shapes(1, 16, torch.zeros(1, 1, dtype=torch.float64))
+
+
+def test_logits_autotune_buckets():
+    from glm_dsa.kernels import mqa_logits
+
+    assert [mqa_logits._pow2(n) for n in (1, 2, 3, 32, 33)] == [1, 2, 4, 32, 64]
+    # Problems within a factor of 16 of rows × cols share a class: the bit length over 4.
+    assert [mqa_logits._size_class(r, c) for r, c in ((1, 1), (1, 7), (1, 8), (16, 16), (1, 2**20))] == \
+        [0, 0, 1, 2, 5]
+
+
+@pytest.mark.parametrize("d_v, d_qk, row_bytes, stride, ok", [
+    (128, 192, 128 + 4 + 128, 260, True), (256, 320, 256 + 8 + 128, 392, True),
+    (384, 448, 384 + 12 + 128, 524, False), (128, 128, 132, 132, False), (0, 64, 0, 4, False),
+    (128, 192, 259, 259, False), (128, 192, 260, 262, False), (512, 576, 656, 656, True),
+])
+def test_fp8_rows_layout_edges(d_v, d_qk, row_bytes, stride, ok):
+    from glm_dsa.kernels.sparse_mla import sparse_mla_fwd_fp8
+
+    q = torch.zeros(1, 2, d_qk)
+    pool = torch.zeros(3, stride, dtype=torch.uint8)[:, :row_bytes]
+    idx = torch.full((1, 1, 4), -1, dtype=torch.int32)
+    if ok:
+        out, _, lse = sparse_mla_fwd_fp8(q.to(DEV), pool.to(DEV), idx.to(DEV), 0.5, d_v)
+        assert out.shape == (1, 2, d_v) and bool(torch.isinf(lse).all())  # no valid index
+    else:
+        with pytest.raises(ValueError, match="d_v=|kv_rows must have"):
+            sparse_mla_fwd_fp8(q, pool, idx, 0.5, d_v)
