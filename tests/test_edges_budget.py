@@ -48,6 +48,7 @@ def test_logits_budget_rule_on_an_h200():
     assert logits_budget_of(32 * GB - 4, 128 * GB, 0.75, 0.25) == 8 * GB - 1
     # mem_fraction_static 0 and free_fraction 1: the 0.3 · total cap binds (30 GB of 100).
     assert logits_budget_of(100 * GB, 100 * GB, 0.0, 1.0) == 30 * GB
+    assert logits_budget_of(80 * GB, 100 * GB, 0.0, 1.0) == 30 * GB  # the cap is of the total, not the free
     assert logits_budget_of(100 * GB, 100 * GB, 0.5, 0.5) == 25 * GB  # 0.5 · 0.5 under 0.3
     # Defaults are SGLang's: 0.8 and 0.2.
     assert logits_budget_of(100 * GB, 141 * GB) == logits_budget_of(100 * GB, 141 * GB, 0.8, 0.2)

@@ -247,7 +247,7 @@ def test_indexer_redoes_only_the_tied_row_and_reports_its_nan(monkeypatch):
 def test_launch_buffers_shapes_dtypes_and_copies():
     q = torch.zeros(3, 4, 24, dtype=torch.bfloat16)
     indices = torch.arange(3 * 5, dtype=torch.int32).view(3, 1, 5)
-    sink = torch.arange(8, dtype=torch.float64)[::2]  # strided, float64
+    sink = torch.arange(8, dtype=torch.float32)[::2]  # strided, already float32 (no copy by .to)
     lengths = torch.tensor([5, 1, 3, 0, 0, 0], dtype=torch.int32)[::2]
     out, max_logits, lse, sink32, lens, idx = launch_buffers(q, 16, indices, sink, lengths)
     assert out.shape == (3, 4, 16) and out.dtype == torch.bfloat16
@@ -255,6 +255,8 @@ def test_launch_buffers_shapes_dtypes_and_copies():
     assert max_logits.dtype == lse.dtype == torch.float32
     assert sink32.dtype == torch.float32 and sink32.is_contiguous()
     assert sink32.tolist() == [0.0, 2.0, 4.0, 6.0]
+    wide = launch_buffers(q, 16, indices, torch.arange(8, dtype=torch.float64)[::2], None)[3]
+    assert wide.dtype == torch.float32 and wide.is_contiguous() and wide.tolist() == [0.0, 2.0, 4.0, 6.0]
     assert lens.is_contiguous() and lens.tolist() == [5, 3, 0]
     assert idx.shape == (3, 5) and torch.equal(idx, indices[:, 0, :])
     none = launch_buffers(q, 16, indices, None, None)
@@ -417,8 +419,8 @@ def test_swiglu_at_the_block_edge_with_free_row_strides(width):
 
     assert BLOCK == 1024
     g = torch.Generator().manual_seed(width)
-    gate_up = torch.randn(3, 2 * width + 5, generator=g)
-    gate, up = gate_up[:, :width], gate_up[:, width + 5:]  # row stride 2w + 5, up offset
+    gate = torch.randn(3, 2 * width + 5, generator=g)[:, :width]  # row stride 2w + 5
+    up = torch.randn(3, width + 3, generator=g)[:, 3:]  # row stride w + 3, offset 3
     got = swiglu(gate.to(DEV), up.to(DEV), torch.float32).cpu()
     want = torch.nn.functional.silu(gate.double()) * up.double()
     assert got.shape == (3, width) and got.is_contiguous()
