@@ -256,3 +256,25 @@ def test_index_rows_rule_edges():
     assert not CPU_PASSES.takes_index_rows(_t((128, 4)).T)
     assert not CPU_PASSES.takes_index_rows(_t((4, 256))[:, :128])
     assert not CPU_PASSES.takes_index_rows(_t((4, 128), torch.float8_e4m3fn))
+
+
+# ----------------------------------------------------------------------- on the H200 (cuda)
+@pytest.mark.cuda
+def test_the_gpus_facts_feed_the_same_rules():
+    """On a CUDA device: ``DeviceFacts.of`` reads the capability and Triton's version, and the
+    tensor-level dispatch is the pure rules on those facts (Gluon at GLM-5.3's shape on an
+    sm_90 GPU with a tested Triton, the Triton kernel otherwise)."""
+    dev = torch.device("cuda")
+    facts = DeviceFacts.of(dev)
+    assert facts == DeviceFacts(False, "cuda", tuple(torch.cuda.get_device_capability(dev)),
+                                triton.__version__)
+    q = torch.zeros(2, 64, 576, dtype=torch.bfloat16, device=dev)
+    kv = torch.zeros(100, 576, dtype=torch.bfloat16, device=dev)
+    rows = torch.zeros(100, 656, dtype=torch.uint8, device=dev)
+    for query, pool, stride, fp8 in ((q, kv, 576, False), (q, rows, 656, True), (q[:, :16], kv, 576, False),
+                                     (q.float(), kv.float(), 576, False), (q, kv[:, 1:], 576, False)):
+        want = call_refusal(facts, GluonCall.of(query, pool, stride, 512, fp8))
+        assert sparse_mla._gluon_unsuitable(query, pool, stride, None, 512, fp8) == want
+    on_h200 = facts.capability == (9, 0) and facts.triton_version in GLUON_TESTED_TRITON
+    assert (sparse_mla.gluon_unsuitable(dev, torch.bfloat16, 64, 576, 512) is None) == on_h200
+    assert moe.fused_grouped_mm(dev, torch.bfloat16) == moe.fused_grouped_mm_on(facts.capability, torch.bfloat16)

@@ -495,3 +495,43 @@ def test_fp8_rows_layout_edges(d_v, d_qk, row_bytes, stride, ok):
     else:
         with pytest.raises(ValueError, match="d_v=|kv_rows must have"):
             sparse_mla_fwd_fp8(q, pool, idx, 0.5, d_v)
+
+
+@pytest.mark.cuda
+def test_cuda_fused_passes_through_the_model_are_their_torch_forms():
+    """The default passes on CUDA tensors: the combine, the gather and the index quantization
+    (and its page write) bitwise their torch forms; SwiGLU within one rounding."""
+    from glm_dsa.config import get_config
+    from glm_dsa.indexer import Indexer
+
+    dev = "cuda"
+    g = torch.Generator().manual_seed(11)
+    n, top_k, hidden = 37, 4, 1030
+    expert_out = torch.randn(n * top_k, hidden, generator=g).bfloat16().to(dev)
+    position = torch.randperm(n * top_k, generator=g).view(n, top_k).to(dev)
+    weights = torch.rand(n, top_k, generator=g).to(dev)
+    shared = torch.randn(n, hidden, generator=g).bfloat16().to(dev)
+    mask = (torch.rand(n, generator=g) < 0.7).to(dev)
+    gate_up = torch.randn(n, 2 * 96, generator=g).bfloat16().to(dev)
+    rows = torch.randint(0, n, (50,), generator=g).to(dev)
+    cfg = get_config("tiny")
+    idx = Indexer(cfg).to(dev).bfloat16()
+    keys = torch.randn(n, cfg.index_head_dim, generator=g).bfloat16().to(dev)
+    positions = torch.randint(0, 1000, (n,), generator=g).to(dev)
+    slots = torch.randperm(3 * cfg.page_size, generator=g)[:n].to(dev)
+    got = {}
+    for name, passes in (("fused", fused.TRITON_ON_CUDA), ("torch", fused.TORCH)):
+        pages = torch.zeros(3, cfg.page_size * (cfg.index_head_dim + 4), dtype=torch.uint8, device=dev)
+        with fused.using(passes):
+            got[name] = (moe.combine_experts(expert_out, position, weights, shared, mask),
+                         expert_out.index_select(0, rows) if passes is fused.TORCH
+                         else fused.gather_rows(expert_out, rows),
+                         *idx._rotated_fp8(keys, positions),
+                         moe.swiglu(*gate_up.chunk(2, dim=-1), torch.bfloat16))
+            idx._store_keys(keys, positions, pages, slots)
+            got[name] += (pages,)
+    f, t = got["fused"], got["torch"]
+    assert torch.equal(f[0], t[0]) and torch.equal(f[1], t[1])
+    assert torch.equal(f[2].view(torch.uint8), t[2].view(torch.uint8)) and torch.equal(f[3], t[3])
+    assert torch.equal(f[5], t[5])
+    assert torch.allclose(f[4].float(), t[4].float(), rtol=2**-7, atol=0)
