@@ -32,6 +32,8 @@ __all__ = [
     "MOE_BUDGET_BYTES",
     "Budgets",
     "logits_budget_bytes",
+    "logits_budget_of",
+    "check_fractions",
     "default_logits_bytes",
     "default_attention_bytes",
     "max_logit_rows",
@@ -66,12 +68,24 @@ def logits_budget_bytes(
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError("on CPU pass an explicit budget in bytes")
+    check_fractions(mem_fraction_static, free_fraction)
+    free, total = torch.cuda.mem_get_info(device)
+    return logits_budget_of(free, total, mem_fraction_static, free_fraction)
+
+
+def check_fractions(mem_fraction_static: float, free_fraction: float) -> None:
+    """``mem_fraction_static`` in ``[0, 1)`` and ``free_fraction`` in ``(0, 1]``."""
     need(
         0.0 <= mem_fraction_static < 1.0,
         f"mem_fraction_static={mem_fraction_static} must lie in [0, 1)",
     )
     need(0.0 < free_fraction <= 1.0, f"free_fraction={free_fraction} must lie in (0, 1]")
-    free, total = torch.cuda.mem_get_info(device)
+
+
+def logits_budget_of(free: int, total: int, mem_fraction_static: float = 0.8,
+                     free_fraction: float = 0.2) -> int:
+    """``logits_budget_bytes``' rule on a device with ``free`` of ``total`` bytes free (checked
+    fractions)."""
     static = min(free_fraction * (1.0 - mem_fraction_static) * total, LOGITS_TOTAL_MEM_CAP * total)
     return int(min(free_fraction * free, static))
 

@@ -63,14 +63,40 @@ class Passes:
 class TritonOnCuda(Passes):
     """The Triton kernels of ``glm_dsa.kernels`` (``swiglu``, ``moe_combine``, ``gather_rows``,
     ``index_quant``) for CUDA tensors of the dtypes and layouts they take; the torch forms
-    elsewhere (the CPU, float64)."""
+    elsewhere (the CPU, float64).
+
+    ``device_type``: the device whose tensors the kernels take (``"cuda"``; a test passes
+    ``"cpu"`` to run the same decisions and kernels in Triton's interpreter). Every choice is a
+    pure predicate below (``takes_swiglu`` …) on tensors' devices, dtypes and strides.
+    """
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
+
+    def on_device(self, t: Tensor) -> bool:
+        """``t`` lives on the kernels' device type."""
+        return t.device.type == self.device_type
 
     def moe_single_pass(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return torch.device(device).type == "cuda" and dtype in _MOE_DTYPES
+        return torch.device(device).type == self.device_type and dtype in _MOE_DTYPES
+
+    def takes_swiglu(self, gate: Tensor, up: Tensor, dtype: torch.dtype) -> bool:
+        """The SwiGLU kernel takes ``gate`` / ``up`` rows of a MoE dtype with unit column
+        strides, to a MoE dtype."""
+        return (self.on_device(gate) and gate.dtype in _MOE_DTYPES and dtype in _MOE_DTYPES
+                and gate.stride(-1) == up.stride(-1) == 1)
+
+    def takes_combine(self, expert_out: Tensor, weights: Tensor) -> bool:
+        """The combine kernel takes MoE-dtype expert rows with float32 weights."""
+        return (self.on_device(expert_out) and expert_out.dtype in _MOE_DTYPES
+                and weights.dtype == torch.float32)
+
+    def takes_index_rows(self, x: Tensor) -> bool:
+        """The index-quant kernel takes contiguous bf16 / fp16 / fp32 rows."""
+        return self.on_device(x) and x.dtype in _INDEX_DTYPES and x.is_contiguous()
 
     def swiglu(self, gate: Tensor, up: Tensor, dtype: torch.dtype) -> Tensor | None:
-        if not (gate.is_cuda and gate.dtype in _MOE_DTYPES and dtype in _MOE_DTYPES
-                and gate.stride(-1) == up.stride(-1) == 1):
+        if not self.takes_swiglu(gate, up, dtype):
             return None
         from glm_dsa.kernels.swiglu import swiglu
 
@@ -78,14 +104,14 @@ class TritonOnCuda(Passes):
 
     def combine_experts(self, expert_out: Tensor, position: Tensor, weights: Tensor,
                         shared: Tensor | None, row_mask: Tensor | None, out: Tensor) -> Tensor | None:
-        if not (expert_out.is_cuda and expert_out.dtype in _MOE_DTYPES and weights.dtype == torch.float32):
+        if not self.takes_combine(expert_out, weights):
             return None
         from glm_dsa.kernels.moe_combine import combine_experts
 
         return combine_experts(expert_out, position, weights, shared, row_mask, out)
 
     def gather_rows(self, x: Tensor, rows: Tensor) -> Tensor | None:
-        if not x.is_cuda:
+        if not self.on_device(x):
             return None
         from glm_dsa.kernels.gather_rows import gather_rows
 
@@ -93,7 +119,7 @@ class TritonOnCuda(Passes):
 
     def index_quant(self, x: Tensor, cos_sin: Callable[[], tuple[Tensor, Tensor]], rope_dim: int,
                     interleaved: bool, scale_fmt: str | None) -> tuple[Tensor, Tensor] | None:
-        if not _index_rows(x):
+        if not self.takes_index_rows(x):
             return None
         from glm_dsa.kernels.index_quant import rope_hadamard_quant
 
@@ -102,18 +128,13 @@ class TritonOnCuda(Passes):
     def index_quant_store(self, x: Tensor, cos_sin: Callable[[], tuple[Tensor, Tensor]],
                           rope_dim: int, interleaved: bool, scale_fmt: str | None, pages: Tensor,
                           slots: Tensor, page_size: int) -> bool:
-        if not _index_rows(x):
+        if not self.takes_index_rows(x):
             return False
         from glm_dsa.kernels.index_quant import rope_hadamard_quant_store
 
         rope_hadamard_quant_store(x, *cos_sin(), rope_dim, interleaved, scale_fmt, pages, slots,
                                   page_size)
         return True
-
-
-def _index_rows(x: Tensor) -> bool:
-    """Rows the index-quant kernel takes: contiguous bf16 / fp16 / fp32 on CUDA."""
-    return x.is_cuda and x.dtype in _INDEX_DTYPES and x.is_contiguous()
 
 
 TORCH = Passes()

@@ -29,7 +29,7 @@ from glm_dsa.budget import moe_rows
 from glm_dsa.config import DSAConfig
 
 __all__ = ["route", "MLP", "swiglu", "combine_experts", "experts_grouped_mm", "experts_loop",
-           "fused_grouped_mm",
+           "fused_grouped_mm", "fused_grouped_mm_on",
            "experts_row_tiled", "Experts", "MoEGate", "MoE"]
 
 # Keeps an all-zero score row from dividing by zero; the value HF and vLLM use.
@@ -465,7 +465,13 @@ def fused_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     groups hold (``scripts/probe_cuda_invariance.py``, H200), so batch-invariant mode keeps it;
     elsewhere the mode loops over the experts on the host (``experts_row_tiled``)."""
     return (device.type == "cuda" and dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(device)[0] in (9, 10))
+            and fused_grouped_mm_on(torch.cuda.get_device_capability(device), dtype))
+
+
+def fused_grouped_mm_on(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """``fused_grouped_mm``'s rule on a CUDA device of ``capability`` (``(major, minor)``):
+    bf16 rows on sm90 / sm100."""
+    return dtype == torch.bfloat16 and capability[0] in (9, 10)
 
 
 def _expert_views(gate_up: Tensor, down: Tensor, e: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -125,13 +125,16 @@ def check_output_file(flag: str, path: str, inputs: Inputs | None = None) -> Non
 
 def check_output_paths(outputs: Mapping[str, str | None], inputs: Inputs | None = None) -> None:
     """Every given path of ``outputs`` (``{flag: path}``) as :func:`check_output_file` checks it,
-    and no two of them the same file."""
-    written: dict[str, str] = {}
+    and no two of them the same file (by name, symlink or hard link)."""
+    written: dict[object, str] = {}
     for flag, path in outputs.items():
         if not path:
             continue
         check_output_file(flag, path, inputs)
-        target = os.path.realpath(path)
+        target: object = os.path.realpath(path)
+        if os.path.exists(path):  # an existing file is one file under every hard link
+            st = os.stat(path)
+            target = (st.st_dev, st.st_ino)
         if target in written:
             raise ValueError(f"{flag} {path} is also {written[target]}; give each output its own file")
         written[target] = f"{flag} {path}"

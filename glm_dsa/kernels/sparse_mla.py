@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,7 +50,8 @@ from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
 from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
-           "gluon_unavailable", "gluon_unsuitable"]
+           "gluon_unavailable", "gluon_unsuitable", "DeviceFacts", "GluonCall", "device_refusal",
+           "shape_refusal", "rows_refusal", "call_refusal", "launch_flags"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -88,30 +90,77 @@ GLUON_TESTED_TRITON = ("3.6.0",)
 _LOGGED: set[str] = set()
 
 
-def gluon_unavailable(device: torch.device) -> str | None:
-    """Why the Gluon sm_90 kernel cannot run on ``device`` (None when it can): the CPU
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the Gluon dispatch reads about the place a call runs (``DeviceFacts.of``), so that
+    the rules below are pure functions a CPU test can drive with any GPU's facts.
+
+    Attributes:
+        interpret: Triton's CPU interpreter is on (``TRITON_INTERPRET=1``).
+        device_type: ``torch.device.type`` of the call's tensors.
+        capability: ``(major, minor)`` of a CUDA device; ``(0, 0)`` elsewhere (and not asked
+            for under the interpreter).
+        triton_version: ``triton.__version__``.
+    """
+
+    interpret: bool
+    device_type: str
+    capability: tuple[int, int]
+    triton_version: str
+
+    @classmethod
+    def of(cls, device: torch.device) -> DeviceFacts:
+        cuda = device.type == "cuda" and not _INTERPRET
+        major, minor = torch.cuda.get_device_capability(device) if cuda else (0, 0)
+        return cls(_INTERPRET, device.type, (major, minor), triton.__version__)
+
+
+@dataclass(frozen=True)
+class GluonCall:
+    """The facts of one sparse MLA call the Gluon kernel's guards read (``GluonCall.of``).
+
+    Attributes:
+        q_dtype, kv_dtype: the query's and the rows' dtypes (uint8 for FP8 rows).
+        fp8: the rows are FP8 ``V32_FP8Sparse`` rows.
+        h_q, d_qk, d_v: query heads, score and value widths.
+        strides: ``(q.stride(0), q.stride(1), stride_kv)``, in elements (bytes for FP8 rows).
+        data_ptrs: the base addresses of q and the rows, in bytes.
+    """
+
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    fp8: bool
+    h_q: int
+    d_qk: int
+    d_v: int
+    strides: tuple[int, int, int]
+    data_ptrs: tuple[int, int]
+
+    @classmethod
+    def of(cls, q: Tensor, kv_rows: Tensor, stride_kv: int, d_v: int, fp8: bool) -> GluonCall:
+        return cls(q.dtype, kv_rows.dtype, fp8, q.shape[1], q.shape[2], d_v,
+                   (q.stride(0), q.stride(1), stride_kv), (q.data_ptr(), kv_rows.data_ptr()))
+
+
+def device_refusal(facts: DeviceFacts) -> str | None:
+    """Why the Gluon sm_90 kernel cannot run where ``facts`` say (None when it can): the CPU
     interpreter, another device or GPU generation, or an untested Triton."""
-    if _INTERPRET:
+    if facts.interpret:
         return "the CPU interpreter"
-    if device.type != "cuda":
-        return f"device {device.type}"
-    cap = torch.cuda.get_device_capability(device)
+    if facts.device_type != "cuda":
+        return f"device {facts.device_type}"
+    cap = facts.capability
     if cap != (9, 0):
         return f"sm_{cap[0]}{cap[1]} (the Gluon kernel is sm_90 only)"
-    if triton.__version__ not in GLUON_TESTED_TRITON:
-        return (f"triton {triton.__version__} (the Gluon kernel was tested with "
+    if facts.triton_version not in GLUON_TESTED_TRITON:
+        return (f"triton {facts.triton_version} (the Gluon kernel was tested with "
                 f"{', '.join(GLUON_TESTED_TRITON)})")
     return None
 
 
-def gluon_unsuitable(device: torch.device, dtype: torch.dtype, h_q: int, d_qk: int,
-                     d_v: int) -> str | None:
-    """Why sparse MLA of ``dtype`` queries with ``h_q`` heads and ``d_qk`` / ``d_v`` dims on
-    ``device`` cannot take the Gluon kernel, whatever its rows (None when it can). The one rule:
-    each call's dispatch here and the triton backend's choice for an FP8 pool both read it."""
-    why = gluon_unavailable(device)
-    if why is not None:
-        return why
+def shape_refusal(dtype: torch.dtype, h_q: int, d_qk: int, d_v: int) -> str | None:
+    """Why ``dtype`` queries of ``h_q`` heads and ``d_qk`` / ``d_v`` dims cannot take the Gluon
+    kernel, whatever its rows and device (None when they can)."""
     if dtype != torch.bfloat16:
         return f"{dtype} activations (the Gluon kernel is bf16)"
     if h_q % 64 or d_qk != 576 or d_v != 512:
@@ -119,19 +168,44 @@ def gluon_unsuitable(device: torch.device, dtype: torch.dtype, h_q: int, d_qk: i
     return None
 
 
+def rows_refusal(call: GluonCall) -> str | None:
+    """Why this call's rows or layout cannot take the Gluon kernel, whatever its shapes and
+    device (None when they can)."""
+    if not call.fp8 and call.kv_dtype != torch.bfloat16:
+        return f"{call.kv_dtype} rows (the Gluon kernel is bf16)"
+    # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
+    if any(st % 16 for st in call.strides) or any(p % 16 for p in call.data_ptrs):
+        return f"strides {call.strides} or base pointers not 16-aligned"
+    return None
+
+
+def call_refusal(facts: DeviceFacts, call: GluonCall) -> str | None:
+    """The first of ``device_refusal``, ``shape_refusal`` and ``rows_refusal`` that refuses
+    the call (None: it takes the Gluon kernel)."""
+    return (device_refusal(facts) or shape_refusal(call.q_dtype, call.h_q, call.d_qk, call.d_v)
+            or rows_refusal(call))
+
+
+def gluon_unavailable(device: torch.device) -> str | None:
+    """``device_refusal`` of ``device``'s facts."""
+    return device_refusal(DeviceFacts.of(device))
+
+
+def gluon_unsuitable(device: torch.device, dtype: torch.dtype, h_q: int, d_qk: int,
+                     d_v: int) -> str | None:
+    """Why sparse MLA of ``dtype`` queries with ``h_q`` heads and ``d_qk`` / ``d_v`` dims on
+    ``device`` cannot take the Gluon kernel, whatever its rows (None when it can):
+    ``gluon_unavailable``, then ``shape_refusal``. The one rule: each call's dispatch here and
+    the triton backend's choice for an FP8 pool both read it."""
+    return gluon_unavailable(device) or shape_refusal(dtype, h_q, d_qk, d_v)
+
+
 def _gluon_unsuitable(q: Tensor, kv_rows: Tensor, stride_kv: int, indices: Tensor, d_v: int,
                       fp8: bool) -> str | None:
-    """Why this call cannot take the Gluon kernel (None when it can)."""
-    why = gluon_unsuitable(q.device, q.dtype, q.shape[1], q.shape[2], d_v)
-    if why is not None:
-        return why
-    if not fp8 and kv_rows.dtype != torch.bfloat16:
-        return f"{kv_rows.dtype} rows (the Gluon kernel is bf16)"
-    # 16-byte cp.async: strides in elements (bytes for FP8 rows) multiples of 16.
-    strides = (q.stride(0), q.stride(1), stride_kv)
-    if any(st % 16 for st in strides) or any(t.data_ptr() % 16 for t in (q, kv_rows)):
-        return f"strides {strides} or base pointers not 16-aligned"
-    return None
+    """Why this call cannot take the Gluon kernel (None when it can): ``call_refusal`` on the
+    device's facts."""
+    return (gluon_unsuitable(q.device, q.dtype, q.shape[1], q.shape[2], d_v)
+            or rows_refusal(GluonCall.of(q, kv_rows, stride_kv, d_v, fp8)))
 
 
 def _log_once(message: str) -> None:
@@ -331,19 +405,29 @@ def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sin
         sink if sink is not None else max_logits, lengths if lengths is not None else idx,
         s_kv, h_q, topk, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
-        D_V=d_v, D_TAIL=d_tail, BLOCK_DT=max(16, triton.next_power_of_2(d_tail)),
-        KV_FP8=fp8, HAS_SINK=sink is not None, HAS_LEN=lengths is not None,
+        D_V=d_v, D_TAIL=d_tail, KV_FP8=fp8, HAS_SINK=sink is not None,
+        HAS_LEN=lengths is not None, **launch_flags(_INTERPRET, q.dtype, topk, d_tail, row_bytes),
+    )
+    return out, max_logits, lse
+
+
+def launch_flags(interpret: bool, q_dtype: torch.dtype, topk: int, d_tail: int,
+                 row_bytes: int) -> dict:
+    """The Triton kernel's compile-time choices that depend on where it runs: under the
+    interpreter or not, for ``q_dtype`` queries over ``topk`` indices, ``d_tail`` score-only
+    columns and rows of ``row_bytes`` bytes."""
+    return dict(
+        BLOCK_DT=max(16, triton.next_power_of_2(d_tail)),
         # Triton 3.6's interpreter multiplies bf16 as raw integers: there the GEMMs take the
         # (exact) float32 upcast of the bf16 operands. On the GPU the cast is a no-op.
-        DOT_DTYPE=tl.float32 if _INTERPRET or q.dtype == torch.float32 else tl.bfloat16,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        STATIC_TOPK=topk if _INTERPRET else 0,
+        DOT_DTYPE=tl.float32 if interpret or q_dtype == torch.float32 else tl.bfloat16,
+        PRECISION="ieee" if q_dtype == torch.float32 else "tf32",
+        STATIC_TOPK=topk if interpret else 0,
         # The interpreter has no PTX; prefetching changes no value. The bulk prefetch takes
         # 16-byte aligned rows of a multiple of 16 bytes (656-byte FP8 rows are; the 164-byte rows
         # of a 128 + 16 latent are not, and faulted with a misaligned address on the H200).
-        PREFETCH=not _INTERPRET and row_bytes % 16 == 0, ROW_BYTES=row_bytes,
+        PREFETCH=not interpret and row_bytes % 16 == 0, ROW_BYTES=row_bytes,
     )
-    return out, max_logits, lse
 
 
 def flash_mla_sparse_fwd(
