@@ -350,7 +350,7 @@ def _load_model(args, run: _Resolved, quiet: bool = False):
             print(run.checkpoint.note, file=sys.stderr)
         model = run.checkpoint.load(run.dtype, run.device)
     else:
-        model = init_weights(build_model(run.config, run.dtype, run.device), args.seed)
+        model = init_weights(build_model(run.config, run.dtype, run.device), args.seed, run.first_layer)
     return model.eval()
 
 
