@@ -1,0 +1,120 @@
+"""Layer-major prefill (``glm_dsa.layer_major``): the same bits as chunk-major order, one layer's
+weights at a time, and its memory plan."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from glm_dsa.config import PRESETS, keep_layers
+from glm_dsa.layer_major import CheckpointLayerWeights, RandomLayerWeights, memory_plan
+from glm_dsa.prefill import PrefillEngine
+from glm_dsa.weights import build_model, build_outer_model, init_outer_weights, init_weights, load_checkpoint, \
+    open_checkpoint
+
+STUB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights_stub")
+KV = {torch.float64: "fp64", torch.float32: "fp32"}
+
+
+def _ids(n: int, seed: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, order, lengths, prefix=0, chunk=128, kv_dtype=None, layer_outputs=True, **kw):
+    """Outputs, logits and timeline chunks of requests of ``lengths`` tokens sharing their first
+    ``prefix`` tokens (cached by a warm-up request when ``prefix``), run in ``order``."""
+    config = model.config
+    dtype = model.lm_head.weight.dtype
+    engine = PrefillEngine(model, num_pages=64, kv_dtype=kv_dtype or KV[dtype], chunked_prefill_size=chunk,
+                           budget_bytes=1 << 20, order=order, layer_outputs=layer_outputs, **kw)
+    shared = _ids(prefix, 99, config.vocab_size)
+    if prefix:
+        engine.warm_up(shared)
+    rids = [engine.add_request(torch.cat([shared, _ids(n - prefix, i, config.vocab_size)]))
+            for i, n in enumerate(lengths)]
+    engine.run()
+    return engine.outputs(rids), [s.chunks for s in engine.timeline], engine
+
+
+def _assert_same(a, b):
+    assert a[1] == b[1], "the two orders ran different steps"
+    assert sorted(a[0]) == sorted(b[0])
+    for name, t in a[0].items():
+        assert torch.equal(t, b[0][name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_layer_major_order_gives_chunk_majors_bits_tiny(dtype):
+    """Three requests of 200 / 130 / 150 tokens in chunks of 128 (truncated, shared steps), the
+    first 130 tokens a prefix-cache hit of two pages, every layer's output and top-k kept."""
+    model = init_weights(build_model(PRESETS["tiny"], dtype), seed=2).eval()
+    chunk = _run(model, "chunk", [200, 130, 150], prefix=130)
+    layer = _run(model, "layer", [200, 130, 150], prefix=130)
+    assert any(len(c) > 1 for c in chunk[1]) and chunk[2].finished[1].cached_len == 128
+    _assert_same(chunk, layer)
+
+
+def test_layer_major_order_gives_chunk_majors_bits_small_fp8():
+    """``small`` (dense and MoE layers, shared layers), float32, FP8 KV, two requests."""
+    model = init_weights(build_model(PRESETS["small"], torch.float32), seed=3).eval()
+    args = dict(lengths=[200, 140], chunk=192, kv_dtype="fp8", layer_outputs=False)
+    _assert_same(_run(model, "chunk", **args), _run(model, "layer", **args))
+
+
+def test_streamed_random_layers_are_the_whole_models():
+    """Layers drawn one at a time on their turn (``RandomLayerWeights``) and freed after give the
+    bits of the whole model built by ``init_weights``; a slice's stream starts at its first layer."""
+    config = keep_layers(PRESETS["tiny"], "1:4")
+    whole = init_weights(build_model(config, torch.float32), seed=5, first_layer=1).eval()
+    streamed = init_outer_weights(build_outer_model(config, torch.float32), seed=5).eval()
+    expected = _run(whole, "chunk", [200, 90], prefix=70)
+    got = _run(streamed, "layer", [200, 90], prefix=70, layer_weights=RandomLayerWeights(5, first_layer=1))
+    _assert_same(expected, got)
+    assert all(p.is_meta for p in streamed.model.layers.parameters()), "a layer's weights were kept"
+
+
+def test_streamed_checkpoint_layers_are_the_loaded_models():
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    loaded = load_checkpoint(os.path.join(STUB, "tiny"), torch.float32).eval()
+    streamed = checkpoint.load_outer(torch.float32).eval()
+    args = dict(lengths=[150], chunk=64, layer_outputs=[0, 3])
+    expected = _run(loaded, "chunk", **args)
+    got = _run(streamed, "layer", **args, layer_weights=CheckpointLayerWeights(checkpoint))
+    _assert_same(expected, got)
+    assert sorted(k for k in got[0] if ".layer." in k) == [
+        "request.0.layer.0.hidden", "request.0.layer.0.topk", "request.0.layer.3.hidden"]
+
+
+def test_layer_order_refusals():
+    model = init_weights(build_model(PRESETS["tiny"], torch.float32), seed=0).eval()
+    with pytest.raises(ValueError, match="order='bogus'|choose one of chunk, layer"):
+        PrefillEngine(model, num_pages=4, kv_dtype="fp32", order="bogus")
+    with pytest.raises(ValueError, match="need order='layer'"):
+        PrefillEngine(model, num_pages=4, kv_dtype="fp32", layer_weights=RandomLayerWeights(0))
+    engine = PrefillEngine(model, num_pages=4, kv_dtype="fp32", order="layer")
+    engine.add_request(_ids(10, 0, 512))
+    with pytest.raises(ValueError, match="call run"):
+        engine.step()
+
+
+def test_memory_plan_of_glm_5_3_at_one_million_tokens():
+    """The issue's figures, computed independently: main KV 656 B per token and layer (FP8:
+    512 e4m3 + 4 float32 scales + 64 bf16 rope), index K 128 + 4 B per token and full layer,
+    bf16 hidden rows, int32 top-k of 2048; a GLM-5.3 MoE full layer's weights in bf16."""
+    config = PRESETS["glm-5.3"]
+    n = 1 << 20
+    plan = memory_plan(config, [n], 32768, "fp8", torch.bfloat16, transient_bytes=0, available=None)
+    items = dict(plan.items)
+    assert plan.hidden_on_device and plan.host_items == ()
+    assert items["main KV, 78 layers (fp8)"] == n * 78 * (512 + 4 * 4 + 64 * 2)
+    assert items["index K, 21 full layers"] == n * 21 * (128 + 4)
+    assert items[f"hidden rows of {n:,} tokens"] == n * 6144 * 2
+    assert items[f"top-k of the last full layer, {n:,} tokens"] == n * 2048 * 4
+    h, e, inter = 6144, 256, 2048
+    experts = (e + 1) * 3 * h * inter  # routed and one shared expert
+    assert items["one layer's weights (+ float32 draw of a tensor)"] > 2 * experts
+    assert 100e9 < plan.device_bytes < 130e9  # the issue: inside 139 GB
+    tight = memory_plan(config, [n], 32768, "fp8", torch.bfloat16, 0, available=plan.device_bytes - 1)
+    assert not tight.hidden_on_device and dict(tight.host_items)[f"hidden rows of {n:,} tokens"] == n * 6144 * 2
