@@ -121,9 +121,9 @@ class MemoryPlan:
     def lines(self, device: torch.device) -> list[str]:
         """The plan as printed before a run: one line per item, then the totals."""
         out = [f"memory plan (layer-major, on {device}):"]
-        out += [f"  {name:<44} {b / 1e9:9.2f} GB" for name, b in self.items]
-        out += [f"  {name + ' (host, pinned)':<44} {b / 1e9:9.2f} GB" for name, b in self.host_items]
-        out.append(f"  {'total on the device':<44} {self.device_bytes / 1e9:9.2f} GB"
+        out += [f"  {name:<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.items]
+        out += [f"  {name + ' (host, pinned)':<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.host_items]
+        out.append(f"  {'total on the device':<52} {self.device_bytes:>18,} B {self.device_bytes / 1e9:9.2f} GB"
                    + (f"; {self.host_bytes / 1e9:.2f} GB on the host" if self.host_items else ""))
         return out
 
@@ -268,8 +268,10 @@ def run_layer_major(
             t2 = time.perf_counter()
             if weights is not None:
                 layer.to_empty(device="meta")
+            record = LayerRecord(layer.layer_idx, t1 - t0, t2 - t1, tokens)
+            engine.layer_timeline.append(record)
             if progress is not None:
-                progress(LayerRecord(layer.layer_idx, t1 - t0, t2 - t1, tokens))
+                progress(record)
         for s, scheduled in enumerate(steps):
             engine._keep(scheduled, hidden.get(s) if hidden.on_device else hidden.rows[s])
             engine._timeline_record(scheduled, times[s] or LayerTimes(), seconds[s], cuda_graph=False)

@@ -575,6 +575,7 @@ class PrefillEngine:
         """Start the timeline, the peak page count, the bytes-written counts and the CP
         counters afresh (e.g. after a warm-up run)."""
         self.timeline.clear()
+        self.layer_timeline: list[LayerRecord] = []  # layer-major order: one record per layer
         self.pages_peak = 0
         self.bytes_written = {"mla": 0, "index_k": 0}
         if self.cp_group is not None:
@@ -604,7 +605,8 @@ class PrefillEngine:
     def report(self, rids: Sequence[int]) -> dict:
         """The run since the last ``reset_stats`` as a JSON-ready dict: ``requests`` (tokens,
         cached), ``budget_bytes`` (the logits budget), ``attention_budget_bytes``,
-        ``total_seconds``, ``steps`` (each request named by its index in ``rids``), ``cache``
+        ``total_seconds``, ``steps`` (each request named by its index in ``rids``), in layer order
+        ``layers`` (per layer: its kind and the seconds its weights and its steps took), ``cache``
         usage in pages and bytes (the pools' bytes include the scratch pages of CUDA-graph
         padding), with CUDA graphs ``cuda_graphs`` (``graphs.StepGraphs.report``: per bucket its
         capture seconds and pool memory), and under CP ``context_parallel`` with every rank's
@@ -629,6 +631,11 @@ class PrefillEngine:
                 "bytes_written_index_k": self.bytes_written["index_k"],
             },
         }
+        if self.order == "layer":
+            layers = self.model.model.layers
+            report["layers"] = [{"layer": r.layer, "kind": "full" if layers[r.layer].is_full else "shared",
+                                 "weight_seconds": r.weight_seconds, "seconds": r.seconds, "tokens": r.tokens}
+                                for r in self.layer_timeline]
         if self.graphs is not None:
             report["cuda_graphs"] = self.graphs.report()
         if self.cp_group is not None:

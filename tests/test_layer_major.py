@@ -118,3 +118,67 @@ def test_memory_plan_of_glm_5_3_at_one_million_tokens():
     assert 100e9 < plan.device_bytes < 130e9  # the issue: inside 139 GB
     tight = memory_plan(config, [n], 32768, "fp8", torch.bfloat16, 0, available=plan.device_bytes - 1)
     assert not tight.hidden_on_device and dict(tight.host_items)[f"hidden rows of {n:,} tokens"] == n * 6144 * 2
+
+
+# ------------------------------------------------------------------ the command
+def _prefill(capsys, *argv):
+    from glm_dsa.cli import main
+
+    rc = main(["prefill", "--config", "tiny", "--kv-dtype", "fp32", "--chunk", "128", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_prefill_order_layer_writes_chunk_orders_outputs(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    files = {}
+    for order in ("chunk", "layer"):
+        files[order] = tmp_path / f"{order}.safetensors"
+        rc, out, err = _prefill(capsys, "--tokens", 200, "--requests", 2, "--prefix", 70, "--order", order,
+                                "--save-outputs", files[order], "--save-layer-outputs", "1,3")
+        assert rc == 0, err
+    assert "memory plan (layer-major, on cpu):" in err and "total on the device" in err
+    assert "prefill: layer 3 (4/4)" in err and "ETA 0 s" in err  # one line per layer off a terminal
+    assert "== layers (layer-major order" in out
+    chunk, layer = load_file(files["chunk"]), load_file(files["layer"])
+    assert sorted(k for k in layer if ".layer." in k) == [
+        f"request.{i}.layer.{l}.{t}" for i in range(2) for l, t in ((1, "hidden"), (1, "topk"), (3, "hidden"))]
+    assert sorted(chunk) == sorted(layer) and all(torch.equal(chunk[k], layer[k]) for k in chunk)
+
+
+def test_prefill_chooses_layer_order_when_only_one_layer_fits(capsys, monkeypatch):
+    """A device whose free memory holds one layer at a time but not the whole model: one line says
+    layer-major order was chosen, and the plan is printed before the run."""
+    from glm_dsa import preflight
+    from glm_dsa.ledger import prefill_peak_bytes
+    from glm_dsa.weights import largest_tensor_numel
+
+    config = PRESETS["tiny"]
+    # The command's own estimates, to place the free memory between them.
+    chunk_need = prefill_peak_bytes(config, [300], 128, "fp32", 4, 256 << 20) + 4 * largest_tensor_numel(config)
+    plan = memory_plan(config, [300], 128, "fp32", torch.float32, 256 << 20, None).device_bytes
+    assert plan < chunk_need
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: (plan + chunk_need) // 2)
+    rc, out, err = _prefill(capsys, "--tokens", 300, "--no-progress")
+    assert rc == 0, err
+    chosen = [line for line in err.splitlines() if "running in layer-major order" in line]
+    assert len(chosen) == 1 and "does not fit on cpu" in chosen[0]
+    assert "== layers (layer-major order" in out
+    # Not even with the hidden rows and top-k on the host:
+    least = memory_plan(config, [300], 128, "fp32", torch.float32, 256 << 20, available=0).device_bytes
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: least - 1)
+    rc, _, err = _prefill(capsys, "--tokens", 300, "--order", "layer", "--no-progress")
+    assert rc == 2 and err.count("error:") == 1 and "--order layer needs" in err and "by its memory plan" in err
+
+
+def test_prefill_order_layer_refusals(capsys):
+    for argv, message in (
+        (["--tokens", 100, "--order", "layer", "--cuda-graphs"], "--order layer runs one layer at a time"),
+        (["--tokens", 100, "--save-outputs", "x.safetensors", "--save-layer-outputs", "2:9"],
+         "2:9 is outside the kept layers 0:4"),
+        (["--tokens", 100, "--save-outputs", "x.safetensors", "--save-layer-outputs", "one"],
+         "'one' is neither a layer index nor a range"),
+    ):
+        rc, _, err = _prefill(capsys, *argv)
+        assert rc == 2 and message in err and err.count("\n") == 1, err
