@@ -188,9 +188,13 @@ class _Store:
         self.rows: list[torch.Tensor] = []
 
     def put(self, s: int, t: torch.Tensor) -> None:
-        """Keep ``t`` as step ``s``'s rows (replacing what was there)."""
+        """Keep ``t`` as step ``s``'s rows (replacing what was there; on the host into the step's
+        pinned buffer, allocated once)."""
         if not self.on_device:
-            t = t.to("cpu", non_blocking=False).pin_memory()
+            if s < len(self.rows) and self.rows[s].shape == t.shape and self.rows[s].dtype == t.dtype:
+                self.rows[s].copy_(t)
+                return
+            t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
         if s == len(self.rows):
             self.rows.append(t)
         else:

@@ -182,3 +182,30 @@ def test_prefill_order_layer_refusals(capsys):
     ):
         rc, _, err = _prefill(capsys, *argv)
         assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_layer_major_order_gives_chunk_majors_bits_glm_5_3_on_cuda():
+    """GLM-5.3 layers 6:9 (a full MoE layer and the two shared layers reusing its top-k) at
+    full width, bf16, FP8 KV, triton backend, two requests of 32,768 tokens together in chunks of
+    8,192: layer-major order with the layers drawn on the GPU on their turn gives the bits of
+    chunk-major order over the resident model (both eager)."""
+    config = keep_layers(PRESETS["glm-5.3"], "6:9")
+    lengths, chunk = [20_480, 12_288], 8_192
+    ids = [_ids(n, i, config.vocab_size) for i, n in enumerate(lengths)]
+
+    def run(model, **kw):
+        engine = PrefillEngine.for_prompts(model, lengths, kv_dtype="fp8", chunked_prefill_size=chunk,
+                                           backend="triton", cuda_graphs=False, layer_outputs=True, **kw)
+        rids = [engine.add_request(t) for t in ids]
+        engine.run()
+        return {k: v.cpu() for k, v in engine.outputs(rids).items()}, [s.chunks for s in engine.timeline]
+
+    model = init_weights(build_model(config, torch.bfloat16, "cuda"), seed=0, first_layer=6).eval()
+    expected = run(model)
+    del model
+    torch.cuda.empty_cache()
+    outer = init_outer_weights(build_outer_model(config, torch.bfloat16, "cuda"), seed=0).eval()
+    got = run(outer, order="layer", layer_weights=RandomLayerWeights(0, first_layer=6))
+    _assert_same(expected, got)
