@@ -59,7 +59,7 @@ def test_layer_major_order_gives_chunk_majors_bits_tiny(dtype):
 def test_layer_major_order_gives_chunk_majors_bits_small_fp8():
     """``small`` (dense and MoE layers, shared layers), float32, FP8 KV, two requests."""
     model = init_weights(build_model(PRESETS["small"], torch.float32), seed=3).eval()
-    args = dict(lengths=[200, 140], chunk=192, kv_dtype="fp8", layer_outputs=False)
+    args = dict(lengths=[150, 70], chunk=128, kv_dtype="fp8", layer_outputs=False)
     _assert_same(_run(model, "chunk", **args), _run(model, "layer", **args))
 
 
@@ -135,7 +135,7 @@ def test_prefill_order_layer_writes_chunk_orders_outputs(tmp_path, capsys):
     files = {}
     for order in ("chunk", "layer"):
         files[order] = tmp_path / f"{order}.safetensors"
-        rc, out, err = _prefill(capsys, "--tokens", 200, "--requests", 2, "--prefix", 70, "--order", order,
+        rc, out, err = _prefill(capsys, "--tokens", 140, "--requests", 2, "--prefix", 70, "--order", order,
                                 "--save-outputs", files[order], "--save-layer-outputs", "1,3")
         assert rc == 0, err
     assert "memory plan (layer-major, on cpu):" in err and "total on the device" in err
