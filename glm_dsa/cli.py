@@ -36,6 +36,7 @@ from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
 from glm_dsa.config import DSAConfig, get_config
 from glm_dsa.kv_format import MLA_KV_FORMATS, mla_kv_unsupported
+from glm_dsa.layer_major import ORDERS
 from glm_dsa.ledger import GpuSpec, build_ledger
 from glm_dsa.ledger_text import format_ledger
 from glm_dsa.outputs import Terminated, raise_terminated
@@ -202,10 +203,15 @@ def _add_prefill(sub) -> None:
     p.add_argument("--save-outputs", metavar="FILE.safetensors",
                    help="write request.{i}.input_ids, request.{i}.hidden (every position, last layer before the "
                         "final norm) and request.{i}.logits (float32 [vocab], the last position only)")
-    p.add_argument("--save-layer-outputs", action="store_true",
+    p.add_argument("--save-layer-outputs", nargs="?", const="all", default=None, metavar="LAYERS",
                    help="with --save-outputs, also write request.{i}.layer.{l}.hidden (float32 [L, hidden], kept layer "
                         "l's output) and request.{i}.layer.{l}.topk (int32 [L, index_topk], each full layer's "
-                        "request-relative top-k, -1 padded); one rank only")
+                        "request-relative top-k, -1 padded) of every kept layer, or of LAYERS only (config numbering: "
+                        "comma-separated indices and a:b ranges, e.g. 6,40:42); one rank only")
+    p.add_argument("--order", choices=ORDERS, default=None,
+                   help="chunk: each step through the whole stack; layer: every step through one layer before the "
+                        "next, one layer's weights resident at a time (same bits; prints a memory plan first). "
+                        "Default: chunk, or layer when the whole model does not fit the device but one layer does")
     p.add_argument("--plot", metavar="FILE.png", help="draw the per-step cost curve (needs the 'plot' extra)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--cp", type=int,
@@ -246,6 +252,54 @@ def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
                   file=sys.stderr, flush=True)
 
     return update_line, lambda: None
+
+
+def _layer_progress_bar(num_layers: int, first_layer: int, enabled: bool):
+    """Layer-major progress: a tqdm bar over the layers (its ETA from the layers done) on a
+    terminal; otherwise one line per layer with the ETA from the mean layer so far."""
+    if not enabled:
+        return lambda record: None, lambda: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=num_layers, unit="layer", file=sys.stderr, desc="prefill (layer-major)")
+
+        def update(record) -> None:
+            bar.update(1)
+            bar.set_postfix(layer=first_layer + record.layer, s=f"{record.weight_seconds + record.seconds:.2f}")
+
+        return update, bar.close
+    spent = [0.0]
+
+    def update_line(record) -> None:
+        spent[0] += record.weight_seconds + record.seconds
+        done = record.layer + 1
+        eta = spent[0] / done * (num_layers - done)
+        print(f"prefill: layer {first_layer + record.layer} ({done}/{num_layers}), weights {record.weight_seconds:.2f} s, "
+              f"{record.tokens} tokens {record.seconds:.2f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+    return update_line, lambda: None
+
+
+def _layer_set(spec: str, first_layer: int, num_layers: int) -> frozenset[int] | bool:
+    """``--save-layer-outputs LAYERS`` as stack indices (``True``: every layer): comma-separated
+    config layer indices and ``a:b`` ranges, each within the kept layers."""
+    if spec == "all":
+        return True
+    kept = range(first_layer, first_layer + num_layers)
+    chosen: set[int] = set()
+    for part in spec.split(","):
+        try:
+            a, _, b = part.strip().partition(":")
+            span = range(int(a), int(b)) if b else range(int(a), int(a) + 1)
+        except ValueError:
+            raise ValueError(f"--save-layer-outputs {spec}: {part!r} is neither a layer index nor a range a:b "
+                             "(e.g. 6,40:42)") from None
+        if not span or span.start not in kept or span.stop - 1 not in kept:
+            raise ValueError(f"--save-layer-outputs {spec}: {part.strip()} is outside the kept layers "
+                             f"{kept.start}:{kept.stop} (config numbering)")
+        chosen.update(i - first_layer for i in span)
+    return frozenset(chosen)
 
 
 def _cmd_prefill(args) -> int:
@@ -351,8 +405,22 @@ def _load_model(args, run: _Resolved, quiet: bool = False):
             print(run.checkpoint.note, file=sys.stderr)
         model = run.checkpoint.load(run.dtype, run.device)
     else:
-        model = init_weights(build_model(run.config, run.dtype, run.device), args.seed)
+        model = init_weights(build_model(run.config, run.dtype, run.device), args.seed, run.first_layer)
     return model.eval()
+
+
+def _load_outer_model(args, run: _Resolved):
+    """For layer-major order: the model with its embedding, final norm and head filled (from
+    ``--weights`` or seeded random weights) and its layers on the meta device, and the
+    ``LayerWeights`` that fills each layer on its turn."""
+    from glm_dsa.layer_major import CheckpointLayerWeights, RandomLayerWeights
+    from glm_dsa.weights import build_outer_model, init_outer_weights
+
+    if run.checkpoint is not None:
+        print(run.checkpoint.note, file=sys.stderr)
+        return run.checkpoint.load_outer(run.dtype, run.device).eval(), CheckpointLayerWeights(run.checkpoint)
+    model = init_outer_weights(build_outer_model(run.config, run.dtype, run.device), args.seed)
+    return model.eval(), RandomLayerWeights(args.seed, run.first_layer)
 
 
 def _numbered_requests(flag: str, path: str, suffix: str) -> list[tuple[str, dict]]:
@@ -437,16 +505,20 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     themselves, read once and checked by value (``_prompts``), which it returns. The memory
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
+    from glm_dsa.cp import launched_by_torchrun
     from glm_dsa.preflight import available_bytes, check_fits, check_optional_module, resident_bytes
     from glm_dsa.ledger import param_counts
 
     device, config = run.device, run.config
+    if args.order == "layer" and ((args.cp or 1) > 1 or launched_by_torchrun()):
+        raise ValueError("--order layer runs on one rank; drop --cp (context parallel runs in chunk order)")
+    if args.order == "layer" and args.cuda_graphs:
+        raise ValueError("--cuda-graphs replays whole-stack steps; --order layer runs one layer at a time: drop one")
     if args.cuda_graphs:
-        from glm_dsa.cp import launched_by_torchrun
         from glm_dsa.graphs import unsupported
 
         why = unsupported(device, run.backend, cp=(args.cp or 1) > 1 or launched_by_torchrun(),
-                          observed=args.save_layer_outputs,
+                          observed=bool(args.save_layer_outputs),
                           batch_invariant=args.batch_invariant or run.backend.invariant_by_default,
                           dtype=run.dtype)
         if why:
@@ -470,6 +542,8 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     if args.save_layer_outputs and (args.cp or 1) > 1:
         raise ValueError("--save-layer-outputs runs on one rank (a context-parallel rank holds a share of each "
                          "layer's rows); drop --cp")
+    if args.save_layer_outputs:
+        _layer_set(args.save_layer_outputs, run.first_layer, config.num_hidden_layers)
     text_ids = None  # --text is read here, once: a FIFO or a pipe (/dev/fd/N) gives its text to one read
     if given:
         flag = given[0]
@@ -510,7 +584,8 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     if ranks_on_host > 1:  # each rank a process of its own: this one's memory is not theirs
         need *= ranks_on_host
         lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]
-    check_fits(need, device, lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8", held)
+    lower = lower if args.kv_dtype == "fp8" else lower + " or --kv-dtype fp8"
+    _choose_order(args, run, lengths, need, have, lower, held)
     return _prompts(args, config, text_ids)
 
 
@@ -535,6 +610,55 @@ def _estimated_peak_bytes(args, run: _Resolved, lengths: list[int]) -> int:
         save_outputs=bool(args.save_outputs), layer_outputs=bool(args.save_layer_outputs),
         input_bytes=sum(os.path.getsize(p) for p in inputs))
     return need + (host_baseline_bytes() if device.type == "cpu" else 0)
+
+
+def _choose_order(args, run: _Resolved, lengths: list[int], chunk_need: int, have: int | None, lower: str,
+                  held: int = 0) -> None:
+    """Settle ``args.order`` (None: chunk when its estimate ``chunk_need`` fits, else layer when
+    the layer-major plan does, saying so in one line) and, for layer order, print its memory plan
+    on stderr, before any model is built; a run neither order fits is refused in one line (the
+    chunk-major hint ``lower`` when no order was asked for). ``held``: the part of
+    ``chunk_need`` this process holds already (``preflight.check_fits``)."""
+    from glm_dsa.preflight import check_fits
+
+    args.hidden_on_device = True
+    if args.order == "chunk" or (args.order is None and (have is None or chunk_need <= have + held)):
+        args.order = "chunk"
+        check_fits(chunk_need, run.device, lower, held)
+        return
+    plan = _layer_plan(args, run, lengths, have)
+    fits = have is None or plan.device_bytes <= have
+    if args.order is None:
+        if not fits or (args.cp or 1) > 1:
+            check_fits(chunk_need, run.device, lower, held)  # refuses: the chunk-major estimate did not fit
+        assert have is not None  # chunk_need > have brought us here
+        print(f"prefill: the whole model ({chunk_need / 1e9:.1f} GB with its caches) does not fit on {run.device} "
+              f"({have / 1e9:.1f} GB free), one layer at a time does "
+              f"({plan.device_bytes / 1e9:.1f} GB): running in layer-major order (--order layer)", file=sys.stderr)
+        args.order = "layer"
+    for line in plan.lines(run.device):
+        print(line, file=sys.stderr)
+    if have is not None and not fits:
+        raise ValueError(f"--order layer needs {plan.device_bytes / 1e9:.1f} GB on {run.device} by its memory plan, "
+                         f"{have / 1e9:.1f} GB free; lower --tokens / --requests / --chunk, "
+                         "use --kv-dtype fp8 or --dtype bfloat16")
+    from glm_dsa.preflight import available_bytes
+
+    host = available_bytes(torch.device("cpu"))
+    if plan.host_bytes and host is not None and plan.host_bytes > host:
+        raise ValueError(f"--order layer keeps {plan.host_bytes / 1e9:.1f} GB of hidden rows and top-k in pinned host "
+                         f"memory, {host / 1e9:.1f} GB available; lower --tokens / --requests")
+    args.hidden_on_device = plan.hidden_on_device
+
+
+def _layer_plan(args, run: _Resolved, lengths: list[int], have: int | None):
+    """The layer-major ``MemoryPlan`` of the run (transients: its budgets, the largest of which
+    a step holds at once)."""
+    from glm_dsa.layer_major import memory_plan
+
+    budgets = _budgets(args, run.device)
+    transient = max(budgets.logits_bytes, budgets.attention_bytes, budgets.moe_bytes)
+    return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have)
 
 
 def _check_positions(flag: str, args, config, lengths: list[int]) -> None:
@@ -642,12 +766,24 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
             inputs = _preflight_prefill(args, run, ranks_on_host=on_host)
         else:
             inputs = _prompts(args, run.config)
+            args.order, args.hidden_on_device = args.order or "chunk", True
     cuda = device.type == "cuda"
-    estimate = _estimated_peak_bytes(args, run, [p.shape[0] for p in inputs[0]]
-                                     + ([] if inputs[1] is None else [inputs[1].numel()]))
+    lengths = [p.shape[0] for p in inputs[0]] + ([] if inputs[1] is None else [inputs[1].numel()])
+    if args.order == "layer":  # its own plan: one layer's weights, not the whole model's
+        from glm_dsa.preflight import available_bytes, host_baseline_bytes
+
+        plan = _layer_plan(args, run, lengths, available_bytes(device))
+        estimate = plan.device_bytes + plan.host_bytes + (host_baseline_bytes() if device.type == "cpu" else 0)
+    else:
+        estimate = _estimated_peak_bytes(args, run, lengths)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    model = _load_model(args, run, quiet)
+    layer_weights = None
+    if args.order == "layer":
+        model, layer_weights = _load_outer_model(args, run)
+    else:
+        model = _load_model(args, run, quiet)
+    # meta parameters count too: a layer-major run builds every layer, one at a time
     memory = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
               "weights_peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
               "estimate_peak_bytes": estimate}
@@ -660,14 +796,20 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
         chunked_prefill_size=args.chunk,
         budget_bytes=_budgets(args, device), timing=True, cp_group=cp_group, backend=run.backend,
-        layer_outputs=args.save_layer_outputs,
-        batch_invariant=args.batch_invariant or None, cuda_graphs=args.cuda_graphs)
+        layer_outputs=(_layer_set(args.save_layer_outputs, run.first_layer, config.num_hidden_layers)
+                       if args.save_layer_outputs else False),
+        batch_invariant=args.batch_invariant or None, cuda_graphs=args.cuda_graphs,
+        order=args.order, layer_weights=layer_weights, hidden_on_device=args.hidden_on_device)
     warm = engine.warm_up(prefix_ids) if prefix_ids is not None else None
     rids = [engine.add_request(p) if p.dtype == torch.int64 else engine.add_request(None, input_hidden=p)
             for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
-    update, close = _progress_bar(engine.tokens_to_run(), progress)
-    engine.run(update)
+    if args.order == "layer":
+        update, close = _layer_progress_bar(config.num_hidden_layers, run.first_layer, progress)
+        engine.run(layer_progress=update)
+    else:
+        update, close = _progress_bar(engine.tokens_to_run(), progress)
+        engine.run(update)
     close()
     memory["prefill_peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else None
     # the process's peak resident memory so far (Linux reports ru_maxrss in KiB)
@@ -675,8 +817,10 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
     weights = args.weights or f"random, seed {args.seed}"
     report = {"schema": PREFILL_SCHEMA, "config": config.name, "weights": weights, "device": str(device),
               "dtype": run.dtype_name, "kv_dtype": args.kv_dtype, "backend": run.backend.name, "chunk": args.chunk,
-              "memory": memory,
+              "order": args.order, "memory": memory,
               **engine.report(rids)}
+    for layer in report.get("layers", []):  # the config's numbering, as the outputs name layers
+        layer["layer"] += run.first_layer
     if quiet:
         return 0
     if args.save_outputs:
@@ -694,11 +838,12 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
     print(f"weights {weights}; dtype {run.dtype_name}; KV {args.kv_dtype}; backend {run.backend.name} on {device}")
-    print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB" + (
+    print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB"
+          + (" (one layer resident at a time)" if args.order == "layer" else "") + (
         f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
         f"{memory['prefill_peak_bytes'] / 1e9:.2f} GB during the prefill" if cuda else
         f"; peak RSS {memory['host_peak_rss_bytes'] / 1e9:.2f} GB") +
-        f" (pre-flight estimate {estimate / 1e9:.2f} GB)")
+        f" ({'memory plan' if args.order == 'layer' else 'pre-flight estimate'} {estimate / 1e9:.2f} GB)")
     print(_format_prefill_report(report))
     return 0
 
@@ -727,7 +872,14 @@ def _format_prefill_report(report: dict) -> str:
          for s in report["steps"]],
     )
     usage = report["cache"]
-    blocks = [timeline, table("cache usage", ["cache", "value"], [
+    blocks = [timeline]
+    if report.get("layers"):
+        blocks.append(table(
+            "layers (layer-major order: every step through one layer before the next)",
+            ["layer", "kind", "weights s", "steps s"],
+            [[str(r["layer"]), r["kind"], f"{r['weight_seconds']:.3f}", f"{r['seconds']:.3f}"] for r in report["layers"]],
+        ))
+    blocks += [table("cache usage", ["cache", "value"], [
         ["pages (total / peak in use)", f"{usage['pages_total']} / {usage['pages_peak']}"],
         ["main KV page bytes", f"{usage['page_bytes_main_kv']:,}"],
         ["index-K page bytes", f"{usage['page_bytes_index_k']:,}"],
@@ -874,7 +1026,8 @@ def _add_fidelity(sub) -> None:
                    help="query rows to sample, one per equal stretch of positions (default 256)")
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
     # _preflight_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
-    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=False, cp=None,
+    p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=None, cp=None,
+                   order="chunk",
                    batch_invariant=False, cuda_graphs=None)
 
 

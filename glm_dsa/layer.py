@@ -218,19 +218,23 @@ class DSAModel(nn.Module):
         """``inputs``: int64 token ids ``[n]`` or hidden states ``[n, hidden]``; returns the last
         layer's output ``[n, hidden]`` before the final norm. ``step``: see ``StepContext``
         (the context-parallel driver passes this rank's share of the step)."""
-        if inputs.dtype == torch.int64:
-            x = self.embed_tokens(inputs)
-        elif inputs.is_floating_point() and inputs.dim() == 2:
-            x = inputs
-        else:
-            raise ValueError(
-                f"inputs must be int64 token ids [n] or hidden states [n, hidden], got {inputs.dtype} "
-                f"{tuple(inputs.shape)}"
-            )
+        x = self.input_rows(inputs)
         topk_indices = None
         for layer in self.layers:
             x, topk_indices = layer(x, step, topk_indices)
         return x
+
+    def input_rows(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The first layer's input ``[n, hidden]``: ``inputs`` embedded when token ids (int64
+        ``[n]``), as given when hidden states ``[n, hidden]``."""
+        if inputs.dtype == torch.int64:
+            return self.embed_tokens(inputs)
+        if inputs.is_floating_point() and inputs.dim() == 2:
+            return inputs
+        raise ValueError(
+            f"inputs must be int64 token ids [n] or hidden states [n, hidden], got {inputs.dtype} "
+            f"{tuple(inputs.shape)}"
+        )
 
 
 # Rows per lm_head call on CUDA in batch-invariant mode (``glm_dsa.invariant.row_wise``).

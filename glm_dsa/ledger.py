@@ -742,6 +742,24 @@ def ttft_floor(
     return {"components": comps, "serial_s": serial, "critical_path_s": critical}
 
 
+def _build_whole_model_time(run: _Run) -> dict[str, Any]:
+    """The whole model's prefill on one GPU in layer-major order, from a measured layer
+    (``glm_dsa.measured``); ``applies`` is False (and the seconds None) for a config whose layers
+    were not measured."""
+    from glm_dsa.measured import H200_GLM53_1M, whole_model_seconds
+
+    m, c = H200_GLM53_1M, run.config
+    full = len(c.full_layers)
+    out: dict[str, Any] = {"measured": dataclasses.asdict(m), "applies": c.name == m.config, "full_layers": full,
+                           "shared_layers": c.num_hidden_layers - full,
+                           "full_layer_s": None, "shared_layer_s": None, "seconds": None}
+    if out["applies"]:
+        reference = _indexer_pairs(chunk_runs(m.tokens, m.chunk, 0, c.page_size)).total
+        out.update(whole_model_seconds(full, c.num_hidden_layers - full, _indexer_pairs(run.runs).total, run.new,
+                                       reference, m))
+    return out
+
+
 # ============================================================================ the whole ledger
 @dataclass(frozen=True)
 class _Run:
@@ -996,6 +1014,7 @@ def build_ledger(
         "context_parallel": _build_context_parallel(run),
         "comm": _build_comm(run),
         "ttft": _build_ttft(run),
+        "whole_model_time": _build_whole_model_time(run),
     }
 
 

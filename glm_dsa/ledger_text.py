@@ -29,6 +29,7 @@ ARTICLE_KV = {  # KV bytes: "每 token 每层 656 字节", index K "132 字节",
     "main_page_bytes": "41,984 B", "index_page_bytes": "8,448 B", "pages_per_chunk": "512",
 }
 ARTICLE_TTFT = "55-65 s (with its index-K reread slip)"
+ARTICLE_TTFT_GPU_SECONDS = (440, 520)  # its 55-65 s on 8 H200s, in GPU-seconds
 
 
 def _article(ledger: dict[str, Any]) -> bool:
@@ -251,10 +252,34 @@ def _render_ttft(ledger: dict[str, Any]) -> list[str]:
          f"TTFT floor = critical_path_s = {si(tt['critical_path_s'], 's')}{note}")]
 
 
+def _render_whole_model_time(ledger: dict[str, Any]) -> list[str]:
+    w = ledger["whole_model_time"]
+    if not w["applies"]:
+        return []
+    m = w["measured"]
+    rows = [[f"full layer ({w['full_layers']})", f"{w['full_layer_s']:.2f}", f"{w['full_layers'] * w['full_layer_s']:.1f}"],
+            [f"shared layer ({w['shared_layers']})", f"{w['shared_layer_s']:.2f}",
+             f"{w['shared_layers'] * w['shared_layer_s']:.1f}"],
+            ["whole model, one GPU", "", f"{w['seconds']:.1f}"]]
+    lines = [table(f"whole model on one {m['gpu']} in layer-major order, from a measured layer",
+                   ["layers", "seconds each", "seconds"], rows)]
+    low, high = ARTICLE_TTFT_GPU_SECONDS
+    article = (f"design article at {number(m['tokens'])} tokens: {ARTICLE_TTFT} on 8 x H200,\n"
+               f"= {low}-{high} GPU-seconds; this estimate is {w['seconds'] / high:.2f}-{w['seconds'] / low:.2f}x of it"
+               if _article(ledger) and ledger["inputs"]["tokens"] == m["tokens"] and not ledger["inputs"]["prefix"]
+               else f"(the design article prices {number(m['tokens'])} tokens only)")
+    lines[0] += ("\n" + f"measured: one full layer at {number(m['tokens'])} tokens (chunk {number(m['chunk'])}) "
+                 f"{m['full_layer_s']} s, indexer {m['indexer_s']} s,\n{m['setup']}; {m['date']},\n"
+                 f"source: {m['source']}.\n"
+                 "Scaled to this prompt: the indexer by its query-key pairs, the rest by the tokens run.\n" + article)
+    return lines
+
+
 # The text report, section by section, in the order the tables are printed.
 _RENDERERS = (
     _render_header, _render_flops, _render_params, _render_indexer, _render_kv, _render_chunks,
     _render_memory, _render_chunk_sizes, _render_context_parallel, _render_comm, _render_ttft,
+    _render_whole_model_time,
 )
 
 

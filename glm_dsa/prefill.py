@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 import torch
 
@@ -28,6 +28,7 @@ from glm_dsa.budget import Budgets
 from glm_dsa.cache import KVCache, PageAllocator
 from glm_dsa.kv_format import index_k_page_bytes
 from glm_dsa.layer import DecoderLayer, DSAForCausalLM, LayerTimes, StepContext, StepObserver
+from glm_dsa.layer_major import ORDERS, LayerRecord, LayerWeights, run_layer_major
 
 if TYPE_CHECKING:
     from glm_dsa.cp import CPGroup
@@ -69,19 +70,27 @@ class _Ran:
 
 
 class _LayerOutputs(StepObserver):
-    """``layer_outputs``: each layer's output rows (and a full layer's top-k rows) of a step
-    appended to the step's requests."""
+    """``layer_outputs``: the output rows of each kept layer (``layers``: stack indices, None for
+    all; and a full layer's top-k rows) of a step appended to the step's requests, copied to the
+    host when ``to_host`` (a layer-major run keeps no layer's rows on the device)."""
 
-    def __init__(self, scheduled: ScheduledStep) -> None:
+    def __init__(self, scheduled: ScheduledStep, layers: frozenset[int] | None, to_host: bool) -> None:
         self.requests = [r for r, _ in scheduled.plan]
         self.rows = scheduled.rows()
+        self.layers, self.to_host = layers, to_host
 
     def layer_output(self, layer: DecoderLayer, out: torch.Tensor, topk_indices: torch.Tensor | None) -> None:
+        if self.layers is not None and layer.layer_idx not in self.layers:
+            return
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().cpu() if self.to_host else t.detach()
+
         for req, (q0, e) in zip(self.requests, self.rows):
-            req.layer_hidden.setdefault(layer.layer_idx, []).append(out[q0 : q0 + e].detach())
+            req.layer_hidden.setdefault(layer.layer_idx, []).append(keep(out[q0 : q0 + e]))
             if layer.is_full:
                 assert topk_indices is not None  # a full layer's indexer gave it
-                req.layer_topk.setdefault(layer.layer_idx, []).append(topk_indices[q0 : q0 + e].detach())
+                req.layer_topk.setdefault(layer.layer_idx, []).append(keep(topk_indices[q0 : q0 + e]))
 
 
 def pages_for(lengths: Sequence[int], page_size: int) -> int:
@@ -220,7 +229,8 @@ class PrefillEngine:
             ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``), ``"peers"``
             (DeepGEMM and FlashMLA), or a ``Backend`` object; see ``glm_dsa.backend``.
         layer_outputs: keep every layer's output and every full layer's top-k of each request
-            (``outputs`` writes them; one rank only).
+            (``outputs`` writes them; one rank only); or a set of stack layer indices to keep
+            those layers' only.
         observer: a ``glm_dsa.layer.StepObserver`` told each layer's attention input, top-k and
             output at every step (one rank only; not with ``layer_outputs``, which is one).
         batch_invariant: every row-wise product on fixed-shape tiles (on the tokens' positions
@@ -237,6 +247,14 @@ class PrefillEngine:
             one rank, no ``layer_outputs`` or ``observer``; True there or a ValueError saying why not; False: every step
             eager. Steps from graphs have no per-component ``timing`` split. The pool gets
             ``graphs.max_padding`` scratch slots more, outside the allocator, for padded rows.
+        order: ``"chunk"`` (default): each step through the whole stack; ``"layer"``: every step
+            through one layer before the next (``glm_dsa.layer_major``: the same steps and the
+            same bits, one layer's weights resident at a time; one rank, no CUDA graphs).
+        layer_weights: with ``order="layer"``, fills each layer just before it runs (its
+            parameters are allocated then and freed after: build the model with
+            ``glm_dsa.weights.build_outer_model``); None: the layers are resident.
+        hidden_on_device: with ``order="layer"``, keep the hidden rows and top-k between layers
+            on the device (default) or, on CUDA, in pinned host memory.
     """
 
     pages_peak: int  # most pages in use at once since the last reset_stats
@@ -254,12 +272,24 @@ class PrefillEngine:
         timing: bool = False,
         cp_group: CPGroup | None = None,
         backend: str | Backend = "auto",
-        layer_outputs: bool = False,
+        layer_outputs: bool | Collection[int] = False,
         batch_invariant: bool | None = None,
         cuda_graphs: bool | None = None,
         observer: StepObserver | None = None,
+        order: str = "chunk",
+        layer_weights: LayerWeights | None = None,
+        hidden_on_device: bool = True,
     ) -> None:
         cfg = model.config
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r}: choose one of {', '.join(ORDERS)}")
+        if order == "layer" and cp_group is not None:
+            raise ValueError("order='layer' runs on one rank; context parallel runs in chunk order")
+        if order == "layer" and cuda_graphs:
+            raise ValueError("cuda_graphs=True replays whole-stack steps; order='layer' runs one layer at a time: "
+                             "pass cuda_graphs=None or False")
+        if order == "chunk" and layer_weights is not None:
+            raise ValueError("layer_weights fill one layer at a time: they need order='layer'")
         if layer_outputs and cp_group is not None:
             raise ValueError("layer_outputs is for one rank: a context-parallel rank sees only its share of the rows")
         if observer is not None and (cp_group is not None or layer_outputs):
@@ -276,11 +306,11 @@ class PrefillEngine:
         self.batch_invariant = (self.backend.invariant_by_default if batch_invariant is None
                                 else batch_invariant)
         why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,
-                                     observed=layer_outputs or observer is not None,
+                                     observed=bool(layer_outputs) or observer is not None,
                                      batch_invariant=self.batch_invariant, dtype=self.dtype)
         if cuda_graphs and why_not:
             raise ValueError(f"cuda_graphs=True: {why_not}; pass cuda_graphs=False (or None to choose)")
-        use_graphs = why_not is None and cuda_graphs is not False
+        use_graphs = why_not is None and cuda_graphs is not False and order == "chunk"
         scratch = graphs.max_padding(graphs.MAX_GRAPH_TOKENS, cfg.page_size) if use_graphs else 0
         scratch_pages = -(-scratch // cfg.page_size)
         self.cache = KVCache(cfg, num_pages + scratch_pages, kv_dtype, self.device)
@@ -301,6 +331,7 @@ class PrefillEngine:
         self.cp_group = cp_group
         self.layer_outputs = layer_outputs
         self.observer = observer
+        self.order, self.layer_weights, self.hidden_on_device = order, layer_weights, hidden_on_device
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
@@ -392,16 +423,21 @@ class PrefillEngine:
     def step(self) -> StepRecord | None:
         """Schedule, run and collect one step (nano-vllm's ``schedule → run → postprocess``);
         None when nothing is left to run."""
+        if self.order == "layer":
+            raise ValueError("a layer-major engine runs every step of a layer together: call run()")
         scheduled = self._schedule()
         if scheduled is None:
             return None
         t0 = time.perf_counter()
         with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
             ran = self._run(scheduled)
-            self._collect(scheduled, ran.hidden)
+            self._keep(scheduled, ran.hidden)
+            self._advance(scheduled)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return self._record(scheduled, ran, time.perf_counter() - t0)
+        record = self._timeline_record(scheduled, ran.times, time.perf_counter() - t0, ran.cuda_graph)
+        self._retire(scheduled)
+        return record
 
     def _schedule(self) -> ScheduledStep | None:
         """Admit what fits, plan the step's chunks and build its batch and input; None when
@@ -426,34 +462,48 @@ class PrefillEngine:
         if self.graphs is not None and self.graphs.fits(batch):
             return _Ran(self.graphs.run(scheduled.inputs, batch), LayerTimes(), cuda_graph=True)
         times = LayerTimes() if self.timing else None
-        observer = _LayerOutputs(scheduled) if self.layer_outputs else self.observer
-        step = StepContext(batch, self.cache, self.budgets, self.backend, times=times, observer=observer)
+        step = StepContext(batch, self.cache, self.budgets, self.backend, times=times,
+                           observer=self._observer_for(scheduled))
         if self.cp_group is None:
             hidden = self.model.model(scheduled.inputs, step)
         else:
             hidden = self.cp_group.forward(self.model.model, scheduled.inputs, step)
         return _Ran(hidden, times or LayerTimes(), cuda_graph=False)
 
-    def _collect(self, scheduled: ScheduledStep, hidden: torch.Tensor) -> None:
-        """Each request's rows of ``hidden [n, hidden]``, its progress, and the logits of the
-        requests the step completes."""
+    def _observer_for(self, scheduled: ScheduledStep) -> StepObserver | None:
+        """The observer of ``scheduled``'s layers: the engine's ``layer_outputs`` or its own."""
+        if not self.layer_outputs:
+            return self.observer
+        layers = None if self.layer_outputs is True else frozenset(self.layer_outputs)
+        return _LayerOutputs(scheduled, layers, to_host=self.order == "layer")
+
+    def _keep(self, scheduled: ScheduledStep, hidden: torch.Tensor) -> None:
+        """Each request's rows of the step's last-layer output ``hidden [n, hidden]`` (where
+        they are: on the model's device, or on the host for a layer-major run that keeps them
+        there), and the logits of the requests the step completes."""
         last_rows = []
-        for (req, _), (q0, e) in zip(scheduled.plan, scheduled.rows()):
+        for (req, _), p, (q0, e) in zip(scheduled.plan, scheduled.prefix_lens, scheduled.rows()):
             # Kept on the model's device: a per-step copy to the host costs more than the
             # step's attention at a few thousand tokens (pageable copies are slow).
             req.hidden.append(hidden[q0 : q0 + e].detach())
-            req.prefix_len += e
-            if req.done:
+            if p + e == req.length:
                 last_rows.append((req, q0 + e - 1))
         if self.compute_logits and last_rows:
             rows = [row for _, row in last_rows]
-            logits = self.model.logits(hidden[rows], scheduled.batch.positions[rows])
+            logits = self.model.logits(hidden[rows].to(self.device), scheduled.batch.positions[rows])
             for (req, _), lg in zip(last_rows, logits):
                 req.logits = lg.cpu()
 
-    def _record(self, scheduled: ScheduledStep, ran: _Ran, seconds: float) -> StepRecord:
-        """The step's timeline record; the requests it completed are finished."""
-        plan, t = scheduled.plan, ran.times
+    def _advance(self, scheduled: ScheduledStep) -> None:
+        """Each request of the step has run its chunk."""
+        for req, e in scheduled.plan:
+            req.prefix_len += e
+
+    def _timeline_record(self, scheduled: ScheduledStep, t: LayerTimes, seconds: float,
+                         cuda_graph: bool) -> StepRecord:
+        """The step's timeline record (``t``: its per-component seconds), appended with the
+        bytes it wrote."""
+        plan = scheduled.plan
         record = StepRecord(
             step=len(self.timeline) + 1,
             chunks=tuple((r.rid, p, p + e) for (r, e), p in zip(plan, scheduled.prefix_lens)),
@@ -463,17 +513,21 @@ class PrefillEngine:
             indexer=t.indexer,
             attention=t.attention,
             moe=t.moe,
-            cuda_graph=ran.cuda_graph,
+            cuda_graph=cuda_graph,
         )
         self.timeline.append(record)
         self._count_writes(scheduled.batch.num_tokens)
-        for req, _ in plan:
+        return record
+
+    def _retire(self, scheduled: ScheduledStep) -> None:
+        """After a step has advanced its requests: those it completed are finished (pages freed,
+        prefixes cached) and the one left part-way goes first."""
+        for req, _ in scheduled.plan:
             if req.done:
                 self._finish(req)
         # The one request left part-way runs first next step (PrefillAdder's new_chunked_req).
         self.running.sort(key=lambda r: r.prefix_len == 0)
         self.pages_peak = max(self.pages_peak, self.allocator.num_pages - self.allocator.num_free)
-        return record
 
     def _count_writes(self, tokens: int) -> None:
         """Bytes the step stored: ``tokens`` rows of main KV in every layer and of index K in
@@ -504,8 +558,13 @@ class PrefillEngine:
         self.allocator.release(req.pages)
         self.finished[req.rid] = req
 
-    def run(self, progress: Callable[[StepRecord], None] | None = None) -> dict[int, Request]:
-        """Step until every request is finished; returns them by id."""
+    def run(self, progress: Callable[[StepRecord], None] | None = None,
+            layer_progress: Callable[[LayerRecord], None] | None = None) -> dict[int, Request]:
+        """Step until every request is finished; returns them by id. ``progress`` is told each
+        step's record as it ends (chunk order), ``layer_progress`` each layer's (layer order)."""
+        if self.order == "layer":
+            run_layer_major(self, self.layer_weights, self.hidden_on_device, layer_progress)
+            return self.finished
         while (record := self.step()) is not None:
             if progress is not None:
                 progress(record)
@@ -516,6 +575,7 @@ class PrefillEngine:
         """Start the timeline, the peak page count, the bytes-written counts and the CP
         counters afresh (e.g. after a warm-up run)."""
         self.timeline.clear()
+        self.layer_timeline: list[LayerRecord] = []  # layer-major order: one record per layer
         self.pages_peak = 0
         self.bytes_written = {"mla": 0, "index_k": 0}
         if self.cp_group is not None:
@@ -545,7 +605,8 @@ class PrefillEngine:
     def report(self, rids: Sequence[int]) -> dict:
         """The run since the last ``reset_stats`` as a JSON-ready dict: ``requests`` (tokens,
         cached), ``budget_bytes`` (the logits budget), ``attention_budget_bytes``,
-        ``total_seconds``, ``steps`` (each request named by its index in ``rids``), ``cache``
+        ``total_seconds``, ``steps`` (each request named by its index in ``rids``), in layer order
+        ``layers`` (per layer: its kind and the seconds its weights and its steps took), ``cache``
         usage in pages and bytes (the pools' bytes include the scratch pages of CUDA-graph
         padding), with CUDA graphs ``cuda_graphs`` (``graphs.StepGraphs.report``: per bucket its
         capture seconds and pool memory), and under CP ``context_parallel`` with every rank's
@@ -570,6 +631,11 @@ class PrefillEngine:
                 "bytes_written_index_k": self.bytes_written["index_k"],
             },
         }
+        if self.order == "layer":
+            layers = self.model.model.layers
+            report["layers"] = [{"layer": r.layer, "kind": "full" if layers[r.layer].is_full else "shared",
+                                 "weight_seconds": r.weight_seconds, "seconds": r.seconds, "tokens": r.tokens}
+                                for r in self.layer_timeline]
         if self.graphs is not None:
             report["cuda_graphs"] = self.graphs.report()
         if self.cp_group is not None:

@@ -57,6 +57,10 @@ __all__ = [
     "build_model",
     "load_checkpoint",
     "init_weights",
+    "init_layer_weights",
+    "init_outer_weights",
+    "build_outer_model",
+    "weight_stream_seed",
 ]
 
 _log = logging.getLogger(__name__)
@@ -243,7 +247,7 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
 
 
 def _fill(
-    model: DSAForCausalLM,
+    model: torch.nn.Module,
     order: Mapping[str, str],
     read: Callable[[str], torch.Tensor],
     fp8: Mapping[str, str],
@@ -466,20 +470,51 @@ class Checkpoint:
         ``device``, from a file opened for it alone: host memory stays within about one tensor.
         """
         dtype, device = resolve_dtype(dtype), torch.device(device)
+        scales = self._scales(self.scales)
+        model = build_model(self.config, dtype, device)
+        self._fill(model, self.tensors, scales, device)
+        return model
+
+    def load_outer(self, dtype: torch.dtype | str = torch.float32,
+                   device: torch.device | str = "cpu") -> DSAForCausalLM:
+        """The model with its embedding, final norm and head filled on ``device`` and its layers
+        left on the meta device (``build_outer_model``), for ``load_layer`` to fill one at a time."""
+        dtype, device = resolve_dtype(dtype), torch.device(device)
+        outer = {n: v for n, v in self.tensors.items() if _LAYER.match(n) is None}
+        model = build_outer_model(self.config, dtype, device)
+        self._fill(model, outer, self._scales({n: v for n, v in self.scales.items() if n in outer}), device)
+        return model
+
+    def load_layer(self, layer: torch.nn.Module) -> None:
+        """Fill decoder ``layer`` (stack layer ``layer.layer_idx``, its parameters allocated)
+        from the checkpoint: its FP8 scales read and checked first, then each tensor by itself,
+        straight to the layer's device."""
+        prefix = f"model.layers.{layer.layer_idx}."
+        device = next(layer.parameters()).device
+        mine = {n[len(prefix):]: v for n, v in self.tensors.items() if n.startswith(prefix)}
+        scales = self._scales({n[len(prefix):]: v for n, v in self.scales.items() if n.startswith(prefix)})
+        self._fill(layer, mine, scales, device)
+
+    def _scales(self, wanted: Mapping[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
+        """The FP8 block scales of ``wanted`` (weight name → its scale's ``(checkpoint name,
+        file)``), read and checked (every block finite and positive): one ``CheckpointError``."""
         scales: dict[str, torch.Tensor] = {}  # by the model name of the weight each scales
         problems: dict[str, str] = {}
-        for weight, (key, path) in self.scales.items():
+        for weight, (key, path) in wanted.items():
             scales[weight] = _read(path, key, "cpu").clone()
             if (why := _check_scale(scales[weight])) is not None:
                 problems[key] = why
         if problems:
             raise CheckpointError(problems, self.directory)
-        model = build_model(self.config, dtype, device)
+        return scales
+
+    def _fill(self, module: torch.nn.Module, tensors: Mapping[str, tuple[str, str]],
+              scales: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        """``tensors`` (``module``'s names → ``(checkpoint name, file)``) read one at a time to
+        ``device`` into ``module``, dequantized with ``scales`` where FP8."""
         where = "cpu" if device.type == "cpu" else str(device)
-        _fill(model, {n: key for n, (key, _) in self.tensors.items()},
-              lambda n: _read(self.tensors[n][1], self.tensors[n][0], where),
-              {n: n for n in self.scales}, scales)
-        return model
+        _fill(module, {n: key for n, (key, _) in tensors.items()},
+              lambda n: _read(tensors[n][1], tensors[n][0], where), {n: n for n in scales}, scales)
 
 
 def _read(path: str, name: str, device: str) -> torch.Tensor:
@@ -583,6 +618,18 @@ def build_model(
     return _meta_model(config).to(dtype).to_empty(device=torch.device(device))
 
 
+def build_outer_model(
+    config: DSAConfig, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+) -> DSAForCausalLM:
+    """A model whose embedding, final norm and head are allocated in ``dtype`` on ``device`` and
+    whose decoder layers stay on the meta device: a layer-major run (``glm_dsa.layer_major``)
+    allocates, fills and frees one layer at a time."""
+    model = _meta_model(config).to(resolve_dtype(dtype))
+    for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        module.to_empty(device=torch.device(device))
+    return model
+
+
 def load_checkpoint(
     directory: str | os.PathLike,
     dtype: torch.dtype | str = torch.float32,
@@ -602,29 +649,83 @@ def load_checkpoint(
     return checkpoint.load(dtype, device)
 
 
-def init_weights(model: DSAForCausalLM, seed: int = 0) -> DSAForCausalLM:
-    """Fill ``model`` with deterministic random weights (a generator on the model's device).
+# Random-weight streams besides the layers' (``weight_stream``): each its own generator, so a
+# tensor's draw depends on the seed and the tensor alone, not on which layers a run keeps.
+_STREAM_LAYER, _STREAM_EMBED, _STREAM_NORM, _STREAM_HEAD = 0, 1, 2, 3
+_OUTSIDE_LAYERS = {"model.embed_tokens.": _STREAM_EMBED, "model.norm.": _STREAM_NORM, "lm_head.": _STREAM_HEAD}
+
+
+def weight_stream_seed(seed: int, kind: int, index: int = 0) -> int:
+    """The 64-bit generator seed of one random-weight stream: ``kind`` 0 is model layer ``index``
+    (the full config's numbering), 1 the embedding, 2 the final norm, 3 the LM head. Mixed by
+    numpy's ``SeedSequence`` so that neighbouring seeds and layers give unrelated streams."""
+    import numpy as np
+
+    if seed < 0:
+        raise ValueError(f"seed {seed} must be ≥ 0")
+    return int(np.random.SeedSequence([seed, kind, index]).generate_state(1, np.uint64)[0])
+
+
+def _draw(tensors: list[tuple[str, torch.Tensor]], gen: torch.Generator) -> None:
+    """Fill each ``(name, tensor)`` in order from ``gen`` (the distributions of ``init_weights``)."""
+    for name, p in tensors:
+        noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+        if name.endswith("e_score_correction_bias") or ("norm" in name and name.endswith(".bias")):
+            noise.mul_(0.1)
+        elif "norm" in name:
+            noise.mul_(0.1).add_(1.0)
+        elif not name.endswith("embed_tokens.weight"):
+            noise.mul_(p.shape[-1] ** -0.5)
+        p.copy_(noise)  # rounds to p's dtype as .to would
+        del noise
+
+
+def init_layer_weights(layer: torch.nn.Module, seed: int, model_layer: int) -> None:
+    """Fill one decoder ``layer`` (its parameters allocated, on any device) with the random
+    weights of layer ``model_layer`` of the full config under ``seed``: the weights
+    ``init_weights`` gives that layer whatever slice of the stack is kept. Drawn on the layer's
+    device, one float32 tensor at a time."""
+    device = next(layer.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(weight_stream_seed(seed, _STREAM_LAYER, model_layer))
+    with torch.no_grad():
+        _draw(list(layer.state_dict(keep_vars=True).items()), gen)
+
+
+def init_weights(model: DSAForCausalLM, seed: int = 0, first_layer: int = 0) -> DSAForCausalLM:
+    """Fill ``model`` with deterministic random weights (generators on the model's device).
 
     Linear weights ~ N(0, 1/fan_in) so activations stay O(1) through the stack; norm weights
     1 ± 0.1 and LayerNorm biases ± 0.1 so that a dropped norm weight or bias changes the output;
-    the router correction bias ~ N(0, 0.1²) so that it changes selections. Tensors are
-    visited in state-dict order, each drawn at its checkpoint shape (a routed expert's
-    ``[I, H]`` or ``[H, I]`` projection, filled through its view of the stacked parameters),
-    so equal seeds give equal weights on the same device type. Each is drawn in float32 and
-    scaled in place: the only memory beyond the parameters is one float32 copy of the largest
-    tensor (the embedding), so a run's peak is its prefill's.
+    the router correction bias ~ N(0, 0.1²) so that it changes selections. Each model layer
+    draws from a generator of its own, seeded by ``(seed, first_layer + i)`` for the stack's
+    layer ``i`` (``first_layer`` = ``a`` of a ``--layers a:b`` slice), and the embedding, final
+    norm and LM head each from one seeded by ``seed`` alone (``weight_stream_seed``): a slice
+    holds exactly the whole model's layers ``a..b-1`` and the same embedding and head. Within a
+    stream tensors are visited in state-dict order, each drawn at its checkpoint shape (a routed
+    expert's ``[I, H]`` or ``[H, I]`` projection, filled through its view of the stacked
+    parameters), so equal seeds give equal weights on the same device type. Each is drawn in
+    float32 and scaled in place: the only memory beyond the parameters is one float32 copy of
+    the largest tensor (the embedding), so a run's peak is its prefill's.
     """
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    if first_layer < 0:
+        raise ValueError(f"first_layer {first_layer} must be ≥ 0")
+    init_outer_weights(model, seed)
+    for i, layer in enumerate(model.model.layers):
+        init_layer_weights(layer, seed, first_layer + i)
+    return model
+
+
+def init_outer_weights(model: DSAForCausalLM, seed: int = 0) -> DSAForCausalLM:
+    """Fill the embedding, final norm and head of ``model`` with ``init_weights``'s random
+    weights (each from its own stream of ``seed``), leaving its layers as they are (on the meta
+    device for a layer-major run)."""
+    device = model.lm_head.weight.device
+    outside: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.state_dict(keep_vars=True).items():
+        if _LAYER.match(name) is None:
+            kind = next(k for prefix, k in _OUTSIDE_LAYERS.items() if name.startswith(prefix))
+            outside.setdefault(kind, []).append((name, p))
     with torch.no_grad():
-        for name, p in model.state_dict(keep_vars=True).items():
-            noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-            if name.endswith("e_score_correction_bias") or ("norm" in name and name.endswith(".bias")):
-                noise.mul_(0.1)
-            elif "norm" in name:
-                noise.mul_(0.1).add_(1.0)
-            elif not name.endswith("embed_tokens.weight"):
-                noise.mul_(p.shape[-1] ** -0.5)
-            p.copy_(noise)  # rounds to p's dtype as .to would
-            del noise
+        for kind, tensors in outside.items():
+            _draw(tensors, torch.Generator(device=device).manual_seed(weight_stream_seed(seed, kind)))
     return model

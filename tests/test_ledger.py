@@ -661,3 +661,26 @@ def test_ledger_time_does_not_grow_with_tokens():
     assert ledger["chunks"]["count"] == -(-n // 32768)
     assert "plan" not in ledger["chunks"]  # 30.5M chunks are given as runs only
     assert ledger["indexer"]["pairs_per_layer"]["total"] == n * (n + 1) // 2
+
+
+# ------------------------------------------------------------------ whole model from a measured layer
+def test_whole_model_time_from_the_measured_layer():
+    """GLM-5.3 at 1,048,576 tokens: 21 full layers at the measured 10.93 s and 57 shared layers at
+    10.93 - 7.15 s (the measured layer without its indexer), beside the article's 440-520 GPU-s."""
+    from glm_dsa.ledger_text import format_ledger
+    from glm_dsa.measured import H200_GLM53_1M, whole_model_seconds
+
+    led = build_ledger(PRESETS["glm-5.3"], tokens=1_048_576, chunk=32_768)
+    w = led["whole_model_time"]
+    assert w["applies"] and (w["full_layers"], w["shared_layers"]) == (21, 57)
+    assert w["seconds"] == pytest.approx(21 * 10.93 + 57 * (10.93 - 7.15))
+    assert w["measured"]["date"] == "2026-12-02" and "issue 41" in w["measured"]["source"]
+    text = format_ledger(led)
+    assert "445.0" in text and "440-520 GPU-seconds" in text and "0.86-1.01x" in text
+    # the indexer scales with its pairs, the rest with the tokens: half the pairs, a quarter of the tokens
+    half = whole_model_seconds(2, 3, indexer_pairs=50, new_tokens=H200_GLM53_1M.tokens // 4, measured_pairs=100)
+    rest = (10.93 - 7.15) / 4
+    assert half["seconds"] == pytest.approx(2 * (7.15 / 2 + rest) + 3 * rest)
+    other = build_ledger(PRESETS["small"], tokens=3000, chunk=512)["whole_model_time"]
+    assert not other["applies"] and other["seconds"] is None
+    assert "whole model on one" not in format_ledger(build_ledger(PRESETS["small"], tokens=3000, chunk=512))

@@ -191,3 +191,47 @@ def test_small_stub_runs_end_to_end_on_the_cpu_deterministically():
     assert hidden.shape == (300, model.config.hidden_size) and torch.isfinite(hidden).all()
     assert logits.shape == (model.config.vocab_size,) and torch.isfinite(logits).all()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_random_weights_of_a_slice_are_the_whole_models_layers():
+    """--layers a:b with random weights: the slice's layer i is the whole model's layer a + i,
+    embedding, final norm and head the same; a slice fed layer a-1's output gives the whole
+    run's bits (the README's statement, with random weights; float32, which the saved
+    float32 hidden states hold exactly)."""
+    from glm_dsa.config import keep_layers
+    from glm_dsa.prefill import PrefillEngine
+    from glm_dsa.weights import build_model
+
+    config = PRESETS["tiny"]  # layers 0-2 full, 3 shared
+    whole = init_weights(build_model(config, torch.float32), seed=4).eval()
+    part = init_weights(build_model(keep_layers(config, "2:4"), torch.float32), seed=4, first_layer=2).eval()
+    whole_state, part_state = whole.state_dict(), part.state_dict()
+    for name, t in part_state.items():
+        source = name
+        if name.startswith("model.layers."):
+            i, rest = name[len("model.layers."):].split(".", 1)
+            source = f"model.layers.{int(i) + 2}.{rest}"
+        assert torch.equal(t, whole_state[source]), name
+    ids = torch.randint(0, config.vocab_size, (200,), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for model, kwargs in ((whole, {"input_ids": ids}), (part, None)):
+        engine = PrefillEngine(model, num_pages=8, kv_dtype="fp32", chunked_prefill_size=128, layer_outputs=True)
+        if kwargs is None:
+            kwargs = {"input_ids": None, "input_hidden": runs[0]["request.0.layer.1.hidden"]}
+        rid = engine.add_request(**kwargs)
+        engine.run()
+        runs.append(engine.outputs([rid]))
+    assert torch.equal(runs[1]["request.0.hidden"], runs[0]["request.0.hidden"])
+    assert torch.equal(runs[1]["request.0.logits"], runs[0]["request.0.logits"])
+    assert torch.equal(runs[1]["request.0.layer.0.topk"], runs[0]["request.0.layer.2.topk"])
+
+
+def test_random_weight_streams_differ_by_seed_and_layer():
+    """Neighbouring seeds and layers draw unrelated weights (no stream is another's shifted)."""
+    from glm_dsa.weights import weight_stream_seed
+
+    seeds = {weight_stream_seed(s, 0, i) for s in range(3) for i in range(4)}
+    seeds |= {weight_stream_seed(s, k) for s in range(3) for k in (1, 2, 3)}
+    assert len(seeds) == 3 * 4 + 3 * 3
+    with pytest.raises(ValueError, match="seed -1 must be ≥ 0"):
+        weight_stream_seed(-1, 0)

@@ -1,0 +1,281 @@
+"""Layer-major prefill: every chunk of every request through one layer before the next.
+
+Chunk-major order (``PrefillEngine.step``) runs each step through the whole stack, so every
+layer's weights are resident; 744 G parameters of GLM-5.3 fit no single GPU. Layer-major order
+runs the *same* steps — the engine's own schedule, pages, ragged batches and budgets, planned
+once up front by the engine's scheduler — one layer at a time: the layer's weights are built
+(drawn on the device, or read from the checkpoint), every step runs through it, and they are
+freed before the next. Between layers it keeps the hidden rows of every token run (on the
+device when the plan fits, else in pinned host memory on CUDA) and the top-k of the last full
+layer for the shared layers after it. Each layer's attention reads that layer's KV pages, which
+hold exactly what chunk-major order would have written there by the same step (a page freed by a
+finished request and reused by a later one is reused at the same step in every layer), so the
+outputs are bitwise chunk-major's (``tests/test_layer_major.py``).
+
+``memory_plan`` is the arithmetic of the resident bytes, from the ledger's row sizes and the
+exact parameter count of each layer; the CLI prints it and refuses a plan that cannot fit before
+any model is built.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+import torch
+
+from glm_dsa import invariant
+from glm_dsa.config import DSAConfig
+from glm_dsa.layer import DecoderLayer, LayerTimes, StepContext
+from glm_dsa.ledger import index_k_row_bytes, main_kv_row_bytes
+from glm_dsa.kv_format import MLA_KV_FORMATS
+
+if TYPE_CHECKING:
+    from glm_dsa.prefill import PrefillEngine, ScheduledStep
+    from glm_dsa.weights import Checkpoint
+
+__all__ = [
+    "ORDERS",
+    "LayerRecord",
+    "LayerWeights",
+    "RandomLayerWeights",
+    "CheckpointLayerWeights",
+    "MemoryPlan",
+    "layer_weight_bytes",
+    "memory_plan",
+    "run_layer_major",
+]
+
+ORDERS = ("chunk", "layer")
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One layer of a layer-major run: its stack index, the seconds its weights took to build
+    (0 for resident weights), the seconds its steps took, and the tokens they ran."""
+
+    layer: int
+    weight_seconds: float
+    seconds: float
+    tokens: int
+
+
+class LayerWeights(Protocol):
+    """Fills one decoder layer, whose parameters were just allocated on the run's device."""
+
+    def fill(self, layer: DecoderLayer) -> None: ...
+
+
+@dataclass(frozen=True)
+class RandomLayerWeights:
+    """``init_weights``'s random weights of stack layer ``i`` = config layer ``first_layer + i``
+    under ``seed``, drawn on the layer's device."""
+
+    seed: int
+    first_layer: int = 0
+
+    def fill(self, layer: DecoderLayer) -> None:
+        from glm_dsa.weights import init_layer_weights
+
+        init_layer_weights(layer, self.seed, self.first_layer + layer.layer_idx)
+
+
+@dataclass(frozen=True)
+class CheckpointLayerWeights:
+    """One layer of an opened checkpoint, read tensor by tensor straight to the layer's device."""
+
+    checkpoint: Checkpoint
+
+    def fill(self, layer: DecoderLayer) -> None:
+        self.checkpoint.load_layer(layer)
+
+
+# ------------------------------------------------------------------ the memory plan
+def layer_weight_bytes(config: DSAConfig, layer: int, dtype: torch.dtype) -> int:
+    """Bytes of stack layer ``layer``'s parameters in ``dtype`` (the router bias stays float32),
+    counted on the meta device: exact, nothing allocated."""
+    with torch.device("meta"):
+        module = DecoderLayer(config, layer).to(dtype)
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The bytes a layer-major run keeps on its device (``items``, name → bytes, in print order)
+    and those it keeps on the host instead (``host_items``); ``hidden_on_device`` says where the
+    hidden rows and top-k between layers live."""
+
+    items: tuple[tuple[str, int], ...]
+    host_items: tuple[tuple[str, int], ...]
+    hidden_on_device: bool
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b for _, b in self.items)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b for _, b in self.host_items)
+
+    def lines(self, device: torch.device) -> list[str]:
+        """The plan as printed before a run: one line per item, then the totals."""
+        out = [f"memory plan (layer-major, on {device}):"]
+        out += [f"  {name:<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.items]
+        out += [f"  {name + ' (host, pinned)':<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.host_items]
+        out.append(f"  {'total on the device':<52} {self.device_bytes:>18,} B {self.device_bytes / 1e9:9.2f} GB"
+                   + (f"; {self.host_bytes / 1e9:.2f} GB on the host" if self.host_items else ""))
+        return out
+
+
+def memory_plan(
+    config: DSAConfig,
+    lengths: Sequence[int],
+    chunk: int,
+    kv_dtype: str,
+    dtype: torch.dtype,
+    transient_bytes: int,
+    available: int | None,
+) -> MemoryPlan:
+    """The resident bytes of a layer-major run of prompts of ``lengths`` tokens.
+
+    Device: the main KV of every layer and the index K of every full layer (every page of every
+    prompt at once, ``pages_for``), the embedding, final norm and head, the largest layer's
+    weights plus one float32 copy of its largest tensor (its random draw or dequantisation), one
+    chunk's activations (the step's input, residual, output and normed rows, and its top-k), and
+    ``transient_bytes`` (the largest of the step's logits, attention and MoE budgets, which never
+    coexist). The hidden rows of every token (``dtype``) and, when the stack has shared layers,
+    the last full layer's int32 top-k of every token go on the device when ``available`` (None:
+    unknown) holds them too, else on the host.
+    """
+    c = config
+    tokens = sum(lengths)
+    pages = sum(-(-n // c.page_size) for n in lengths)
+    row_main = (main_kv_row_bytes(c, kv_dtype) if kv_dtype in MLA_KV_FORMATS
+                else {"fp32": 4, "fp64": 8}.get(kv_dtype, 2) * c.kv_latent_dim)
+    item = dtype.itemsize
+    # One layer of each kind (full/shared x dense/MoE) is counted; the largest is resident.
+    kinds = {(c.is_full(i), c.is_moe(i)): i for i in range(c.num_hidden_layers)}
+    layer_bytes = max(layer_weight_bytes(c, i, dtype) for i in kinds.values())
+    with torch.device("meta"):
+        largest = max(t.numel() for i in kinds.values() for t in DecoderLayer(c, i).state_dict().values())
+    outer = c.vocab_size * c.hidden_size * item * (1 if c.tie_word_embeddings else 2) + c.hidden_size * item
+    rows = min(chunk, max(lengths))
+    items = [
+        (f"main KV, {c.num_hidden_layers} layers ({kv_dtype})", pages * c.page_size * c.num_hidden_layers * row_main),
+        (f"index K, {len(c.full_layers)} full layers", pages * c.page_size * len(c.full_layers) * index_k_row_bytes(c)),
+        ("embedding, final norm, head", outer),
+        ("one layer's weights (+ float32 draw of a tensor)", layer_bytes + 4 * largest),
+        ("one chunk's activations and top-k", rows * (4 * c.hidden_size * item + 2 * c.index_topk * 4)),
+        ("transients (logits / attention / MoE budget)", transient_bytes),
+    ]
+    between = [(f"hidden rows of {tokens:,} tokens", tokens * c.hidden_size * item)]
+    if len(c.full_layers) < c.num_hidden_layers:
+        between.append((f"top-k of the last full layer, {tokens:,} tokens", tokens * c.index_topk * 4))
+    fits = available is None or sum(b for _, b in items + between) <= available
+    if fits:
+        return MemoryPlan(tuple(items + between), (), True)
+    return MemoryPlan(tuple(items), tuple(between), False)
+
+
+# ------------------------------------------------------------------ the run
+class _Store:
+    """Rows kept between layers, one tensor per step: on the run's device, or in pinned host
+    memory (plain memory off CUDA) copied to the device for each step."""
+
+    def __init__(self, device: torch.device, on_device: bool) -> None:
+        self.device, self.on_device = device, on_device or device.type != "cuda"
+        self.rows: list[torch.Tensor] = []
+
+    def put(self, s: int, t: torch.Tensor) -> None:
+        """Keep ``t`` as step ``s``'s rows (replacing what was there; on the host into the step's
+        pinned buffer, allocated once)."""
+        if not self.on_device:
+            if s < len(self.rows) and self.rows[s].shape == t.shape and self.rows[s].dtype == t.dtype:
+                self.rows[s].copy_(t)
+                return
+            t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        if s == len(self.rows):
+            self.rows.append(t)
+        else:
+            self.rows[s] = t
+
+    def get(self, s: int) -> torch.Tensor:
+        t = self.rows[s]
+        return t if self.on_device else t.to(self.device, non_blocking=True)
+
+
+def _plan(engine: PrefillEngine) -> list[ScheduledStep]:
+    """Every step of the queued requests, scheduled in chunk-major order by the engine itself:
+    each step's progress and its finished requests (their pages freed, their prefixes cached)
+    are applied before the next is scheduled, exactly as ``step`` does after running it."""
+    steps = []
+    while (scheduled := engine._schedule()) is not None:
+        engine._advance(scheduled)
+        engine._retire(scheduled)
+        steps.append(scheduled)
+    return steps
+
+
+def run_layer_major(
+    engine: PrefillEngine,
+    weights: LayerWeights | None,
+    hidden_on_device: bool = True,
+    progress: Callable[[LayerRecord], None] | None = None,
+) -> None:
+    """Run the engine's queued requests in layer-major order (see the module docstring).
+
+    Args:
+        engine: a one-rank engine with its requests added; its timeline gets one record per step
+            (seconds and components summed over the layers) and its requests their hidden rows
+            and logits, as ``PrefillEngine.run`` would give them.
+        weights: fills each layer just before it runs; the layer is returned to the meta device
+            afterwards. None: the layers are resident and stay so.
+        hidden_on_device: keep the rows between layers on the device (else pinned host memory).
+        progress: told each layer's ``LayerRecord`` when it is done.
+    """
+    steps = _plan(engine)
+    if not steps:
+        return
+    device, model = engine.device, engine.model
+    hidden, topk = _Store(device, hidden_on_device), _Store(device, hidden_on_device)
+    times = [LayerTimes() if engine.timing else None for _ in steps]
+    seconds = [0.0] * len(steps)
+    observers = [engine._observer_for(s) for s in steps]
+    tokens = sum(s.batch.num_tokens for s in steps)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device=None: None)
+    with torch.no_grad(), invariant.batch_invariant(engine.batch_invariant):
+        for layer in model.model.layers:
+            assert isinstance(layer, DecoderLayer)  # the stack holds nothing else
+            t0 = time.perf_counter()
+            if weights is not None:
+                layer.to_empty(device=device)
+                weights.fill(layer)
+                sync(device)
+            t1 = time.perf_counter()
+            for s, scheduled in enumerate(steps):
+                t = time.perf_counter()
+                if layer.layer_idx == 0:
+                    x = model.model.input_rows(scheduled.inputs)
+                    steps[s] = replace(scheduled, inputs=scheduled.inputs[:0])  # its rows live in `hidden` now
+                else:
+                    x = hidden.get(s)
+                ctx = StepContext(scheduled.batch, engine.cache, engine.budgets, engine.backend,
+                                  times=times[s], observer=observers[s])
+                out, k = layer(x, ctx, None if layer.is_full else topk.get(s))
+                hidden.put(s, out)
+                if layer.is_full:
+                    assert k is not None  # a full layer's indexer gave it
+                    topk.put(s, k)
+                sync(device)
+                seconds[s] += time.perf_counter() - t
+            t2 = time.perf_counter()
+            if weights is not None:
+                layer.to_empty(device="meta")
+            record = LayerRecord(layer.layer_idx, t1 - t0, t2 - t1, tokens)
+            engine.layer_timeline.append(record)
+            if progress is not None:
+                progress(record)
+        for s, scheduled in enumerate(steps):
+            engine._keep(scheduled, hidden.get(s) if hidden.on_device else hidden.rows[s])
+            engine._timeline_record(scheduled, times[s] or LayerTimes(), seconds[s], cuda_graph=False)

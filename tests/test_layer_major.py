@@ -1,0 +1,211 @@
+"""Layer-major prefill (``glm_dsa.layer_major``): the same bits as chunk-major order, one layer's
+weights at a time, and its memory plan."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from glm_dsa.config import PRESETS, keep_layers
+from glm_dsa.layer_major import CheckpointLayerWeights, RandomLayerWeights, memory_plan
+from glm_dsa.prefill import PrefillEngine
+from glm_dsa.weights import build_model, build_outer_model, init_outer_weights, init_weights, load_checkpoint, \
+    open_checkpoint
+
+STUB = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "weights_stub")
+KV = {torch.float64: "fp64", torch.float32: "fp32"}
+
+
+def _ids(n: int, seed: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, order, lengths, prefix=0, chunk=128, kv_dtype=None, layer_outputs=True, **kw):
+    """Outputs, logits and timeline chunks of requests of ``lengths`` tokens sharing their first
+    ``prefix`` tokens (cached by a warm-up request when ``prefix``), run in ``order``."""
+    config = model.config
+    dtype = model.lm_head.weight.dtype
+    engine = PrefillEngine(model, num_pages=64, kv_dtype=kv_dtype or KV[dtype], chunked_prefill_size=chunk,
+                           budget_bytes=1 << 20, order=order, layer_outputs=layer_outputs, **kw)
+    shared = _ids(prefix, 99, config.vocab_size)
+    if prefix:
+        engine.warm_up(shared)
+    rids = [engine.add_request(torch.cat([shared, _ids(n - prefix, i, config.vocab_size)]))
+            for i, n in enumerate(lengths)]
+    engine.run()
+    return engine.outputs(rids), [s.chunks for s in engine.timeline], engine
+
+
+def _assert_same(a, b):
+    assert a[1] == b[1], "the two orders ran different steps"
+    assert sorted(a[0]) == sorted(b[0])
+    for name, t in a[0].items():
+        assert torch.equal(t, b[0][name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_layer_major_order_gives_chunk_majors_bits_tiny(dtype):
+    """Three requests of 200 / 130 / 150 tokens in chunks of 128 (truncated, shared steps), the
+    first 130 tokens a prefix-cache hit of two pages, every layer's output and top-k kept."""
+    model = init_weights(build_model(PRESETS["tiny"], dtype), seed=2).eval()
+    chunk = _run(model, "chunk", [200, 130, 150], prefix=130)
+    layer = _run(model, "layer", [200, 130, 150], prefix=130)
+    assert any(len(c) > 1 for c in chunk[1]) and chunk[2].finished[1].cached_len == 128
+    _assert_same(chunk, layer)
+
+
+def test_layer_major_order_gives_chunk_majors_bits_small_fp8():
+    """``small`` (dense and MoE layers, shared layers), float32, FP8 KV, two requests."""
+    model = init_weights(build_model(PRESETS["small"], torch.float32), seed=3).eval()
+    args = dict(lengths=[150, 70], chunk=128, kv_dtype="fp8", layer_outputs=False)
+    _assert_same(_run(model, "chunk", **args), _run(model, "layer", **args))
+
+
+def test_streamed_random_layers_are_the_whole_models():
+    """Layers drawn one at a time on their turn (``RandomLayerWeights``) and freed after give the
+    bits of the whole model built by ``init_weights``; a slice's stream starts at its first layer."""
+    config = keep_layers(PRESETS["tiny"], "1:4")
+    whole = init_weights(build_model(config, torch.float32), seed=5, first_layer=1).eval()
+    streamed = init_outer_weights(build_outer_model(config, torch.float32), seed=5).eval()
+    expected = _run(whole, "chunk", [200, 90], prefix=70)
+    got = _run(streamed, "layer", [200, 90], prefix=70, layer_weights=RandomLayerWeights(5, first_layer=1))
+    _assert_same(expected, got)
+    assert all(p.is_meta for p in streamed.model.layers.parameters()), "a layer's weights were kept"
+
+
+def test_streamed_checkpoint_layers_are_the_loaded_models():
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    loaded = load_checkpoint(os.path.join(STUB, "tiny"), torch.float32).eval()
+    streamed = checkpoint.load_outer(torch.float32).eval()
+    args = dict(lengths=[150], chunk=64, layer_outputs=[0, 3])
+    expected = _run(loaded, "chunk", **args)
+    got = _run(streamed, "layer", **args, layer_weights=CheckpointLayerWeights(checkpoint))
+    _assert_same(expected, got)
+    assert sorted(k for k in got[0] if ".layer." in k) == [
+        "request.0.layer.0.hidden", "request.0.layer.0.topk", "request.0.layer.3.hidden"]
+
+
+def test_layer_order_refusals():
+    model = init_weights(build_model(PRESETS["tiny"], torch.float32), seed=0).eval()
+    with pytest.raises(ValueError, match="order='bogus'|choose one of chunk, layer"):
+        PrefillEngine(model, num_pages=4, kv_dtype="fp32", order="bogus")
+    with pytest.raises(ValueError, match="need order='layer'"):
+        PrefillEngine(model, num_pages=4, kv_dtype="fp32", layer_weights=RandomLayerWeights(0))
+    engine = PrefillEngine(model, num_pages=4, kv_dtype="fp32", order="layer")
+    engine.add_request(_ids(10, 0, 512))
+    with pytest.raises(ValueError, match="call run"):
+        engine.step()
+
+
+def test_memory_plan_of_glm_5_3_at_one_million_tokens():
+    """The issue's figures, computed independently: main KV 656 B per token and layer (FP8:
+    512 e4m3 + 4 float32 scales + 64 bf16 rope), index K 128 + 4 B per token and full layer,
+    bf16 hidden rows, int32 top-k of 2048; a GLM-5.3 MoE full layer's weights in bf16."""
+    config = PRESETS["glm-5.3"]
+    n = 1 << 20
+    plan = memory_plan(config, [n], 32768, "fp8", torch.bfloat16, transient_bytes=0, available=None)
+    items = dict(plan.items)
+    assert plan.hidden_on_device and plan.host_items == ()
+    assert items["main KV, 78 layers (fp8)"] == n * 78 * (512 + 4 * 4 + 64 * 2)
+    assert items["index K, 21 full layers"] == n * 21 * (128 + 4)
+    assert items[f"hidden rows of {n:,} tokens"] == n * 6144 * 2
+    assert items[f"top-k of the last full layer, {n:,} tokens"] == n * 2048 * 4
+    h, e, inter = 6144, 256, 2048
+    experts = (e + 1) * 3 * h * inter  # routed and one shared expert
+    assert items["one layer's weights (+ float32 draw of a tensor)"] > 2 * experts
+    assert 100e9 < plan.device_bytes < 130e9  # the issue: inside 139 GB
+    tight = memory_plan(config, [n], 32768, "fp8", torch.bfloat16, 0, available=plan.device_bytes - 1)
+    assert not tight.hidden_on_device and dict(tight.host_items)[f"hidden rows of {n:,} tokens"] == n * 6144 * 2
+
+
+# ------------------------------------------------------------------ the command
+def _prefill(capsys, *argv):
+    from glm_dsa.cli import main
+
+    rc = main(["prefill", "--config", "tiny", "--kv-dtype", "fp32", "--chunk", "128", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_prefill_order_layer_writes_chunk_orders_outputs(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    files = {}
+    for order in ("chunk", "layer"):
+        files[order] = tmp_path / f"{order}.safetensors"
+        rc, out, err = _prefill(capsys, "--tokens", 140, "--requests", 2, "--prefix", 70, "--order", order,
+                                "--save-outputs", files[order], "--save-layer-outputs", "1,3")
+        assert rc == 0, err
+    assert "memory plan (layer-major, on cpu):" in err and "total on the device" in err
+    assert "prefill: layer 3 (4/4)" in err and "ETA 0 s" in err  # one line per layer off a terminal
+    assert "== layers (layer-major order" in out
+    chunk, layer = load_file(files["chunk"]), load_file(files["layer"])
+    assert sorted(k for k in layer if ".layer." in k) == [
+        f"request.{i}.layer.{l}.{t}" for i in range(2) for l, t in ((1, "hidden"), (1, "topk"), (3, "hidden"))]
+    assert sorted(chunk) == sorted(layer) and all(torch.equal(chunk[k], layer[k]) for k in chunk)
+
+
+def test_prefill_chooses_layer_order_when_only_one_layer_fits(capsys, monkeypatch):
+    """A device whose free memory holds one layer at a time but not the whole model: one line says
+    layer-major order was chosen, and the plan is printed before the run."""
+    from glm_dsa import preflight
+    from glm_dsa.ledger import prefill_peak_bytes
+    from glm_dsa.weights import largest_tensor_numel
+
+    config = PRESETS["tiny"]
+    # The command's own estimates, to place the free memory between them.
+    chunk_need = prefill_peak_bytes(config, [300], 128, "fp32", 4, 256 << 20) + 4 * largest_tensor_numel(config)
+    plan = memory_plan(config, [300], 128, "fp32", torch.float32, 256 << 20, None).device_bytes
+    assert plan < chunk_need
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: (plan + chunk_need) // 2)
+    rc, out, err = _prefill(capsys, "--tokens", 300, "--no-progress")
+    assert rc == 0, err
+    chosen = [line for line in err.splitlines() if "running in layer-major order" in line]
+    assert len(chosen) == 1 and "does not fit on cpu" in chosen[0]
+    assert "== layers (layer-major order" in out
+    # Not even with the hidden rows and top-k on the host:
+    least = memory_plan(config, [300], 128, "fp32", torch.float32, 256 << 20, available=0).device_bytes
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: least - 1)
+    rc, _, err = _prefill(capsys, "--tokens", 300, "--order", "layer", "--no-progress")
+    assert rc == 2 and err.count("error:") == 1 and "--order layer needs" in err and "by its memory plan" in err
+
+
+def test_prefill_order_layer_refusals(capsys):
+    for argv, message in (
+        (["--tokens", 100, "--order", "layer", "--cuda-graphs"], "--order layer runs one layer at a time"),
+        (["--tokens", 100, "--save-outputs", "x.safetensors", "--save-layer-outputs", "2:9"],
+         "2:9 is outside the kept layers 0:4"),
+        (["--tokens", 100, "--save-outputs", "x.safetensors", "--save-layer-outputs", "one"],
+         "'one' is neither a layer index nor a range"),
+    ):
+        rc, _, err = _prefill(capsys, *argv)
+        assert rc == 2 and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_layer_major_order_gives_chunk_majors_bits_glm_5_3_on_cuda():
+    """GLM-5.3 layers 6:9 (a full MoE layer and the two shared layers reusing its top-k) at
+    full width, bf16, FP8 KV, triton backend, two requests of 32,768 tokens together in chunks of
+    8,192: layer-major order with the layers drawn on the GPU on their turn gives the bits of
+    chunk-major order over the resident model (both eager)."""
+    config = keep_layers(PRESETS["glm-5.3"], "6:9")
+    lengths, chunk = [20_480, 12_288], 8_192
+    ids = [_ids(n, i, config.vocab_size) for i, n in enumerate(lengths)]
+
+    def run(model, **kw):
+        engine = PrefillEngine.for_prompts(model, lengths, kv_dtype="fp8", chunked_prefill_size=chunk,
+                                           backend="triton", cuda_graphs=False, layer_outputs=True, **kw)
+        rids = [engine.add_request(t) for t in ids]
+        engine.run()
+        return {k: v.cpu() for k, v in engine.outputs(rids).items()}, [s.chunks for s in engine.timeline]
+
+    model = init_weights(build_model(config, torch.bfloat16, "cuda"), seed=0, first_layer=6).eval()
+    expected = run(model)
+    del model
+    torch.cuda.empty_cache()
+    outer = init_outer_weights(build_outer_model(config, torch.bfloat16, "cuda"), seed=0).eval()
+    got = run(outer, order="layer", layer_weights=RandomLayerWeights(0, first_layer=6))
+    _assert_same(expected, got)
