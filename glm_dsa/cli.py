@@ -626,8 +626,16 @@ def _choose_order(args, run: _Resolved, lengths: list[int], chunk_need: int, hav
         args.order = "chunk"
         check_fits(chunk_need, run.device, lower, held)
         return
+    from glm_dsa.preflight import available_bytes, host_baseline_bytes
+
     plan = _layer_plan(args, run, lengths, have)
-    fits = have is None or plan.device_bytes <= have
+    on_cpu = run.device.type == "cpu"
+    host = have if on_cpu else available_bytes(torch.device("cpu"))
+    # on the host: the layer modules (meta), and the rows kept there or, on the CPU, everything
+    # with the process itself (as in the chunk-major estimate)
+    host_need = plan.module_bytes + (plan.device_bytes + host_baseline_bytes() if on_cpu else plan.host_bytes)
+    host_fits = host is None or host_need <= host + held
+    fits = host_fits and (on_cpu or have is None or plan.device_bytes <= have)
     if args.order is None:
         if not fits or (args.cp or 1) > 1:
             check_fits(chunk_need, run.device, lower, held)  # refuses: the chunk-major estimate did not fit
@@ -638,16 +646,16 @@ def _choose_order(args, run: _Resolved, lengths: list[int], chunk_need: int, hav
         args.order = "layer"
     for line in plan.lines(run.device):
         print(line, file=sys.stderr)
-    if have is not None and not fits:
+    if not on_cpu and have is not None and plan.device_bytes > have:
         raise ValueError(f"--order layer needs {plan.device_bytes / 1e9:.1f} GB on {run.device} by its memory plan, "
                          f"{have / 1e9:.1f} GB free; lower --tokens / --requests / --chunk, "
                          "use --kv-dtype fp8 or --dtype bfloat16")
-    from glm_dsa.preflight import available_bytes
-
-    host = available_bytes(torch.device("cpu"))
-    if plan.host_bytes and host is not None and plan.host_bytes > host:
-        raise ValueError(f"--order layer keeps {plan.host_bytes / 1e9:.1f} GB of hidden rows and top-k in pinned host "
-                         f"memory, {host / 1e9:.1f} GB available; lower --tokens / --requests")
+    if not host_fits:
+        assert host is not None
+        raise ValueError(f"--order layer needs {host_need / 1e9:.1f} GB of host memory by its memory plan "
+                         f"({plan.module_bytes / 1e9:.1f} GB of it the {run.config.num_hidden_layers:,} layers' "
+                         f"modules), {(host + held) / 1e9:.1f} GB available; lower --tokens / --requests, "
+                         "or keep fewer layers (--layers)")
     args.hidden_on_device = plan.hidden_on_device
 
 

@@ -152,24 +152,54 @@ def test_prefill_chooses_layer_order_when_only_one_layer_fits(capsys, monkeypatc
     layer-major order was chosen, and the plan is printed before the run."""
     from glm_dsa import preflight
     from glm_dsa.ledger import prefill_peak_bytes
-    from glm_dsa.weights import largest_tensor_numel
 
     config = PRESETS["tiny"]
-    # The command's own estimates, to place the free memory between them.
-    chunk_need = prefill_peak_bytes(config, [300], 128, "fp32", 4, 256 << 20) + 4 * largest_tensor_numel(config)
-    plan = memory_plan(config, [300], 128, "fp32", torch.float32, 256 << 20, None).device_bytes
-    assert plan < chunk_need
-    monkeypatch.setattr(preflight, "available_bytes", lambda device: (plan + chunk_need) // 2)
-    rc, out, err = _prefill(capsys, "--tokens", 300, "--no-progress")
+    budget = 1 << 20
+    # The command's own estimates (both beside the process itself), to place the memory between them.
+    chunk_need = prefill_peak_bytes(config, [300], 128, "fp32", 4, budget)
+    plan = memory_plan(config, [300], 128, "fp32", torch.float32, budget, None)
+    layer_need = plan.device_bytes + plan.module_bytes
+    assert layer_need < chunk_need
+    # On the host the check adds what the process holds already to the memory free: fix their sum.
+    base = preflight.host_baseline_bytes()
+
+    def free(total):
+        return lambda device: total - preflight.resident_bytes()
+
+    monkeypatch.setattr(preflight, "available_bytes", free(base + (layer_need + chunk_need) // 2))
+    rc, out, err = _prefill(capsys, "--tokens", 300, "--budget-bytes", budget, "--no-progress")
     assert rc == 0, err
     chosen = [line for line in err.splitlines() if "running in layer-major order" in line]
     assert len(chosen) == 1 and "does not fit on cpu" in chosen[0]
     assert "== layers (layer-major order" in out
     # Not even with the hidden rows and top-k on the host:
-    least = memory_plan(config, [300], 128, "fp32", torch.float32, 256 << 20, available=0).device_bytes
-    monkeypatch.setattr(preflight, "available_bytes", lambda device: least - 1)
-    rc, _, err = _prefill(capsys, "--tokens", 300, "--order", "layer", "--no-progress")
+    least = memory_plan(config, [300], 128, "fp32", torch.float32, budget, available=0)
+    monkeypatch.setattr(preflight, "available_bytes", free(base + least.device_bytes + least.module_bytes - 1))
+    rc, _, err = _prefill(capsys, "--tokens", 300, "--budget-bytes", budget, "--order", "layer", "--no-progress")
     assert rc == 2 and err.count("error:") == 1 and "--order layer needs" in err and "by its memory plan" in err
+
+
+def test_a_stack_too_deep_for_its_layer_modules_is_refused_before_any_is_built(capsys, monkeypatch):
+    """Layer-major order builds every layer's modules on the meta device: a stack whose modules
+    alone exceed the host memory is refused by its plan, in one line naming them, and without
+    --order the chunk-major refusal stands (layer order is not chosen)."""
+    from glm_dsa import preflight
+    from glm_dsa.layer_major import LAYER_MODULE_BYTES
+
+    base = preflight.host_baseline_bytes()
+    layers = 4
+    modules = layers * LAYER_MODULE_BYTES
+    assert modules == 4 * 65536  # 64 KiB each: 62 KB measured over 3,000 meta layers of tiny
+    plan = memory_plan(PRESETS["tiny"], [64], 128, "fp32", torch.float32, 1 << 20, None)
+    assert plan.module_bytes == modules
+    # room for everything but half the modules
+    total = base + plan.device_bytes + modules // 2
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: total - preflight.resident_bytes())
+    rc, _, err = _prefill(capsys, "--tokens", 64, "--budget-bytes", 1 << 20, "--order", "layer", "--no-progress")
+    assert rc == 2 and err.count("error:") == 1, err
+    assert "of host memory by its memory plan" in err and "the 4 layers' modules" in err
+    rc, _, err = _prefill(capsys, "--tokens", 64, "--budget-bytes", 1 << 20, "--no-progress")
+    assert rc == 2 and "running in layer-major order" not in err and "GB host memory;" in err, err
 
 
 def test_prefill_order_layer_refusals(capsys):
