@@ -506,7 +506,13 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     check counts ``ranks_on_host`` copies of the run's peak (every CP rank holds the whole
     model and caches)."""
     from glm_dsa.cp import launched_by_torchrun
-    from glm_dsa.preflight import available_bytes, check_fits, check_optional_module, resident_bytes
+    from glm_dsa.preflight import (
+        available_bytes,
+        check_fits,
+        check_optional_module,
+        host_baseline_bytes,
+        resident_bytes,
+    )
     from glm_dsa.ledger import param_counts
 
     device, config = run.device, run.config
@@ -580,7 +586,9 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
         fewer = "" if args.layers else "keep fewer layers (--layers 6:7), "
         lower = (f"the weights alone take {weights / 1e9:.1f} GB at {dtype_bytes} bytes per "
                  f"parameter: {fewer}use a smaller --config or --dtype bfloat16")
-    held = resident_bytes() if device.type == "cpu" and ranks_on_host == 1 else 0
+    # The part of the estimate this process holds already: its own memory, at most the estimate's
+    # share for it (a process that held more before, as a test run does, frees no room for the run).
+    held = min(resident_bytes(), host_baseline_bytes()) if device.type == "cpu" and ranks_on_host == 1 else 0
     if ranks_on_host > 1:  # each rank a process of its own: this one's memory is not theirs
         need *= ranks_on_host
         lower = f"{ranks_on_host} ranks each hold the model and caches: lower --cp, " + lower[len("lower "):]

@@ -101,7 +101,8 @@ def test_the_memory_check_counts_a_model_per_rank(capsys, monkeypatch):
     capsys.readouterr()
     assert main([*argv, "--cp", "2"]) == 2
     err = capsys.readouterr().err
-    assert abs(needs(err) - 2 * one_rank) <= 0.1 and "2 ranks each hold the model and caches: lower --cp" in err, err
+    # both printed to 0.1 GB: round(2x) lies within 0.05 of 2x, 2 round(x) within 0.1
+    assert abs(needs(err) - 2 * one_rank) <= 0.15 and "2 ranks each hold the model and caches: lower --cp" in err, err
 
 
 def _threads() -> int:

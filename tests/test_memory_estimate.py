@@ -1,7 +1,9 @@
 """The pre-flight memory estimate of ``glm-dsa prefill`` against what a run really takes.
 
-The peak is measured from outside: the command runs in a child process and its peak resident
-set size is the kernel's (``os.wait4``'s ``ru_maxrss`` of that child alone). The estimate is the
+The peak is the kernel's: the command runs in a child process, which prints its ``VmHWM`` (the
+high-water mark of its resident set, ``/proc/self/status``) as it exits. Not the child's
+``ru_maxrss``: Linux carries the parent's resident set into it through fork and exec, so a child
+of a pytest process that once held 2 GB reports 2 GB whatever it did. The estimate is the
 one the memory check compares with free memory, read where the check receives it (a wrapper
 around ``preflight.check_fits`` in the same child), so the test holds whatever the check is
 given, today's and any earlier version's. The per-layer sizes are checked against modules built
@@ -37,7 +39,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Runs the CLI with the memory check's input printed on stderr, then the check itself.
 _SPY = """
+import atexit
 import sys
+def peak():
+    with open("/proc/self/status") as f:
+        hwm = [line.split()[1] for line in f if line.startswith("VmHWM:")]
+    print(f"PEAK {int(hwm[0]) * 1024}", file=sys.stderr, flush=True)
+atexit.register(peak)
 import glm_dsa.preflight as preflight
 check = preflight.check_fits
 def spy(need, *args, **kwargs):
@@ -57,19 +65,22 @@ def _run(argv: list[str], tmp_path: pathlib.Path, timeout: float = 120) -> tuple
     with open(out, "w") as fo, open(err, "w") as fe:
         p = subprocess.Popen([sys.executable, "-c", _SPY, *argv], stdout=fo, stderr=fe, env=env)
         try:
-            while True:  # os.wait4 reaps the child with its own rusage; poll for the limit
-                pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            while True:  # poll for the limit
+                pid, status, _ = os.wait4(p.pid, os.WNOHANG)
                 if pid:
                     break
                 if time.monotonic() - start > timeout:
                     p.kill()
-                    pid, status, usage = os.wait4(p.pid, 0)
+                    pid, status, _ = os.wait4(p.pid, 0)
                     break
                 time.sleep(0.05)
         finally:
             p.returncode = 0  # reaped here, not by Popen
     wall = time.monotonic() - start
-    return os.waitstatus_to_exitcode(status), err.read_text(), usage.ru_maxrss * 1024, wall
+    text = err.read_text()
+    peaks = re.findall(r"^PEAK (\d+)$", text, re.M)
+    assert len(peaks) == 1, text[-2000:]
+    return os.waitstatus_to_exitcode(status), text, int(peaks[0]), wall
 
 
 def _estimate(stderr: str) -> int:
@@ -105,7 +116,7 @@ def test_a_million_layers_are_refused_fast_and_in_bounded_memory(tmp_path):
     path.write_text(json.dumps(to_hf_config(config)))
     argv = ["prefill", "--config", str(path), "--tokens", "64", "--chunk", "64", "--no-progress"]
     status, err, peak, wall = _run(argv, tmp_path, timeout=60)
-    lines = [line for line in err.splitlines() if not line.startswith("ESTIMATE ")]
+    lines = [line for line in err.splitlines() if not line.startswith(("ESTIMATE ", "PEAK "))]
     assert status == 2 and len(lines) == 1, err[-2000:]
     assert lines[0].startswith("glm-dsa prefill: error: needs ") and "the weights alone take" in lines[0], lines
     assert wall < 10, f"{wall:.1f} s"
