@@ -26,7 +26,7 @@ def test_bitwise_edges():
     assert _check(spec, nan, nan.clone()).passed  # the same bits
     v = _check(spec, torch.tensor([1.0, -0.0, 2.0, 3.0]), torch.tensor([1.0, 0.0, 2.0, 4.0]))
     assert not v.passed and v.value == 2.0
-    assert "2 of 4 elements differ; first at (1): 0x00000080 vs 0x00000000" in v.detail
+    assert "2 of 4 elements differ; first at (1): 0x80000000 vs 0x00000000" in v.detail  # -0.0, +0.0
     size = _check(spec, torch.zeros(2, dtype=torch.float16), torch.zeros(2, dtype=torch.float32))
     assert not size.passed and "2-byte elements, the expected torch.float32 4-byte ones" in size.detail
     same_size = _check(spec, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.float32))

@@ -162,6 +162,14 @@ def test_a_helper_thread_ending_the_process_fails_the_case_it_interrupts(runs):
     assert entry["out"].splitlines()[-1].startswith(f"FAIL: act_quant [case {second}]: ")
 
 
+def test_an_output_that_passed_before_the_crash_counts_only_the_cases_that_completed(runs):
+    """The case the thread struck is no case any output passed: act_quant's other output reads
+    PASS over the one case that completed (it read 'over 2 cases', the failed one counted)."""
+    (entry,) = runs["thread_exits"]
+    passed = [line for line in entry["out"].splitlines() if line.startswith("PASS  act_quant.")]
+    assert len(passed) == 1 and passed[0].endswith(f"over 1 cases, at case {edge_case_names('act_quant')[0]}"), passed
+
+
 def test_a_module_that_hangs_at_import_fails_at_the_timeout(runs):
     entry = _failed_with(runs, "hangs_at_import",
                          "importing the kernel's module did not finish within 2 s")
@@ -187,6 +195,14 @@ def test_compare_runs_the_cases_after_a_crash_in_a_fresh_process(runs):
 
 
 # ----------------------------------------------------------------------------- the Python API
+def test_check_kernel_with_an_option_no_case_takes_fails_instead_of_passing_with_no_case():
+    """``scale_fmt="bogus"``: the oracle refuses every case, so none ran, and that is no pass
+    (it passed with 0 cases run)."""
+    with pytest.raises(AssertionError, match=r"act_quant: no case ran; the oracle refused every case under "
+                                             r"custom \(scale_fmt='bogus'\)"):
+        check_kernel("act_quant", oracle.act_quant, cases=3, scale_fmt="bogus")
+
+
 def test_check_kernel_isolates_a_kernel_given_by_name(tmp_path):
     (tmp_path / "k.py").write_text(KERNELS["good"] + "def dies(*a, **k):\n    import os; os._exit(3)\n")
     report = check_kernel("act_quant", f"{tmp_path}/k.py:act_quant", cases=5)

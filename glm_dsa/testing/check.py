@@ -85,6 +85,8 @@ class CheckReport:
         """One line per output: PASS with the worst metric value and its bound, or FAIL with the
         failing criterion and its numbers."""
         out = []
+        # an output that passed did so over the cases that completed, not the one that failed
+        completed = sum(ok for _, ok, _ in self.results)
         for name, w in self.worst.items():
             if not w.passed:
                 out.append(f"FAIL  {self.contract}.{name}  {w.metric}: {w.detail} at case {w.case}")
@@ -92,7 +94,7 @@ class CheckReport:
             bound = "" if math.isnan(w.bound) else f" (bound {w.bound:g})"
             value = "n/a" if math.isnan(w.value) else f"{w.value:.3g}"
             out.append(f"PASS  {self.contract}.{name}  {w.metric}: worst {value}{bound} over "
-                       f"{self.cases_run} cases, at case {w.case}")
+                       f"{completed} cases, at case {w.case}")
         return out
 
     def summary(self) -> str:

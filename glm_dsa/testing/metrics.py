@@ -23,6 +23,7 @@ tensors that the caller resolves.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from typing import Callable, Mapping, NamedTuple
 
@@ -180,7 +181,8 @@ def _bitwise(cand: Tensor, exp: Tensor, spec: dict) -> Verdict:
     if n == 0:
         return _verdict([(True, 0.0, 0.0, f"bitwise equal ({exp.numel()} elements)")])
     at = _first(differ)
-    hex_ = lambda t: "0x" + bytes(t[at].reshape(1).view(torch.uint8).tolist()).hex()  # noqa: E731
+    # the element's bit pattern as a number (most significant byte first), as 0x3c800000 is 2**-6
+    hex_ = lambda t: f"0x{int.from_bytes(bytes(t[at].reshape(1).view(torch.uint8).tolist()), sys.byteorder):0{2 * width}x}"  # noqa: E731
     criteria = [(False, float(n), 0.0, (
         f"bitwise: {n} of {exp.numel()} elements differ; first at {_pos(at)}: {hex_(cand)} vs "
         f"{hex_(exp)}"))]
