@@ -254,3 +254,82 @@ def test_saved_outputs_refuse_a_prefix_hit_no_warm_up_computed():
     engine.run()
     with pytest.raises(ValueError, match="warm_up"):
         engine.outputs([rid])
+
+
+# ----------------------------------------------------------------------------- the prefix cache
+def _longest_cached(cached: list[torch.Tensor], ids: torch.Tensor, max_tokens: int, page: int) -> int:
+    """Whole pages of ``ids`` (≤ ``max_tokens``) that some cached prompt holds as its own first
+    pages, found by comparing the ids themselves."""
+    best = 0
+    for c in cached:
+        n = 0
+        while ((n + 1) * page <= min(max_tokens, len(ids), len(c) // page * page)
+               and torch.equal(c[n * page : (n + 1) * page], ids[n * page : (n + 1) * page])):
+            n += 1
+        best = max(best, n)
+    return best
+
+
+def test_the_prefix_cache_finds_exactly_the_longest_cached_whole_page_prefix():
+    """Prompts that share prefixes of every length, and differ in one id at every place: the
+    hit is the longest prefix some finished prompt holds, page by page, from the first page
+    that prompt cached; each page is retained once and flush gives every one back."""
+    from glm_dsa.cache import PageAllocator
+    from glm_dsa.prefill import PrefixCache
+
+    page = 4
+    allocator = PageAllocator(256)
+    cache = PrefixCache(allocator, page)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 50, (40,), generator=g)
+    prompts = [base[:n].clone() for n in (3, 4, 9, 16, 40)]
+    for at in (0, 3, 4, 13, 39):  # one id changed, inside and at the edge of a page
+        other = base.clone()
+        other[at] = (other[at] + 1) % 50
+        prompts.append(other)
+    cached: list[torch.Tensor] = []
+    owner: dict[int, tuple[int, int]] = {}
+    for i, ids in enumerate(prompts):
+        for max_tokens in (0, 3, 4, len(ids) - 1, len(ids)):
+            want = _longest_cached(cached, ids, max_tokens, page)
+            hit = cache.match(ids, max_tokens)
+            assert len(hit) == want, (i, max_tokens)
+            # each page of the hit holds ids[j * page : (j + 1) * page]
+            assert all(owner[p] == (j, hash(tuple(ids[j * page : (j + 1) * page].tolist())))
+                       for j, p in enumerate(hit))
+        held = cache.match(ids, len(ids))
+        allocator.retain(held)  # the request shares the hit, as the engine's requests do
+        pages = held + allocator.alloc(-(-len(ids) // page) - len(held))
+        for j, p in enumerate(pages):
+            owner.setdefault(p, (j, hash(tuple(ids[j * page : (j + 1) * page].tolist()))))
+        cache.insert(ids, pages, len(ids))
+        allocator.release(pages)  # the request's own references; the cache keeps its own
+        cached.append(ids)
+    whole = {p for ids in cached for p in cache.match(ids, len(ids))}
+    assert all(allocator._refs[p] == 1 for p in whole)
+    cache.flush()
+    assert all(r == 0 for r in allocator._refs) and cache.match(base, 40) == []
+
+
+def test_a_long_prompts_prefix_keys_cost_its_length_not_its_square():
+    """131,072 tokens (2,048 pages of 64): looking up and caching the prompt holds about its own
+    ids in memory. Keying each page by the whole prefix before it held 1 GB here (68 GB at 1M
+    tokens, where the H200 run spent 70 s on it)."""
+    import tracemalloc
+
+    from glm_dsa.cache import PageAllocator
+    from glm_dsa.prefill import PrefixCache
+
+    n, page = 131_072, 64
+    ids = torch.randint(0, 1 << 17, (n,), generator=torch.Generator().manual_seed(0))
+    allocator = PageAllocator(n // page)
+    cache = PrefixCache(allocator, page)
+    pages = allocator.alloc(n // page)
+    tracemalloc.start()
+    try:
+        cache.insert(ids, pages, n)
+        assert cache.match(ids, n) == pages
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * (8 * n), f"{peak / 1e6:.0f} MB for {8 * n / 1e6:.0f} MB of ids"
