@@ -622,8 +622,9 @@ def _estimated_peak_bytes(args, run: _Resolved, lengths: list[int]) -> int:
 
 def _choose_order(args, run: _Resolved, lengths: list[int], chunk_need: int, have: int | None, lower: str,
                   held: int = 0) -> None:
-    """Settle ``args.order`` (None: chunk when its estimate ``chunk_need`` fits, else layer when
-    the layer-major plan does, saying so in one line) and, for layer order, print its memory plan
+    """Settle ``args.order`` (None: chunk when its estimate ``chunk_need`` fits, else, on CUDA,
+    layer when the layer-major plan does, saying so in one line; on the host the refusal names
+    ``--order layer`` when its plan fits) and, for layer order, print its memory plan
     on stderr, before any model is built; a run neither order fits is refused in one line (the
     chunk-major hint ``lower`` when no order was asked for). ``held``: the part of
     ``chunk_need`` this process holds already (``preflight.check_fits``)."""
@@ -645,8 +646,13 @@ def _choose_order(args, run: _Resolved, lengths: list[int], chunk_need: int, hav
     host_fits = host is None or host_need <= host + held
     fits = host_fits and (on_cpu or have is None or plan.device_bytes <= have)
     if args.order is None:
-        if not fits or (args.cp or 1) > 1:
-            check_fits(chunk_need, run.device, lower, held)  # refuses: the chunk-major estimate did not fit
+        # On the host layer order is the user's choice, never made for them: a layer-major run
+        # builds every layer's modules before its first (64 KiB each), so a deep stack that a
+        # large host holds (10^6 layers: 64 GB) would be built for most of an hour before it ran.
+        if on_cpu or not fits or (args.cp or 1) > 1:
+            hint = (f", or run one layer at a time: --order layer ({host_need / 1e9:.1f} GB by its memory plan)"
+                    if on_cpu and fits and (args.cp or 1) == 1 else "")
+            check_fits(chunk_need, run.device, lower + hint, held)  # refuses: the chunk-major estimate did not fit
         assert have is not None  # chunk_need > have brought us here
         print(f"prefill: the whole model ({chunk_need / 1e9:.1f} GB with its caches) does not fit on {run.device} "
               f"({have / 1e9:.1f} GB free), one layer at a time does "

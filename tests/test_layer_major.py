@@ -147,9 +147,10 @@ def test_prefill_order_layer_writes_chunk_orders_outputs(tmp_path, capsys):
     assert sorted(chunk) == sorted(layer) and all(torch.equal(chunk[k], layer[k]) for k in chunk)
 
 
-def test_prefill_chooses_layer_order_when_only_one_layer_fits(capsys, monkeypatch):
-    """A device whose free memory holds one layer at a time but not the whole model: one line says
-    layer-major order was chosen, and the plan is printed before the run."""
+def test_on_the_host_a_run_only_one_layer_fits_is_refused_naming_layer_order(capsys, monkeypatch):
+    """A host whose memory holds one layer at a time but not the whole model: the chunk-major
+    refusal names --order layer with its plan's size (on the host layer order is never chosen
+    for the user), and --order layer runs."""
     from glm_dsa import preflight
     from glm_dsa.ledger import prefill_peak_bytes
 
@@ -164,19 +165,54 @@ def test_prefill_chooses_layer_order_when_only_one_layer_fits(capsys, monkeypatc
     base = preflight.host_baseline_bytes()
 
     def free(total):
-        return lambda device: total - preflight.resident_bytes()
+        return lambda device: total - min(preflight.resident_bytes(), base)
 
     monkeypatch.setattr(preflight, "available_bytes", free(base + (layer_need + chunk_need) // 2))
     rc, out, err = _prefill(capsys, "--tokens", 300, "--budget-bytes", budget, "--no-progress")
+    assert rc == 2 and err.count("\n") == 1 and "running in layer-major order" not in err, err
+    assert err.startswith("glm-dsa prefill: error: needs ") and ", or run one layer at a time: --order layer (" in err
+    rc, out, err = _prefill(capsys, "--tokens", 300, "--budget-bytes", budget, "--order", "layer", "--no-progress")
     assert rc == 0, err
-    chosen = [line for line in err.splitlines() if "running in layer-major order" in line]
-    assert len(chosen) == 1 and "does not fit on cpu" in chosen[0]
     assert "== layers (layer-major order" in out
     # Not even with the hidden rows and top-k on the host:
     least = memory_plan(config, [300], 128, "fp32", torch.float32, budget, available=0)
     monkeypatch.setattr(preflight, "available_bytes", free(base + least.device_bytes + least.module_bytes - 1))
     rc, _, err = _prefill(capsys, "--tokens", 300, "--budget-bytes", budget, "--order", "layer", "--no-progress")
     assert rc == 2 and err.count("error:") == 1 and "--order layer needs" in err and "by its memory plan" in err
+
+
+def test_on_cuda_layer_order_is_chosen_when_only_one_layer_fits(capsys, monkeypatch):
+    """The CUDA decision, driven on the CPU with a GPU's free memory faked: between the plan and
+    the whole model's estimate, one line says layer-major order was chosen and the plan follows;
+    below the plan the chunk-major refusal stands, naming no layer order."""
+    import argparse
+
+    from glm_dsa import cli, preflight
+    from glm_dsa.ledger import prefill_peak_bytes
+
+    config = PRESETS["tiny"]
+    budget = 1 << 20
+    gpu = torch.device("cuda", 0)
+    run = argparse.Namespace(device=gpu, config=config, dtype=torch.float32)
+    chunk_need = prefill_peak_bytes(config, [300], 128, "fp32", 4, budget)
+    plan = memory_plan(config, [300], 128, "fp32", torch.float32, budget, None)
+    assert plan.device_bytes < chunk_need
+
+    def args():
+        return argparse.Namespace(order=None, cp=None, chunk=128, kv_dtype="fp32", budget_bytes=budget,
+                                  mem_fraction_static=0.8)
+
+    have = (plan.device_bytes + chunk_need) // 2
+    monkeypatch.setattr(preflight, "available_bytes", lambda device: have if device.type == "cuda" else 1 << 40)
+    chosen = args()
+    cli._choose_order(chosen, run, [300], chunk_need, have, "lower --tokens")
+    err = capsys.readouterr().err.splitlines()
+    assert chosen.order == "layer" and chosen.hidden_on_device
+    assert err[0].startswith("prefill: the whole model (") and "does not fit on cuda:0" in err[0]
+    assert err[0].endswith("running in layer-major order (--order layer)") and err[1].startswith("memory plan")
+    have = memory_plan(config, [300], 128, "fp32", torch.float32, budget, available=0).device_bytes - 1
+    with pytest.raises(ValueError, match=r"^needs .* GB free on cuda:0; lower --tokens$"):
+        cli._choose_order(args(), run, [300], chunk_need, have, "lower --tokens")
 
 
 def test_a_stack_too_deep_for_its_layer_modules_is_refused_before_any_is_built(capsys, monkeypatch):
