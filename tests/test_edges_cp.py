@@ -100,3 +100,17 @@ def test_rank_stalled_says_started_or_not():
     assert "made no progress for 5 s" in str(cp.RankStalled(1, 2, 5.0, started=True))
     assert "did not start within 120 s" in str(cp.RankStalled(0, 2, 120.0, started=False))
     assert cp.RANK_START_S == 120.0
+
+
+@pytest.mark.parametrize("n, size, rank, real", [
+    (5, 2, 0, 3), (5, 2, 1, 2), (4, 2, 1, 2), (1, 2, 1, 0), (3, 4, 3, 0), (7, 3, 2, 2),
+])
+def test_a_ranks_row_mask_marks_exactly_its_own_rows(n, size, rank, real):
+    """The padding rows a rank adds to reach ``ceil(n / size)`` are masked; its own are not (the
+    MoE combine zeroes the masked rows, the gather drops them)."""
+    group = object.__new__(cp.CPGroup)  # the split's host rule only: no process group
+    group.size, group.rank, group.split = size, rank, "interleave"
+    batch = ForwardBatch.from_slots([0], [n], [torch.arange(n)])
+    chunk = group.chunk(batch)
+    assert chunk.row_mask.tolist() == [True] * real + [False] * (-(-n // size) - real)
+    assert chunk.rows.tolist() == list(range(rank, n, size))
