@@ -12,19 +12,15 @@ import shutil
 import pytest
 
 from glm_dsa.testing import golden, metrics
-from glm_dsa.testing.cases import CONTRACTS
 from glm_dsa.testing.golden import MANIFEST, load_golden
+from small_golden import write_small_set
 
 SMALL = ("act_quant",)
 
 
 @pytest.fixture(scope="module")
 def one_set(tmp_path_factory):
-    path = tmp_path_factory.mktemp("golden") / "g"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(golden, "CONTRACTS", {c: CONTRACTS[c] for c in SMALL})
-        golden.write_golden(path)
-    return path
+    return write_small_set(tmp_path_factory, SMALL)
 
 
 @pytest.fixture

@@ -22,19 +22,15 @@ from safetensors.torch import load_file, save_file
 from glm_dsa import oracle
 from glm_dsa.cli import main
 from glm_dsa.testing import golden
-from glm_dsa.testing.cases import CONTRACTS
 from glm_dsa.testing.golden import MANIFEST, CompareReport, compare, load_golden
+from small_golden import write_small_set
 
 SMALL = ("act_quant", "topk_per_row")
 
 
 @pytest.fixture(scope="module")
 def small_set(tmp_path_factory):
-    path = tmp_path_factory.mktemp("golden") / "g"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(golden, "CONTRACTS", {c: CONTRACTS[c] for c in SMALL})
-        golden.write_golden(path)
-    return path
+    return write_small_set(tmp_path_factory, SMALL)
 
 
 @pytest.fixture
