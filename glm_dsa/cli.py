@@ -640,9 +640,10 @@ def _choose_order(args, run: _Resolved, lengths: list[int], chunk_need: int, hav
     plan = _layer_plan(args, run, lengths, have)
     on_cpu = run.device.type == "cpu"
     host = have if on_cpu else available_bytes(torch.device("cpu"))
-    # on the host: the layer modules (meta), and the rows kept there or, on the CPU, everything
-    # with the process itself (as in the chunk-major estimate)
-    host_need = plan.module_bytes + (plan.device_bytes + host_baseline_bytes() if on_cpu else plan.host_bytes)
+    # on the host: the layer modules (meta), what the plan keeps there (rows, a checkpoint's
+    # layers read ahead) and, on the CPU, everything else with the process itself (as in the
+    # chunk-major estimate)
+    host_need = plan.module_bytes + plan.host_bytes + (plan.device_bytes + host_baseline_bytes() if on_cpu else 0)
     host_fits = host is None or host_need <= host + held
     fits = host_fits and (on_cpu or have is None or plan.device_bytes <= have)
     if args.order is None:
@@ -680,7 +681,12 @@ def _layer_plan(args, run: _Resolved, lengths: list[int], have: int | None):
 
     budgets = _budgets(args, run.device)
     transient = max(budgets.logits_bytes, budgets.attention_bytes, budgets.moe_bytes)
-    return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have)
+    ahead = 0
+    if run.checkpoint is not None:  # read ahead by CheckpointLayerWeights: the largest kind of layer
+        config = run.config
+        kinds = {(config.is_full(i), config.is_moe(i)): i for i in range(config.num_hidden_layers)}
+        ahead = max(run.checkpoint.stored_layer_bytes(i) for i in kinds.values())
+    return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have, ahead)
 
 
 def _check_positions(flag: str, args, config, lengths: list[int]) -> None:

@@ -20,6 +20,7 @@ any model is built.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -81,14 +82,42 @@ class RandomLayerWeights:
         init_layer_weights(layer, self.seed, self.first_layer + layer.layer_idx)
 
 
-@dataclass(frozen=True)
 class CheckpointLayerWeights:
-    """One layer of an opened checkpoint, read tensor by tensor straight to the layer's device."""
+    """One layer of an opened checkpoint at a time.
 
-    checkpoint: Checkpoint
+    With ``read_ahead`` (default) the next layer's tensors are read into host memory (pinned on
+    CUDA) by a thread of their own while this layer's steps run, so the disk is read behind the
+    compute; host memory then holds up to two layers' checkpoint tensors (GLM-5.3 in FP8: about
+    10 GB each). Without it each tensor is read on its layer's turn, straight to the device, with
+    host memory about one tensor. The layers' values are the same bits either way."""
+
+    def __init__(self, checkpoint: Checkpoint, read_ahead: bool = True) -> None:
+        self.checkpoint, self.read_ahead = checkpoint, read_ahead
+        self._reader: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future] | None = None
 
     def fill(self, layer: DecoderLayer) -> None:
-        self.checkpoint.load_layer(layer)
+        if not self.read_ahead:
+            self.checkpoint.load_layer(layer)
+            return
+        i = layer.layer_idx
+        pin = next(layer.parameters()).device.type == "cuda"
+        ahead, self._ahead = self._ahead, None
+        read = ahead[1].result() if ahead is not None and ahead[0] == i else self.checkpoint.read_layer(i, pin)
+        if i + 1 < self.checkpoint.config.num_hidden_layers:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="glm-dsa read-ahead")
+            self._ahead = (i + 1, self._reader.submit(self.checkpoint.read_layer, i + 1, pin))
+        self.checkpoint.load_layer(layer, read)
+
+    def close(self) -> None:
+        """Drop a layer read ahead and end the reader thread (a run that stopped early)."""
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
+            self._reader = None
 
 
 # ------------------------------------------------------------------ the memory plan
@@ -132,7 +161,8 @@ class MemoryPlan:
         """The plan as printed before a run: one line per item, then the totals."""
         out = [f"memory plan (layer-major, on {device}):"]
         out += [f"  {name:<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.items]
-        out += [f"  {name + ' (host, pinned)':<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.host_items]
+        where = " (host, pinned)" if device.type == "cuda" else " (host)"
+        out += [f"  {name + where:<52} {b:>18,} B {b / 1e9:9.2f} GB" for name, b in self.host_items]
         out.append(f"  {'layer modules on the meta device (host)':<52} {self.module_bytes:>18,} B "
                    f"{self.module_bytes / 1e9:9.2f} GB")
         out.append(f"  {'total on the device':<52} {self.device_bytes:>18,} B {self.device_bytes / 1e9:9.2f} GB"
@@ -148,6 +178,7 @@ def memory_plan(
     dtype: torch.dtype,
     transient_bytes: int,
     available: int | None,
+    read_ahead_bytes: int = 0,
 ) -> MemoryPlan:
     """The resident bytes of a layer-major run of prompts of ``lengths`` tokens.
 
@@ -158,7 +189,9 @@ def memory_plan(
     ``transient_bytes`` (the largest of the step's logits, attention and MoE budgets, which never
     coexist). The hidden rows of every token (``dtype``) and, when the stack has shared layers,
     the last full layer's int32 top-k of every token go on the device when ``available`` (None:
-    unknown) holds them too, else on the host.
+    unknown) holds them too, else on the host. ``read_ahead_bytes``: the largest layer's
+    checkpoint tensors as stored, held twice on the host (pinned on CUDA) by a checkpoint read
+    ahead; 0 for random weights.
     """
     c = config
     tokens = sum(lengths)
@@ -185,10 +218,12 @@ def memory_plan(
     if len(c.full_layers) < c.num_hidden_layers:
         between.append((f"top-k of the last full layer, {tokens:,} tokens", tokens * c.index_topk * 4))
     modules = c.num_hidden_layers * LAYER_MODULE_BYTES
+    # a checkpoint's layer being filled and the next one read ahead (CheckpointLayerWeights)
+    ahead = [("a checkpoint's layers, two read ahead", 2 * read_ahead_bytes)] if read_ahead_bytes else []
     fits = available is None or sum(b for _, b in items + between) <= available
     if fits:
-        return MemoryPlan(tuple(items + between), (), True, modules)
-    return MemoryPlan(tuple(items), tuple(between), False, modules)
+        return MemoryPlan(tuple(items + between), tuple(ahead), True, modules)
+    return MemoryPlan(tuple(items), tuple(between + ahead), False, modules)
 
 
 # ------------------------------------------------------------------ the run
@@ -257,38 +292,43 @@ def run_layer_major(
     observers = [engine._observer_for(s) for s in steps]
     tokens = sum(s.batch.num_tokens for s in steps)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device=None: None)
-    with torch.no_grad(), invariant.batch_invariant(engine.batch_invariant):
-        for layer in model.model.layers:
-            assert isinstance(layer, DecoderLayer)  # the stack holds nothing else
-            t0 = time.perf_counter()
-            if weights is not None:
-                layer.to_empty(device=device)
-                weights.fill(layer)
-                sync(device)
-            t1 = time.perf_counter()
+    try:
+        with torch.no_grad(), invariant.batch_invariant(engine.batch_invariant):
+            for layer in model.model.layers:
+                assert isinstance(layer, DecoderLayer)  # the stack holds nothing else
+                t0 = time.perf_counter()
+                if weights is not None:
+                    layer.to_empty(device=device)
+                    weights.fill(layer)
+                    sync(device)
+                t1 = time.perf_counter()
+                for s, scheduled in enumerate(steps):
+                    t = time.perf_counter()
+                    if layer.layer_idx == 0:
+                        x = model.model.input_rows(scheduled.inputs)
+                        steps[s] = replace(scheduled, inputs=scheduled.inputs[:0])  # its rows live in `hidden` now
+                    else:
+                        x = hidden.get(s)
+                    ctx = StepContext(scheduled.batch, engine.cache, engine.budgets, engine.backend,
+                                      times=times[s], observer=observers[s])
+                    out, k = layer(x, ctx, None if layer.is_full else topk.get(s))
+                    hidden.put(s, out)
+                    if layer.is_full:
+                        assert k is not None  # a full layer's indexer gave it
+                        topk.put(s, k)
+                    sync(device)
+                    seconds[s] += time.perf_counter() - t
+                t2 = time.perf_counter()
+                if weights is not None:
+                    layer.to_empty(device="meta")
+                record = LayerRecord(layer.layer_idx, t1 - t0, t2 - t1, tokens)
+                engine.layer_timeline.append(record)
+                if progress is not None:
+                    progress(record)
             for s, scheduled in enumerate(steps):
-                t = time.perf_counter()
-                if layer.layer_idx == 0:
-                    x = model.model.input_rows(scheduled.inputs)
-                    steps[s] = replace(scheduled, inputs=scheduled.inputs[:0])  # its rows live in `hidden` now
-                else:
-                    x = hidden.get(s)
-                ctx = StepContext(scheduled.batch, engine.cache, engine.budgets, engine.backend,
-                                  times=times[s], observer=observers[s])
-                out, k = layer(x, ctx, None if layer.is_full else topk.get(s))
-                hidden.put(s, out)
-                if layer.is_full:
-                    assert k is not None  # a full layer's indexer gave it
-                    topk.put(s, k)
-                sync(device)
-                seconds[s] += time.perf_counter() - t
-            t2 = time.perf_counter()
-            if weights is not None:
-                layer.to_empty(device="meta")
-            record = LayerRecord(layer.layer_idx, t1 - t0, t2 - t1, tokens)
-            engine.layer_timeline.append(record)
-            if progress is not None:
-                progress(record)
-        for s, scheduled in enumerate(steps):
-            engine._keep(scheduled, hidden.get(s) if hidden.on_device else hidden.rows[s])
-            engine._timeline_record(scheduled, times[s] or LayerTimes(), seconds[s], cuda_graph=False)
+                engine._keep(scheduled, hidden.get(s) if hidden.on_device else hidden.rows[s])
+                engine._timeline_record(scheduled, times[s] or LayerTimes(), seconds[s], cuda_graph=False)
+    finally:
+        close = getattr(weights, "close", None)  # a reader thread of its own (CheckpointLayerWeights)
+        if close is not None:
+            close()

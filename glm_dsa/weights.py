@@ -439,6 +439,19 @@ def _meta_model(config: DSAConfig) -> DSAForCausalLM:
 
 
 @dataclass(frozen=True)
+class LayerTensors:
+    """One decoder layer's checkpoint tensors in host memory (``Checkpoint.read_layer``):
+    ``names`` maps each of the layer's tensor names to its checkpoint name (for errors),
+    ``tensors`` holds them as stored (FP8 ones not yet dequantized), ``scales`` the FP8 weights'
+    checked block scales, by weight name."""
+
+    layer: int
+    names: Mapping[str, str]
+    tensors: Mapping[str, torch.Tensor]
+    scales: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint directory checked against the model it fills, from its headers alone.
 
@@ -485,15 +498,48 @@ class Checkpoint:
         self._fill(model, outer, self._scales({n: v for n, v in self.scales.items() if n in outer}), device)
         return model
 
-    def load_layer(self, layer: torch.nn.Module) -> None:
+    def load_layer(self, layer: torch.nn.Module, read: LayerTensors | None = None) -> None:
         """Fill decoder ``layer`` (stack layer ``layer.layer_idx``, its parameters allocated)
         from the checkpoint: its FP8 scales read and checked first, then each tensor by itself,
-        straight to the layer's device."""
+        straight to the layer's device; or, given ``read`` (``read_layer`` of this layer), from
+        those host tensors."""
+        if read is not None:
+            if read.layer != layer.layer_idx:
+                raise ValueError(f"read_layer gave layer {read.layer}'s tensors for layer {layer.layer_idx}")
+            _fill(layer, read.names, read.tensors.__getitem__, {n: n for n in read.scales}, read.scales)
+            return
         prefix = f"model.layers.{layer.layer_idx}."
         device = next(layer.parameters()).device
         mine = {n[len(prefix):]: v for n, v in self.tensors.items() if n.startswith(prefix)}
         scales = self._scales({n[len(prefix):]: v for n, v in self.scales.items() if n.startswith(prefix)})
         self._fill(layer, mine, scales, device)
+
+    def stored_layer_bytes(self, layer_idx: int) -> int:
+        """Bytes stack layer ``layer_idx``'s tensors and FP8 scales take as the checkpoint stores
+        them (what ``read_layer`` holds in host memory), from the files' headers."""
+        prefix = f"model.layers.{layer_idx}."
+        wanted = [v for n, v in (*self.tensors.items(), *self.scales.items()) if n.startswith(prefix)]
+        headers = {path: _header(path) for path in {path for _, path in wanted}}
+        total = 0
+        for key, path in wanted:
+            dtype, shape = headers[path][key]
+            total += math.prod(shape) * (dtype.itemsize if isinstance(dtype, torch.dtype) else 1)
+        return total
+
+    def read_layer(self, layer_idx: int, pin: bool = False) -> LayerTensors:
+        """Stack layer ``layer_idx``'s tensors as the checkpoint stores them, read into host
+        memory (pinned with ``pin``, for copies to a GPU), with its FP8 scales read and checked:
+        what ``load_layer(layer, read)`` copies in. A layer-major run reads the next layer so,
+        in a thread of its own, while this one computes (``layer_major.CheckpointLayerWeights``);
+        the whole layer is then in host memory at once."""
+        prefix = f"model.layers.{layer_idx}."
+        mine = {n[len(prefix):]: v for n, v in self.tensors.items() if n.startswith(prefix)}
+        scales = self._scales({n[len(prefix):]: v for n, v in self.scales.items() if n.startswith(prefix)})
+        tensors = {}
+        for name, (key, path) in mine.items():
+            t = _read(path, key, "cpu")
+            tensors[name] = t.pin_memory() if pin else t
+        return LayerTensors(layer_idx, {n: key for n, (key, _) in mine.items()}, tensors, scales)
 
     def _scales(self, wanted: Mapping[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
         """The FP8 block scales of ``wanted`` (weight name → its scale's ``(checkpoint name,

@@ -87,6 +87,87 @@ def test_streamed_checkpoint_layers_are_the_loaded_models():
         "request.0.layer.0.hidden", "request.0.layer.0.topk", "request.0.layer.3.hidden"]
 
 
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_an_fp8_checkpoint_streamed_with_or_without_read_ahead_gives_the_loaded_models_bits(tmp_path, read_ahead):
+    """An FP8 (block-scaled) sharded tiny checkpoint: layers read on their turn straight to the
+    device, or read ahead into host memory by the reader thread, give the bits of the model
+    loaded whole."""
+    from glm_dsa.weights import state_dict_for_save, write_config, write_safetensors
+
+    model = init_weights(build_model(PRESETS["tiny"], torch.bfloat16), seed=4)
+    write_config(model.config, tmp_path, fp8=True)
+    write_safetensors(state_dict_for_save(model, fp8=True), tmp_path, 48 << 10)
+    checkpoint = open_checkpoint(str(tmp_path))
+    loaded = load_checkpoint(str(tmp_path), torch.float32).eval()
+    streamed = checkpoint.load_outer(torch.float32).eval()
+    args = dict(lengths=[150, 60], chunk=64, layer_outputs=True)
+    weights = CheckpointLayerWeights(checkpoint, read_ahead=read_ahead)
+    _assert_same(_run(loaded, "chunk", **args), _run(streamed, "layer", **args, layer_weights=weights))
+    assert weights._reader is None and weights._ahead is None  # the run ended the reader
+
+
+def test_the_plan_counts_two_layers_of_a_checkpoint_read_ahead(tmp_path):
+    """A layer's stored bytes, from the headers, are the bytes written for it (FP8 weights, their
+    scales, the bf16 rest); the plan holds two such layers on the host."""
+    from glm_dsa.weights import state_dict_for_save, write_config, write_safetensors
+
+    model = init_weights(build_model(PRESETS["tiny"], torch.bfloat16), seed=4)
+    write_config(model.config, tmp_path, fp8=True)
+    stored = state_dict_for_save(model, fp8=True)
+    write_safetensors(stored, tmp_path, 48 << 10)
+    checkpoint = open_checkpoint(str(tmp_path))
+    for i in range(4):
+        written = sum(t.numel() * t.element_size() for k, t in stored.items() if k.startswith(f"model.layers.{i}."))
+        assert checkpoint.stored_layer_bytes(i) == written
+    largest = max(checkpoint.stored_layer_bytes(i) for i in range(4))
+    plan = memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None, largest)
+    assert dict(plan.host_items) == {"a checkpoint's layers, two read ahead": 2 * largest}
+    assert memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None).host_items == ()
+
+
+def test_read_ahead_reads_the_next_layer_while_this_one_runs(monkeypatch):
+    """With read-ahead, layer i + 1's read has begun by the time layer i's first step runs: each
+    of layer i's steps waits for it here, which a read on layer i + 1's own turn would leave
+    waiting in vain (10 s, then recorded as not overlapped). Each layer is read once; without
+    read-ahead none is read ahead."""
+    import threading
+
+    from glm_dsa.layer import DecoderLayer
+    from glm_dsa.weights import Checkpoint
+
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    reading = [threading.Event() for _ in range(4)]
+    overlapped: dict[int, bool] = {}
+    reads: list[int] = []
+    fills: list[int] = []
+    read, load, forward = Checkpoint.read_layer, Checkpoint.load_layer, DecoderLayer.forward
+
+    def spy_read(self, i, pin=False):
+        reads.append(i)
+        reading[i].set()
+        return read(self, i, pin)
+
+    def spy_forward(self, *a, **k):
+        i = self.layer_idx
+        if i + 1 < 4 and i + 1 not in overlapped:
+            overlapped[i + 1] = reading[i + 1].wait(timeout=10 if ahead else 0)
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(Checkpoint, "read_layer", spy_read)
+    monkeypatch.setattr(Checkpoint, "load_layer", lambda self, layer, r=None: (fills.append(layer.layer_idx),
+                                                                              load(self, layer, r))[1])
+    monkeypatch.setattr(DecoderLayer, "forward", spy_forward)
+    for ahead in (True, False):
+        fills.clear(), reads.clear(), overlapped.clear()
+        for event in reading:
+            event.clear()
+        streamed = checkpoint.load_outer(torch.float32).eval()
+        _run(streamed, "layer", [100], chunk=64, layer_weights=CheckpointLayerWeights(checkpoint, ahead))
+        assert fills == [0, 1, 2, 3]
+        assert sorted(reads) == ([0, 1, 2, 3] if ahead else [])  # each layer read once
+        assert overlapped == {1: ahead, 2: ahead, 3: ahead}
+
+
 def test_layer_order_refusals():
     model = init_weights(build_model(PRESETS["tiny"], torch.float32), seed=0).eval()
     with pytest.raises(ValueError, match="order='bogus'|choose one of chunk, layer"):
@@ -193,7 +274,7 @@ def test_on_cuda_layer_order_is_chosen_when_only_one_layer_fits(capsys, monkeypa
     config = PRESETS["tiny"]
     budget = 1 << 20
     gpu = torch.device("cuda", 0)
-    run = argparse.Namespace(device=gpu, config=config, dtype=torch.float32)
+    run = argparse.Namespace(device=gpu, config=config, dtype=torch.float32, checkpoint=None)
     chunk_need = prefill_peak_bytes(config, [300], 128, "fp32", 4, budget)
     plan = memory_plan(config, [300], 128, "fp32", torch.float32, budget, None)
     assert plan.device_bytes < chunk_need
