@@ -583,7 +583,9 @@ def _preflight_prefill(args, run: _Resolved, ranks_on_host: int = 1) -> _Prompts
     weights = param_counts(config)["total"] * dtype_bytes
     have = available_bytes(device)
     if have is not None and weights > have:  # no token count fits: say what does need the memory
-        fewer = "" if args.layers else "keep fewer layers (--layers 6:7), "
+        # one layer of the heaviest kind (full indexer, MoE FFN): GLM-5.3's 6:7
+        heaviest = next((i for i in range(config.num_hidden_layers) if config.is_full(i) and config.is_moe(i)), 0)
+        fewer = "" if args.layers else f"keep fewer layers (--layers {heaviest}:{heaviest + 1}), "
         lower = (f"the weights alone take {weights / 1e9:.1f} GB at {dtype_bytes} bytes per "
                  f"parameter: {fewer}use a smaller --config or --dtype bfloat16")
     # The part of the estimate this process holds already: its own memory, at most the estimate's

@@ -103,3 +103,12 @@ def test_the_memory_hint_names_the_weights_when_they_alone_do_not_fit(capsys):
     err = capsys.readouterr().err
     assert "the weights alone take 2973.5 GB at 4 bytes per parameter: keep fewer layers (--layers 6:7)" in err
     assert "lower --tokens" not in err
+
+
+def test_the_fewer_layers_hint_names_a_full_moe_layer_of_the_config_at_hand(capsys, monkeypatch):
+    """The slice suggested is one layer of the config's heaviest kind: tiny's layer 1 (full,
+    MoE), not GLM-5.3's 6:7, which tiny has no layer 6 for."""
+    monkeypatch.setattr("glm_dsa.preflight.available_bytes", lambda device: 1)
+    assert main(["prefill", "--config", "tiny", "--tokens", "64", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "keep fewer layers (--layers 1:2), use a smaller --config" in err, err
