@@ -685,9 +685,9 @@ def _layer_plan(args, run: _Resolved, lengths: list[int], have: int | None):
     transient = max(budgets.logits_bytes, budgets.attention_bytes, budgets.moe_bytes)
     ahead = 0
     if run.checkpoint is not None:  # read ahead by CheckpointLayerWeights: the largest kind of layer
-        config = run.config
-        kinds = {(config.is_full(i), config.is_moe(i)): i for i in range(config.num_hidden_layers)}
-        ahead = max(run.checkpoint.stored_layer_bytes(i) for i in kinds.values())
+        from glm_dsa.ledger import layer_kind_firsts
+
+        ahead = max(run.checkpoint.stored_layer_bytes(i) for i in layer_kind_firsts(run.config).values())
     return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have, ahead)
 
 

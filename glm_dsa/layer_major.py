@@ -29,8 +29,7 @@ import torch
 from glm_dsa import invariant
 from glm_dsa.config import DSAConfig
 from glm_dsa.layer import DecoderLayer, LayerTimes, StepContext
-from glm_dsa.ledger import index_k_row_bytes, main_kv_row_bytes
-from glm_dsa.kv_format import MLA_KV_FORMATS
+from glm_dsa.ledger import index_k_row_bytes, layer_cache_row_bytes, layer_kind_firsts, outer_weight_elements
 
 if TYPE_CHECKING:
     from glm_dsa.prefill import PrefillEngine, ScheduledStep
@@ -196,15 +195,14 @@ def memory_plan(
     c = config
     tokens = sum(lengths)
     pages = sum(-(-n // c.page_size) for n in lengths)
-    row_main = (main_kv_row_bytes(c, kv_dtype) if kv_dtype in MLA_KV_FORMATS
-                else {"fp32": 4, "fp64": 8}.get(kv_dtype, 2) * c.kv_latent_dim)
+    row_main = layer_cache_row_bytes(c, False, kv_dtype)
     item = dtype.itemsize
     # One layer of each kind (full/shared x dense/MoE) is counted; the largest is resident.
-    kinds = {(c.is_full(i), c.is_moe(i)): i for i in range(c.num_hidden_layers)}
+    kinds = layer_kind_firsts(c)
     layer_bytes = max(layer_weight_bytes(c, i, dtype) for i in kinds.values())
     with torch.device("meta"):
         largest = max(t.numel() for i in kinds.values() for t in DecoderLayer(c, i).state_dict().values())
-    outer = c.vocab_size * c.hidden_size * item * (1 if c.tie_word_embeddings else 2) + c.hidden_size * item
+    outer = outer_weight_elements(c) * item
     rows = min(chunk, max(lengths))
     items = [
         (f"main KV, {c.num_hidden_layers} layers ({kv_dtype})", pages * c.page_size * c.num_hidden_layers * row_main),

@@ -1037,6 +1037,17 @@ def layer_kind_counts(config: DSAConfig) -> dict[tuple[bool, bool], int]:
             (False, False): k - full_dense, (False, True): config.num_hidden_layers - k - full_moe}
 
 
+def layer_kind_firsts(config: DSAConfig) -> dict[tuple[bool, bool], int]:
+    """The first stack layer of each kind ``(full, moe)`` that ``config`` has (a layer stands for
+    its kind: every layer of one kind has the same sizes)."""
+    firsts: dict[tuple[bool, bool], int] = {}
+    for i in range(config.num_hidden_layers):
+        firsts.setdefault((config.is_full(i), config.is_moe(i)), i)
+        if len(firsts) == len(LAYER_KINDS):
+            break
+    return firsts
+
+
 def layer_weight_elements(config: DSAConfig, full: bool, moe: bool) -> int:
     """Parameters (elements) of one layer of kind ``(full, moe)``: its two norms, MLA, the
     indexer of a full layer, and the dense MLP or (MoE) the routed and shared experts and the

@@ -105,13 +105,9 @@ def available_bytes(device: torch.device) -> int | None:
     """Free memory a run on ``device`` can take: CUDA's free bytes, or the host's MemAvailable."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = _proc_kib("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        return available
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -120,14 +116,19 @@ def available_bytes(device: torch.device) -> int | None:
 
 def resident_bytes() -> int:
     """This process's resident memory now (VmRSS, bytes; 0 where /proc does not say)."""
+    return _proc_kib("/proc/self/status", "VmRSS:") or 0
+
+
+def _proc_kib(path: str, field: str) -> int | None:
+    """Bytes of the ``field`` line (in kB) of a /proc file; None where it has none."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
 
 
 # This module is imported by the command before any config or model is made, once the
