@@ -123,10 +123,11 @@ def block_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [out, in]`` → (e4m3 ``[out, in]``, float32 ``weight_scale_inv [ceil(out/128), ceil(in/128)]``).
 
     Scale per 128×128 block is ``amax / 448`` (``amax`` floored at 1e-4 so zero blocks stay finite).
+    Computed on ``w``'s device; the same bits on any (each step is exactly rounded).
     """
     out_f, in_f = w.shape
     bo, bi = math.ceil(out_f / WEIGHT_BLOCK), math.ceil(in_f / WEIGHT_BLOCK)
-    padded = torch.zeros(bo * WEIGHT_BLOCK, bi * WEIGHT_BLOCK, dtype=torch.float32)
+    padded = torch.zeros(bo * WEIGHT_BLOCK, bi * WEIGHT_BLOCK, dtype=torch.float32, device=w.device)
     padded[:out_f, :in_f] = w.float()
     blocks = padded.view(bo, WEIGHT_BLOCK, bi, WEIGHT_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)

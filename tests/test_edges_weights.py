@@ -91,6 +91,19 @@ def test_a_zero_block_gets_the_floor_scale():
     assert not q.float().any()
 
 
+@pytest.mark.cuda
+def test_block_quantize_on_cuda_gives_the_cpus_bits():
+    """A checkpoint quantized on the GPU (scripts/bench_checkpoint_stream.py writes GLM-5.3 layers
+    so) holds the bytes the CPU would write: ragged blocks, a far larger block, a zero block."""
+    w = torch.randn(300, 260, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w[:128, :128] *= 1000
+    w[128:256, 128:256] = 0
+    q, s = block_quantize_weight(w)
+    q_gpu, s_gpu = block_quantize_weight(w.cuda())
+    assert q_gpu.is_cuda and s_gpu.is_cuda
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(s_gpu.cpu(), s)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dequantize_whole_blocks_and_ragged_blocks_agree(dtype):
     g = torch.Generator().manual_seed(7)

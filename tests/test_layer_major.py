@@ -106,6 +106,35 @@ def test_an_fp8_checkpoint_streamed_with_or_without_read_ahead_gives_the_loaded_
     assert weights._reader is None and weights._ahead is None  # the run ended the reader
 
 
+@pytest.mark.cuda
+def test_an_fp8_checkpoint_read_ahead_into_pinned_memory_gives_the_loaded_models_bits_on_cuda(tmp_path,
+                                                                                                monkeypatch):
+    """On CUDA the reader thread pins each layer it reads ahead (the copies to the GPU are then
+    DMA from page-locked memory) and the streamed layers give the bits of the model loaded whole
+    on the GPU."""
+    from glm_dsa.weights import Checkpoint, state_dict_for_save, write_config, write_safetensors
+
+    model = init_weights(build_model(PRESETS["tiny"], torch.bfloat16), seed=4)
+    write_config(model.config, tmp_path, fp8=True)
+    write_safetensors(state_dict_for_save(model, fp8=True), tmp_path, 48 << 10)
+    checkpoint = open_checkpoint(str(tmp_path))
+    pinned: dict[int, bool] = {}
+    read = Checkpoint.read_layer
+
+    def spy_read(self, i, pin=False):
+        got = read(self, i, pin)
+        pinned[i] = all(t.is_pinned() for t in got.tensors.values())
+        return got
+
+    monkeypatch.setattr(Checkpoint, "read_layer", spy_read)
+    loaded = load_checkpoint(str(tmp_path), torch.float32, "cuda").eval()
+    streamed = checkpoint.load_outer(torch.float32, "cuda").eval()
+    args = dict(lengths=[150, 60], chunk=64, layer_outputs=True, backend="reference")
+    _assert_same(_run(loaded, "chunk", **args),
+                 _run(streamed, "layer", **args, layer_weights=CheckpointLayerWeights(checkpoint)))
+    assert pinned == {0: True, 1: True, 2: True, 3: True}
+
+
 def test_the_plan_counts_two_layers_of_a_checkpoint_read_ahead(tmp_path):
     """A layer's stored bytes, from the headers, are the bytes written for it (FP8 weights, their
     scales, the bf16 rest); the plan holds two such layers on the host."""

@@ -306,11 +306,14 @@ def _mqa_candidates_kernel(
 
 
 _KEY = ["HP", "DP", "size_class"]
-_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY)(_mqa_logits_kernel)
-_paged_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY)(_paged_mqa_logits_kernel)
+# cache_results: the choices are kept in Triton's cache directory beside the compiled kernels, so
+# a later process on the same GPU and Triton skips the timing runs (seconds of a short prefill).
+_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY, cache_results=True)(_mqa_logits_kernel)
+_paged_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY, cache_results=True)(
+    _paged_mqa_logits_kernel)
 # Tuning runs the kernel several times: its slot counters are zeroed before each run.
 _mqa_candidates_tuned = triton.autotune(
-    configs=_configs(CANDIDATE_CONFIGS), key=_KEY, reset_to_zero=["counters_ptr"]
+    configs=_configs(CANDIDATE_CONFIGS), key=_KEY, reset_to_zero=["counters_ptr"], cache_results=True
 )(_mqa_candidates_kernel)
 
 

@@ -237,6 +237,7 @@ def _prefetch_rows(rows, ROW_BYTES: tl.constexpr):
     configs=_INTERPRET_CONFIGS if _INTERPRET else _GPU_CONFIGS,
     key=["h_q", "topk", "D_V", "D_TAIL", "KV_FP8", "HAS_LEN"],
     prune_configs_by={"early_config_prune": _prune_configs},
+    cache_results=True,  # kept beside the compiled kernels, as mqa_logits' choices are
 )
 @triton.jit
 def _sparse_mla_fwd_kernel(
