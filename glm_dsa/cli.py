@@ -684,10 +684,8 @@ def _layer_plan(args, run: _Resolved, lengths: list[int], have: int | None):
     budgets = _budgets(args, run.device)
     transient = max(budgets.logits_bytes, budgets.attention_bytes, budgets.moe_bytes)
     ahead = 0
-    if run.checkpoint is not None:  # read ahead by CheckpointLayerWeights: the largest kind of layer
-        from glm_dsa.ledger import layer_kind_firsts
-
-        ahead = max(run.checkpoint.stored_layer_bytes(i) for i in layer_kind_firsts(run.config).values())
+    if run.checkpoint is not None:  # CheckpointLayerWeights' two buffers, each of the largest layer
+        ahead = max(run.checkpoint.read_bytes(i) for i in range(run.config.num_hidden_layers))
     return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have, ahead)
 
 

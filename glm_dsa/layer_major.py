@@ -84,39 +84,53 @@ class RandomLayerWeights:
 class CheckpointLayerWeights:
     """One layer of an opened checkpoint at a time.
 
-    With ``read_ahead`` (default) the next layer's tensors are read into host memory (pinned on
-    CUDA) by a thread of their own while this layer's steps run, so the disk is read behind the
-    compute; host memory then holds up to two layers' checkpoint tensors (GLM-5.3 in FP8: about
-    10 GB each). Without it each tensor is read on its layer's turn, straight to the device, with
-    host memory about one tensor. The layers' values are the same bits either way."""
+    With ``read_ahead`` (default) a thread of its own reads the layers, in order, into two host
+    buffers (pinned on CUDA) allocated once at the largest layer's ``read_bytes``: layer ``i``
+    into buffer ``i % 2``, whose read is queued once layer ``i − 2`` has been copied out of it.
+    So the disk reads without pause, up to two layers ahead, while the layers compute: a short
+    layer (GLM-5.3's shared ones at 1M tokens) takes its time from a long one before it. The
+    reads release the GIL (``Checkpoint.read_layer``), so the launches are not slowed. Without
+    it each tensor is read on its layer's turn, straight to the device, with host memory about
+    one tensor. The layers' values are the same bits either way."""
 
     def __init__(self, checkpoint: Checkpoint, read_ahead: bool = True) -> None:
         self.checkpoint, self.read_ahead = checkpoint, read_ahead
         self._reader: ThreadPoolExecutor | None = None
-        self._ahead: tuple[int, Future] | None = None
+        self._ahead: dict[int, Future] = {}
+        self._buffers: list[torch.Tensor] = []
 
     def fill(self, layer: DecoderLayer) -> None:
         if not self.read_ahead:
             self.checkpoint.load_layer(layer)
             return
-        i = layer.layer_idx
+        i, n = layer.layer_idx, self.checkpoint.config.num_hidden_layers
         pin = next(layer.parameters()).device.type == "cuda"
-        ahead, self._ahead = self._ahead, None
-        read = ahead[1].result() if ahead is not None and ahead[0] == i else self.checkpoint.read_layer(i, pin)
-        if i + 1 < self.checkpoint.config.num_hidden_layers:
-            if self._reader is None:
-                self._reader = ThreadPoolExecutor(1, thread_name_prefix="glm-dsa read-ahead")
-            self._ahead = (i + 1, self._reader.submit(self.checkpoint.read_layer, i + 1, pin))
-        self.checkpoint.load_layer(layer, read)
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="glm-dsa read-ahead")
+            size = max(self.checkpoint.read_bytes(j) for j in range(n))
+            self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(min(2, n))]
+        if i not in self._ahead:  # the first layer filled (a run may start anywhere)
+            self._queue(i, pin)
+        self._queue(i + 1, pin)
+        read = self._ahead.pop(i).result()
+        self.checkpoint.load_layer(layer, read)  # returns once the copies are done
+        del read
+        self._queue(i + 2, pin)  # into the buffer just copied out of
+
+    def _queue(self, i: int, pin: bool) -> None:
+        if i < self.checkpoint.config.num_hidden_layers and i not in self._ahead:
+            assert self._reader is not None
+            self._ahead[i] = self._reader.submit(self.checkpoint.read_layer, i, pin, self._buffers[i % 2])
 
     def close(self) -> None:
-        """Drop a layer read ahead and end the reader thread (a run that stopped early)."""
-        if self._ahead is not None:
-            self._ahead[1].cancel()
-            self._ahead = None
+        """Drop the layers read ahead, end the reader thread and free its buffers."""
+        for future in self._ahead.values():
+            future.cancel()
+        self._ahead = {}
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
+        self._buffers = []
 
 
 # ------------------------------------------------------------------ the memory plan
@@ -189,8 +203,8 @@ def memory_plan(
     coexist). The hidden rows of every token (``dtype``) and, when the stack has shared layers,
     the last full layer's int32 top-k of every token go on the device when ``available`` (None:
     unknown) holds them too, else on the host. ``read_ahead_bytes``: the largest layer's
-    checkpoint tensors as stored, held twice on the host (pinned on CUDA) by a checkpoint read
-    ahead; 0 for random weights.
+    ``Checkpoint.read_bytes``, the size of each of the two host buffers (pinned on CUDA) a
+    checkpoint is read ahead into; 0 for random weights.
     """
     c = config
     tokens = sum(lengths)
@@ -216,7 +230,7 @@ def memory_plan(
     if len(c.full_layers) < c.num_hidden_layers:
         between.append((f"top-k of the last full layer, {tokens:,} tokens", tokens * c.index_topk * 4))
     modules = c.num_hidden_layers * LAYER_MODULE_BYTES
-    # a checkpoint's layer being filled and the next one read ahead (CheckpointLayerWeights)
+    # CheckpointLayerWeights' buffers: the layer being copied out and the next being read
     ahead = [("a checkpoint's layers, two read ahead", 2 * read_ahead_bytes)] if read_ahead_bytes else []
     fits = available is None or sum(b for _, b in items + between) <= available
     if fits:

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from glm_dsa.config import DSAConfig, from_hf_config, keep_layers, parse_layers, to_hf_config
 from glm_dsa.fp8 import FP8_E4M3_MAX
 from glm_dsa.layer import DSAForCausalLM
+from glm_dsa.preflight import safetensors_header
 
 __all__ = [
     "CheckpointError",
@@ -131,7 +132,9 @@ def block_quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[:out_f, :in_f] = w.float()
     blocks = padded.view(bo, WEIGHT_BLOCK, bi, WEIGHT_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
-    scale = amax / FP8_E4M3_MAX
+    # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal, which
+    # rounds differently; tensor by tensor both devices give the exactly rounded quotient.
+    scale = amax / torch.full_like(amax, FP8_E4M3_MAX)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(bo * WEIGHT_BLOCK, bi * WEIGHT_BLOCK)[:out_f, :in_f].to(torch.float8_e4m3fn)
     return q.contiguous(), scale
@@ -517,30 +520,82 @@ class Checkpoint:
 
     def stored_layer_bytes(self, layer_idx: int) -> int:
         """Bytes stack layer ``layer_idx``'s tensors and FP8 scales take as the checkpoint stores
-        them (what ``read_layer`` holds in host memory), from the files' headers."""
-        prefix = f"model.layers.{layer_idx}."
-        wanted = [v for n, v in (*self.tensors.items(), *self.scales.items()) if n.startswith(prefix)]
-        headers = {path: _header(path) for path in {path for _, path in wanted}}
-        total = 0
-        for key, path in wanted:
-            dtype, shape = headers[path][key]
-            total += math.prod(shape) * (dtype.itemsize if isinstance(dtype, torch.dtype) else 1)
-        return total
+        them, from the files' headers."""
+        return sum(n for *_, n in self._spans(layer_idx))
 
-    def read_layer(self, layer_idx: int, pin: bool = False) -> LayerTensors:
+    def read_bytes(self, layer_idx: int) -> int:
+        """Bytes of the host buffer ``read_layer`` reads stack layer ``layer_idx`` into: its
+        stored tensors and scales, each at a ``_READ_ALIGN``-byte boundary."""
+        return sum(_aligned(n) for *_, n in self._spans(layer_idx))
+
+    def read_layer(self, layer_idx: int, pin: bool = False, into: torch.Tensor | None = None) -> LayerTensors:
         """Stack layer ``layer_idx``'s tensors as the checkpoint stores them, read into host
-        memory (pinned with ``pin``, for copies to a GPU), with its FP8 scales read and checked:
-        what ``load_layer(layer, read)`` copies in. A layer-major run reads the next layer so,
-        in a thread of its own, while this one computes (``layer_major.CheckpointLayerWeights``);
-        the whole layer is then in host memory at once."""
+        memory with its FP8 scales checked: what ``load_layer(layer, read)`` copies in.
+
+        The bytes are read with plain sequential file reads, file by file in offset order, into
+        one buffer of ``read_bytes(layer_idx)`` bytes: ``into`` (a uint8 host tensor at least
+        that long, reused: a run reads layer after layer into the same buffers) or a new one,
+        pinned with ``pin`` (for copies to a GPU). Each tensor is a view of the buffer. The
+        reads release the GIL (``readinto``), so a layer-major run reads the next layer so, in a
+        thread of its own, while this one computes without slowing its launches
+        (``layer_major.CheckpointLayerWeights``)."""
+        spans = self._spans(layer_idx)
+        size = sum(_aligned(n) for *_, n in spans)
+        if into is None:
+            into = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        elif into.dtype != torch.uint8 or into.dim() != 1 or into.numel() < size or into.is_cuda:
+            raise ValueError(f"read_layer({layer_idx}): into must be a 1-D uint8 host tensor of at least "
+                             f"{size} bytes (read_bytes), got {into.dtype} {tuple(into.shape)} on {into.device}")
+        views: dict[str, torch.Tensor] = {}
+        pos, current, f = 0, None, None
+        try:
+            for name, _, path, dtype, shape, offset, n in spans:
+                if path != current:
+                    if f is not None:
+                        f.close()
+                    current, f = path, open(path, "rb", buffering=0)
+                part = into[pos:pos + n]
+                _read_exactly(f, offset, part, path)
+                views[name] = part.view(dtype).view(shape)
+                pos += _aligned(n)
+        finally:
+            if f is not None:
+                f.close()
+        tensors = {n: views[n] for n in views if not n.startswith(_SCALE_PREFIX)}
+        scales: dict[str, torch.Tensor] = {}
+        problems: dict[str, str] = {}
+        for name, key, *_ in spans:
+            if name.startswith(_SCALE_PREFIX):
+                weight = name[len(_SCALE_PREFIX):]
+                scales[weight] = views[name]
+                if (why := _check_scale(scales[weight])) is not None:
+                    problems[key] = why
+        if problems:
+            raise CheckpointError(problems, self.directory)
+        names = {n: key for n, key, *_ in spans if not n.startswith(_SCALE_PREFIX)}
+        return LayerTensors(layer_idx, names, tensors, scales)
+
+    def _spans(self, layer_idx: int) -> list[tuple[str, str, str, torch.dtype, tuple[int, ...], int, int]]:
+        """``(name, checkpoint name, file, dtype, shape, byte offset in the file, bytes)`` of
+        stack layer ``layer_idx``'s tensors (named as in the layer) and FP8 scales (named
+        ``_SCALE_PREFIX`` + the weight's name), sorted by file and offset: from the headers."""
         prefix = f"model.layers.{layer_idx}."
-        mine = {n[len(prefix):]: v for n, v in self.tensors.items() if n.startswith(prefix)}
-        scales = self._scales({n[len(prefix):]: v for n, v in self.scales.items() if n.startswith(prefix)})
-        tensors = {}
-        for name, (key, path) in mine.items():
-            t = _read(path, key, "cpu")
-            tensors[name] = t.pin_memory() if pin else t
-        return LayerTensors(layer_idx, {n: key for n, (key, _) in mine.items()}, tensors, scales)
+        wanted = [(n[len(prefix):], key, path) for n, (key, path) in self.tensors.items() if n.startswith(prefix)]
+        wanted += [(_SCALE_PREFIX + n[len(prefix):], key, path) for n, (key, path) in self.scales.items()
+                   if n.startswith(prefix)]
+        headers = {}
+        for path in {path for *_, path in wanted}:
+            header = safetensors_header("--weights", path)
+            with open(path, "rb") as f:
+                start = 8 + int.from_bytes(f.read(8), "little")
+            headers[path] = (header, start)
+        out = []
+        for name, key, path in wanted:
+            header, start = headers[path]
+            info = header[key]
+            lo, hi = (int(x) for x in info["data_offsets"])
+            out.append((name, key, path, _HEADER_DTYPES[info["dtype"]], tuple(info["shape"]), start + lo, hi - lo))
+        return sorted(out, key=lambda s: (s[2], s[5]))
 
     def _scales(self, wanted: Mapping[str, tuple[str, str]]) -> dict[str, torch.Tensor]:
         """The FP8 block scales of ``wanted`` (weight name → its scale's ``(checkpoint name,
@@ -562,6 +617,29 @@ class Checkpoint:
         where = "cpu" if device.type == "cpu" else str(device)
         _fill(module, {n: key for n, (key, _) in tensors.items()},
               lambda n: _read(tensors[n][1], tensors[n][0], where), {n: n for n in scales}, scales)
+
+
+# read_layer's buffer: each tensor starts at a multiple of this (a view as float64 needs 8; 64 is a
+# cache line); its scales are named so, apart from the weights they scale.
+_READ_ALIGN = 64
+_SCALE_PREFIX = "scale:"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _READ_ALIGN) * _READ_ALIGN
+
+
+def _read_exactly(f, offset: int, out: torch.Tensor, path: str) -> None:
+    """``out.numel()`` bytes of open file ``f`` from ``offset`` into uint8 ``out``."""
+    view = memoryview(out.numpy()).cast("B")
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError({os.path.basename(path): f"ends before byte {offset + len(view)}: truncated; "
+                                                           "download it again"}, os.path.dirname(path))
+        got += n
 
 
 def _read(path: str, name: str, device: str) -> torch.Tensor:

@@ -103,7 +103,7 @@ def test_an_fp8_checkpoint_streamed_with_or_without_read_ahead_gives_the_loaded_
     args = dict(lengths=[150, 60], chunk=64, layer_outputs=True)
     weights = CheckpointLayerWeights(checkpoint, read_ahead=read_ahead)
     _assert_same(_run(loaded, "chunk", **args), _run(streamed, "layer", **args, layer_weights=weights))
-    assert weights._reader is None and weights._ahead is None  # the run ended the reader
+    assert weights._reader is None and weights._ahead == {} and weights._buffers == []  # the run ended the reader
 
 
 @pytest.mark.cuda
@@ -121,8 +121,8 @@ def test_an_fp8_checkpoint_read_ahead_into_pinned_memory_gives_the_loaded_models
     pinned: dict[int, bool] = {}
     read = Checkpoint.read_layer
 
-    def spy_read(self, i, pin=False):
-        got = read(self, i, pin)
+    def spy_read(self, i, pin=False, into=None):
+        got = read(self, i, pin, into)
         pinned[i] = all(t.is_pinned() for t in got.tensors.values())
         return got
 
@@ -133,6 +133,85 @@ def test_an_fp8_checkpoint_read_ahead_into_pinned_memory_gives_the_loaded_models
     _assert_same(_run(loaded, "chunk", **args),
                  _run(streamed, "layer", **args, layer_weights=CheckpointLayerWeights(checkpoint)))
     assert pinned == {0: True, 1: True, 2: True, 3: True}
+
+
+def test_read_layer_reads_the_stored_tensors_into_one_reused_buffer(tmp_path):
+    """``read_layer``'s plain reads give the tensors safetensors gives (weights, FP8 weights and
+    their scales, a layer cut across shards), as views of one buffer; a given buffer is reused,
+    one too short is refused in one line before any read, and a file cut short is named."""
+    from safetensors import safe_open
+
+    from glm_dsa.weights import CheckpointError, state_dict_for_save, write_config, write_safetensors
+
+    model = init_weights(build_model(PRESETS["tiny"], torch.bfloat16), seed=4)
+    write_config(model.config, tmp_path, fp8=True)
+    files = write_safetensors(state_dict_for_save(model, fp8=True), tmp_path, 48 << 10)
+    checkpoint = open_checkpoint(str(tmp_path))
+    spanned = {checkpoint.tensors[n][1] for n in checkpoint.tensors if n.startswith("model.layers.1.")}
+    assert len(spanned) > 1  # the layer is cut across shards
+    buffer = torch.zeros(checkpoint.read_bytes(1) + 100, dtype=torch.uint8)
+    read = checkpoint.read_layer(1, into=buffer)
+    lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    for name, key in read.names.items():
+        path = checkpoint.tensors[f"model.layers.1.{name}"][1]
+        with safe_open(path, "pt") as f:
+            expected = f.get_tensor(key)
+        got = read.tensors[name]
+        assert got.dtype == expected.dtype and got.shape == expected.shape, name
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)), name
+        assert lo <= got.data_ptr() < hi, name
+    assert sorted(read.scales) == sorted(n[len("model.layers.1."):] for n in checkpoint.scales
+                                         if n.startswith("model.layers.1."))
+    for weight, scale in read.scales.items():
+        key, path = checkpoint.scales[f"model.layers.1.{weight}"]
+        with safe_open(path, "pt") as f:
+            assert torch.equal(scale, f.get_tensor(key)), weight
+    with pytest.raises(ValueError, match=r"^read_layer\(1\): into must be a 1-D uint8 host tensor of at least \d+ "
+                                         r"bytes \(read_bytes\), got torch.uint8 \(10,\) on cpu$"):
+        checkpoint.read_layer(1, into=torch.zeros(10, dtype=torch.uint8))
+    last = max(checkpoint.tensors[n][1] for n in checkpoint.tensors if n.startswith("model.layers.3."))
+    assert os.path.basename(last) in files
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) - 1)
+    with pytest.raises((CheckpointError, ValueError), match="truncated"):
+        checkpoint.read_layer(3)
+
+
+def test_read_ahead_reads_every_layer_into_two_buffers_allocated_once(monkeypatch):
+    """The reader fills layer i into buffer i % 2 and never allocates another; layer i + 2's
+    read is queued only after layer i was copied out of its buffer."""
+    from glm_dsa.weights import Checkpoint
+
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    events: list[tuple[str, int]] = []
+    where: dict[int, int] = {}
+    weights = CheckpointLayerWeights(checkpoint)
+    read, load = Checkpoint.read_layer, Checkpoint.load_layer
+
+    def spy_read(self, i, pin=False, into=None):
+        events.append(("read", i))
+        where[i] = next(b for b, buf in enumerate(weights._buffers) if buf is into)
+        return read(self, i, pin, into)
+
+    def spy_load(self, layer, r=None):
+        load(self, layer, r)
+        events.append(("copied", layer.layer_idx))
+
+    monkeypatch.setattr(Checkpoint, "read_layer", spy_read)
+    monkeypatch.setattr(Checkpoint, "load_layer", spy_load)
+    allocated = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocated.append(a), empty(*a, **k))[1]
+                        if k.get("dtype") is torch.uint8 else empty(*a, **k))
+    streamed = checkpoint.load_outer(torch.float32).eval()
+    expected = _run(load_checkpoint(os.path.join(STUB, "tiny"), torch.float32).eval(), "chunk", [100], chunk=64)
+    got = _run(streamed, "layer", [100], chunk=64, layer_weights=weights)
+    _assert_same(expected, got)
+    assert where == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert len(allocated) == 2 and all(a == (max(checkpoint.read_bytes(i) for i in range(4)),) for a in allocated)
+    for i in (2, 3):
+        assert events.index(("copied", i - 2)) < events.index(("read", i))
+    assert weights._buffers == [] and weights._reader is None  # freed when the run ended
 
 
 def test_the_plan_counts_two_layers_of_a_checkpoint_read_ahead(tmp_path):
@@ -146,9 +225,12 @@ def test_the_plan_counts_two_layers_of_a_checkpoint_read_ahead(tmp_path):
     write_safetensors(stored, tmp_path, 48 << 10)
     checkpoint = open_checkpoint(str(tmp_path))
     for i in range(4):
-        written = sum(t.numel() * t.element_size() for k, t in stored.items() if k.startswith(f"model.layers.{i}."))
+        mine = [t for k, t in stored.items() if k.startswith(f"model.layers.{i}.")]
+        written = sum(t.numel() * t.element_size() for t in mine)
         assert checkpoint.stored_layer_bytes(i) == written
-    largest = max(checkpoint.stored_layer_bytes(i) for i in range(4))
+        # the read buffer: each tensor at a 64-byte boundary
+        assert checkpoint.read_bytes(i) == sum(-(-t.numel() * t.element_size() // 64) * 64 for t in mine)
+    largest = max(checkpoint.read_bytes(i) for i in range(4))
     plan = memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None, largest)
     assert dict(plan.host_items) == {"a checkpoint's layers, two read ahead": 2 * largest}
     assert memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None).host_items == ()
@@ -171,10 +253,10 @@ def test_read_ahead_reads_the_next_layer_while_this_one_runs(monkeypatch):
     fills: list[int] = []
     read, load, forward = Checkpoint.read_layer, Checkpoint.load_layer, DecoderLayer.forward
 
-    def spy_read(self, i, pin=False):
+    def spy_read(self, i, pin=False, into=None):
         reads.append(i)
         reading[i].set()
-        return read(self, i, pin)
+        return read(self, i, pin, into)
 
     def spy_forward(self, *a, **k):
         i = self.layer_idx
