@@ -631,7 +631,7 @@ def _aligned(n: int) -> int:
 
 def _read_exactly(f, offset: int, out: torch.Tensor, path: str) -> None:
     """``out.numel()`` bytes of open file ``f`` from ``offset`` into uint8 ``out``."""
-    view = memoryview(out.numpy()).cast("B")
+    view = out.numpy().data.cast("B")
     f.seek(offset)
     got = 0
     while got < len(view):
