@@ -14,18 +14,30 @@ Parts (each independent: one that fails records its error and the others still r
             TFLOP/s over unmasked pairs (2·H·D per pair), DeepGEMM on the same inputs when
             ``import deep_gemm`` works, the ratio, calc_diff against the oracle on a row subset.
   paged     ``fp8_paged_mqa_logits`` at 4,096 and 32,768 × 131,072 through a shuffled block table.
+  frontier  (not in the default parts; issue 43) ``indexer_topk`` beside the peers composition
+            (``glm_dsa.peers.indexer_topk``: DeepGEMM's logits in the budget's row chunks, our
+            radix select over them) at 4,096, 16,384 and 32,768 rows × 131,072 and 1,048,576
+            keys (``FRONTIER_SHAPES``, causal with prefix, the budget of the indexer part):
+            ms and TFLOP/s of the whole ``indexer_topk`` and its steps, of DeepGEMM's logits
+            alone and ours alone (the same row slices), of the composition; the rate of
+            ``indexer_topk`` over DeepGEMM's logits alone, its speedup over the composition,
+            and the two top-k sets on a few rows (equal, and each within ``topk_margin`` of
+            the oracle's scores). Without DeepGEMM the composition is ``select_in_chunks`` over
+            our logits. Runs on the CPU under ``TRITON_INTERPRET=1`` at tiny
+            ``--frontier-shapes`` (with a ``--frontier-topk`` below their keys).
 
 The first call of each kernel autotunes (``glm_dsa.kernels.mqa_logits.CONFIGS``,
 ``CANDIDATE_CONFIGS``); its time is reported as ``first_call_s`` and the winning config is
 printed.
 
-Usage: python scripts/bench_indexer.py --out bench_indexer.json [--deep-gemm PATH]
+Usage: python scripts/bench_indexer.py --out bench_indexer.json [--deep-gemm PATH] [--parts ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -36,23 +48,33 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchlib import median_seconds, sync  # noqa: E402
+
 H, D, CONTEXT, TOPK = 32, 128, 131_072, 2048
 INDEXER_CHUNK, INDEXER_PREFIX = 32_768, 983_040
 # Issue 30's four logits shapes: (query rows, keys, heads), causal, the rows the last keys.
 LOGITS_SHAPES = [(4096, 131_072, 32), (32_768, 131_072, 32), (8192, 1_048_576, 32), (4096, 131_072, 64)]
 CHECK_ROWS = 256  # rows checked against the float64 oracle (slow at 131,072 keys)
 RECALL_ROWS = 8
+# Issue 43's frontier shapes (rows, keys), keys outer: each autotune bucket (a factor of 16 in
+# rows × keys) is first met, and tuned, at its smallest shape.
+FRONTIER_SHAPES = [(S, N) for N in (131_072, 1_048_576) for S in (4096, 16_384, 32_768)]
+# Timed calls after the first (which compiles and autotunes); 32,768 × 1M costs ~0.5 s a call.
+FRONTIER_REPS = 3
+FRONTIER_CHECK_ROWS = 4  # rows whose two top-k sets are compared, first and last among them
 
 
-def _inputs(S: int, N: int, seed: int = 0, heads: int = H):
+def _inputs(S: int, N: int, seed: int = 0, heads: int = H, device: str = "cuda"):
+    """The last ``S`` tokens of an ``N``-token causal request: q ``[S, heads, D]`` e4m3, k
+    ``[N, D]`` e4m3, k_scale ``[N]``, weights ``[S, heads]``, int32 ks = 0 and ke ``[S]``."""
     H = heads
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(S, H, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    k = torch.randn(N, D, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    k_scale = torch.rand(N, device="cuda", generator=g) + 0.25
-    weights = torch.randn(S, H, device="cuda", generator=g) * H**-0.5
-    ks = torch.zeros(S, dtype=torch.int32, device="cuda")
-    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device="cuda")
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(S, H, D, device=device, generator=g).to(torch.float8_e4m3fn)
+    k = torch.randn(N, D, device=device, generator=g).to(torch.float8_e4m3fn)
+    k_scale = torch.rand(N, device=device, generator=g) + 0.25
+    weights = torch.randn(S, H, device=device, generator=g) * H**-0.5
+    ks = torch.zeros(S, dtype=torch.int32, device=device)
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=device)
     return q, k, k_scale, weights, ks, ke
 
 
@@ -172,13 +194,28 @@ def _median_s(fn, reps: int = 3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _progress(res: dict, *keys: str) -> None:
+def _progress(res: dict, *keys: str, label: str = "indexer") -> None:
     """Print measurements as they are made, so a run stopped by its time limit shows them."""
-    print("  indexer", json.dumps({k: res[k] for k in keys if k in res}, default=str), flush=True)
+    print(f"  {label}", json.dumps({k: res[k] for k in keys if k in res}, default=str), flush=True)
 
 
 def _slices(S: int, rows: int):
     return [(r0, min(S, r0 + rows)) for r0 in range(0, S, rows)]
+
+
+def _triton_logits_in_slices(q, k, k_scale, w, ks, ke, rows: int) -> None:
+    """Our logits kernel over ``[S, N]`` in slices of ``rows`` rows (the budget's), each slice
+    freed as the next is made: what an indexer that materializes its logits computes."""
+    from glm_dsa.kernels.mqa_logits import launch_mqa_logits
+
+    for r0, r1 in _slices(q.shape[0], rows):
+        launch_mqa_logits(q[r0:r1], k, k_scale, w[r0:r1], ks[r0:r1], ke[r0:r1], False, 0)
+
+
+def _deepgemm_logits_in_slices(deep_gemm, q, k, k_scale, w, ks, ke, rows: int) -> None:
+    """``deep_gemm.fp8_mqa_logits`` over the same slices as ``_triton_logits_in_slices``."""
+    for r0, r1 in _slices(q.shape[0], rows):
+        deep_gemm.fp8_mqa_logits(q[r0:r1], (k, k_scale), w[r0:r1], ks[r0:r1], ke[r0:r1], clean_logits=False)
 
 
 def part_indexer(deep_gemm) -> dict:
@@ -189,7 +226,6 @@ def part_indexer(deep_gemm) -> dict:
     from glm_dsa import budget as budgets, oracle
     from glm_dsa.kernels import indexer as fast
     from glm_dsa.kernels import mqa_logits
-    from glm_dsa.kernels.mqa_logits import launch_mqa_logits
 
     S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK
     q, k, k_scale, w, ks, ke = _inputs(S, N)
@@ -216,22 +252,14 @@ def part_indexer(deep_gemm) -> dict:
     res["indexer_tflops"] = flops / res["indexer_s"] / 1e12
     _progress(res, "indexer_s", "indexer_tflops", "peak_above_inputs_bytes")
 
-    def logits_alone():
-        for r0, r1 in _slices(S, rows):
-            launch_mqa_logits(q[r0:r1], k, k_scale, w[r0:r1], ks[r0:r1], ke[r0:r1], False, 0)
-
-    res["logits_alone_s"] = _median_s(logits_alone)
+    res["logits_alone_s"] = _median_s(lambda: _triton_logits_in_slices(q, k, k_scale, w, ks, ke, rows))
     res["logits_alone_tflops"] = flops / res["logits_alone_s"] / 1e12
     res["indexer_over_logits_alone"] = res["indexer_s"] / res["logits_alone_s"]
     _progress(res, "logits_alone_s", "logits_alone_tflops", "indexer_over_logits_alone")
     if deep_gemm is not None:
         try:
-            def dg_alone():
-                for r0, r1 in _slices(S, rows):
-                    deep_gemm.fp8_mqa_logits(q[r0:r1], (k, k_scale), w[r0:r1], ks[r0:r1], ke[r0:r1],
-                                             clean_logits=False)  # fmt: skip
-
-            res["deepgemm_logits_alone_s"] = _median_s(dg_alone)
+            res["deepgemm_logits_alone_s"] = _median_s(
+                lambda: _deepgemm_logits_in_slices(deep_gemm, q, k, k_scale, w, ks, ke, rows))
             res["deepgemm_logits_alone_tflops"] = flops / res["deepgemm_logits_alone_s"] / 1e12
             res["indexer_over_deepgemm_logits_alone"] = res["indexer_s"] / res["deepgemm_logits_alone_s"]
             _progress(res, "deepgemm_logits_alone_s", "indexer_over_deepgemm_logits_alone")
@@ -260,31 +288,44 @@ def part_indexer(deep_gemm) -> dict:
     return res
 
 
-def _launch_steps(fast, q, w, k, k_scale, ks, ke) -> dict:
-    """CUDA-event times of one launch's steps over the whole chunk, candidate counts, redo rows."""
+class _HostEvent:
+    """``torch.cuda.Event``'s ``record`` and ``elapsed_time`` (ms) on the host clock, for a CPU
+    run (Triton's interpreter has done a launch's work when it returns)."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: "_HostEvent") -> float:
+        return (end.t - self.t) * 1e3
+
+
+def _launch_steps(fast, q, w, k, k_scale, ks, ke, topk: int = TOPK) -> dict:
+    """Times (ms, CUDA events; the host clock on the CPU) of one launch's steps over the whole
+    chunk, candidate counts, redo rows."""
     from glm_dsa.kernels.mqa_logits import launch_mqa_candidates, launch_mqa_logits
-    from glm_dsa.kernels.topk import CAND_FACTOR, launch_select_candidates, launch_thresholds
+    from glm_dsa.kernels.topk import CAND_FACTOR, COUNTERS, launch_select_candidates, launch_thresholds
 
     S = q.shape[0]
     lens = (ke - ks).to(torch.int32)
     longest = int(lens.max())
-    cand = min(CAND_FACTOR * TOPK, longest)
+    cand = min(CAND_FACTOR * topk, longest)
     stride = -(-longest // fast.SAMPLE)
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    ev: list = [torch.cuda.Event(enable_timing=True) if q.is_cuda else _HostEvent() for _ in range(4)]
     ev[0].record()
     s_starts = ks.add(stride - 1).floor_divide(stride)
     s_ends = ke.add(stride - 1).floor_divide(stride)
     sample = launch_mqa_logits(q, k[::stride].contiguous(), k_scale[::stride].contiguous(), w,
                                s_starts, s_ends, False, 0)  # fmt: skip
-    thr = launch_thresholds(sample, s_starts, s_ends, lens, TOPK, cand)
+    thr = launch_thresholds(sample, s_starts, s_ends, lens, topk, cand)
     ev[1].record()
-    counters = torch.zeros((S, 4), dtype=torch.int32, device="cuda")
+    # The kernels' layout: COUNTERS int32 a row, candidates appended in column 0.
+    counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device=q.device)
     keys, cols = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, cand)
     ev[2].record()
     found = counters[:, 0].clone()
-    _, redo, _ = launch_select_candidates(keys, cols, counters, lens, TOPK)
+    _, redo, _ = launch_select_candidates(keys, cols, counters, lens, topk)
     ev[3].record()
-    torch.cuda.synchronize()
+    sync(q.device)
     f = found.float()
     return {"sample_threshold_ms": ev[0].elapsed_time(ev[1]), "candidates_ms": ev[1].elapsed_time(ev[2]),
             "select_ms": ev[2].elapsed_time(ev[3]), "candidates_mean": float(f.mean()),
@@ -292,15 +333,168 @@ def _launch_steps(fast, q, w, k, k_scale, ks, ke) -> dict:
             "redo_rows": int(redo.sum())}  # fmt: skip
 
 
+def part_frontier(S: int, N: int, topk: int, deep_gemm) -> dict:
+    """Issue 43's frontier at ``S`` rows × ``N`` keys: the whole ``indexer_topk`` (and its
+    steps) beside DeepGEMM's logits alone, ours alone (the budget's row slices) and the peers
+    composition (``glm_dsa.peers.indexer_topk``; ``select_in_chunks`` over our logits when
+    DeepGEMM is absent or fails). Times in ms, rates in TFLOP/s over the unmasked pairs
+    (2·H·D each); ``rate_vs_deepgemm_logits`` and ``speedup_vs_composition`` above 1 favour
+    ``indexer_topk``. Memory: at most one budget of logits (or of candidates) at a time."""
+    from glm_dsa import budget as budgets, peers
+    from glm_dsa.kernels import indexer as fast
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = dev == "cuda"
+    q, k, k_scale, w, ks, ke = _inputs(S, N, heads=H, device=dev)
+    budget = budgets.default_logits_bytes(dev)
+    rows = budgets.max_logit_rows(S, N, budget)
+    pairs = int((ke - ks).long().sum())
+    flops = 2 * H * D * pairs
+    res: dict = {"S": S, "N": N, "H": H, "D": D, "topk": topk, "budget_bytes": budget,
+                 "logits_rows_per_slice": rows, "n_slices": -(-S // rows),
+                 "candidate_rows_per_launch": fast.candidate_rows(S, N, D, topk, budget),
+                 "unmasked_pairs": pairs, "reps": FRONTIER_REPS if cuda else 1}  # fmt: skip
+    label = f"frontier {S}x{N}"
+
+    def measure(name: str, fn):
+        """``fn()``'s output, from its first call (which compiles and autotunes). On CUDA the
+        median of FRONTIER_REPS more is its time, and their peak memory above what was held
+        before them (inputs, earlier outputs) is recorded; on the CPU that first call's time."""
+        sync(dev)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(dev)
+        first = time.perf_counter() - t0
+        res[f"{name}_first_call_s"] = first
+        if cuda:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            ms = 1e3 * median_seconds(fn, warmup=0, reps=FRONTIER_REPS)
+            res[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        else:
+            ms = 1e3 * first
+        res[f"{name}_ms"], res[f"{name}_tflops"] = ms, flops / ms / 1e9
+        _progress(res, f"{name}_first_call_s", f"{name}_ms", f"{name}_tflops", f"{name}_peak_bytes",
+                  label=label)  # fmt: skip
+        return out
+
+    out = measure("indexer", lambda: fast.indexer_topk(q, w, k, k_scale, ks, ke, topk, budget))
+    steps = _launch_steps(fast, q, w, k, k_scale, ks, ke, topk)
+    # What the three steps leave of the whole call: the redone rows, the row-chunk loop's syncs
+    # (a comparison only where the call is one launch, candidate_rows_per_launch ≥ S).
+    steps["rest_ms"] = res["indexer_ms"] - sum(steps[f"{step}_ms"]
+                                               for step in ("sample_threshold", "candidates", "select"))
+    res.update(steps)
+    _progress(res, *steps, label=label)
+    measure("triton_logits", lambda: _triton_logits_in_slices(q, k, k_scale, w, ks, ke, rows))
+    composed = None
+    if deep_gemm is None:
+        res["deepgemm_skipped"] = "import deep_gemm failed (the report's deep_gemm_error)"
+    else:
+        try:
+            measure("deepgemm_logits",
+                    lambda: _deepgemm_logits_in_slices(deep_gemm, q, k, k_scale, w, ks, ke, rows))
+            composed = measure("composition",
+                               lambda: peers.indexer_topk(q, w, k, k_scale, ks, ke, topk, budget))
+            res["composition"] = "peers.indexer_topk: DeepGEMM's logits, our radix select"
+        except Exception as e:  # DeepGEMM's own failure must not hide ours
+            res["deepgemm_error"] = f"{type(e).__name__}: {e}"
+    if composed is None:
+        composed = measure("composition", lambda: fast.select_in_chunks(
+            q, w, k, k_scale, ks, ke, topk, budget, fast._full_logits(q, w, k, k_scale)))
+        res["composition"] = "select_in_chunks: our logits, our radix select"
+    res["speedup_vs_composition"] = res["composition_ms"] / res["indexer_ms"]
+    res["rate_vs_triton_logits"] = res["triton_logits_ms"] / res["indexer_ms"]
+    if "deepgemm_logits_ms" in res:
+        res["rate_vs_deepgemm_logits"] = res["deepgemm_logits_ms"] / res["indexer_ms"]
+    res.update(_compare_topk(out, composed, q, w, k, k_scale, ks, ke, topk))
+    _progress(res, "speedup_vs_composition", "rate_vs_deepgemm_logits", "topk_sets_equal_rows",
+              label=label)
+    return res
+
+
+def _compare_topk(a, b, q, w, k, k_scale, ks, ke, topk: int) -> dict:
+    """Two top-k outputs ``[S, topk]`` on FRONTIER_CHECK_ROWS rows: equal as sets, the members
+    of ``a`` missing from ``b``, and each against the oracle's scores by ``topk_margin``
+    (members within ``TOPK_REL_TOL`` of the row's largest |score| of the k-th best count as
+    right: the two rank their own float32 logits, whose summation orders differ)."""
+    from glm_dsa import oracle
+    from glm_dsa.testing.metrics import TOPK_REL_TOL, check_tensor
+
+    S = q.shape[0]
+    pick = torch.linspace(0, S - 1, FRONTIER_CHECK_ROWS, device=q.device).long().unique()
+    scores = oracle.fp8_mqa_logits(q[pick], (k, k_scale), w[pick], ks[pick], ke[pick]).cpu()
+    starts, ends = ks[pick].cpu(), ke[pick].cpu()
+    ref = oracle.topk_per_row(scores, starts, ends, topk)
+    aux = {"scores": scores, "row_starts": starts, "row_ends": ends}
+    spec = {"metric": "topk_margin", "rel_tol": TOPK_REL_TOL, "scores": "scores", "row_starts": "row_starts",
+            "row_ends": "row_ends"}  # fmt: skip
+    sa = [set(r) - {-1} for r in a[pick].tolist()]
+    sb = [set(r) - {-1} for r in b[pick].tolist()]
+    res: dict = {"check_rows": pick.tolist(), "topk_sets_equal_rows": sum(x == y for x, y in zip(sa, sb)),
+                 "topk_members_differ": sum(len(x - y) for x, y in zip(sa, sb))}  # fmt: skip
+    for name, got in (("indexer", a), ("composition", b)):
+        v = check_tensor(spec, got[pick].cpu(), ref, aux.__getitem__)
+        res[f"{name}_topk_margin"] = {"passed": v.passed, "worst": v.value, "detail": v.detail}
+    return res
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """``"64x1024,128x2048"`` → ``[(64, 1024), (128, 2048)]`` (rows × keys)."""
+    shapes = []
+    for item in text.split(","):
+        fields = item.lower().split("x")
+        if len(fields) != 2 or not all(f.strip().isdigit() for f in fields) or not (
+                1 <= int(fields[0]) <= int(fields[1])):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: give rows x keys pairs, 1 <= rows <= keys, e.g. 64x1024,128x2048")
+        shapes.append((int(fields[0]), int(fields[1])))
+    return shapes
+
+
+def _frontier_table(parts: dict) -> str:
+    """Markdown table of the frontier parts: ms (TFLOP/s) of each, the ratios, the top-k check."""
+    nan = float("nan")
+    lines = ["\n| rows × keys | indexer_topk | sample / cand. / select / rest ms, redo | DeepGEMM logits "
+             "| rate vs DeepGEMM logits | composition | speedup vs composition | our logits | sets equal "
+             "| margin |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in parts.values():
+        margin = r["indexer_topk_margin"]["passed"] and r["composition_topk_margin"]["passed"]
+        lines.append(
+            f"| {r['S']:,} × {r['N']:,} | {r['indexer_ms']:.2f} ms ({r['indexer_tflops']:.0f}) | "
+            f"{r['sample_threshold_ms']:.1f} / {r['candidates_ms']:.1f} / {r['select_ms']:.1f} / "
+            f"{r['rest_ms']:.1f}, {r['redo_rows']} | "
+            f"{r.get('deepgemm_logits_ms', nan):.2f} ms ({r.get('deepgemm_logits_tflops', nan):.0f}) | "
+            f"{r.get('rate_vs_deepgemm_logits', nan):.2f} | {r['composition_ms']:.2f} ms "
+            f"({r['composition_tflops']:.0f}) | {r['speedup_vs_composition']:.2f} | "
+            f"{r['triton_logits_ms']:.2f} ms ({r['triton_logits_tflops']:.0f}) | "
+            f"{r['topk_sets_equal_rows']} of {len(r['check_rows'])} | {'pass' if margin else 'FAIL'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--deep-gemm", default=None, help="directory to put on sys.path for deep_gemm")
-    p.add_argument("--parts", default="ceiling,indexer,logits,paged")
+    p.add_argument("--parts", default="ceiling,indexer,logits,paged",
+                   help="comma-separated: ceiling, indexer, logits, paged, frontier (module docstring)")
+    p.add_argument("--frontier-shapes", type=_shapes, default=None,
+                   help="rows x keys list for the frontier part, e.g. 64x1024,128x2048 "
+                        "(default: FRONTIER_SHAPES)")
+    p.add_argument("--frontier-topk", type=int, default=TOPK,
+                   help=f"indices per row in the frontier part (default {TOPK})")
     args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    shapes = args.frontier_shapes or FRONTIER_SHAPES
+    if "frontier" in parts and not all(n > args.frontier_topk >= 1 for _, n in shapes):
+        p.error(f"--frontier-topk {args.frontier_topk} must lie in [1, keys) of every frontier shape "
+                "(at fewer keys every row keeps them all and nothing is selected)")
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
-        return 2
+        if parts != ["frontier"] or args.frontier_shapes is None or os.environ.get("TRITON_INTERPRET") != "1":
+            print("needs a CUDA GPU; on the CPU only --parts frontier runs, with TRITON_INTERPRET=1 and tiny "
+                  "--frontier-shapes (e.g. 8x128 --frontier-topk 8)", file=sys.stderr)
+            return 2
     if args.deep_gemm:
         sys.path.insert(0, args.deep_gemm)
     try:
@@ -311,10 +505,10 @@ def main(argv=None) -> int:
         dg_error = None
     import triton
 
-    props = torch.cuda.get_device_properties(0)
+    props = torch.cuda.get_device_properties(0) if torch.cuda.is_available() else None
     report = {
-        "device": props.name,
-        "sms": props.multi_processor_count,
+        "device": props.name if props else "cpu (Triton's interpreter)",
+        "sms": props.multi_processor_count if props else None,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "deep_gemm": None if deep_gemm is None else getattr(deep_gemm, "__version__", "imported"),
@@ -323,7 +517,6 @@ def main(argv=None) -> int:
         "command": " ".join(sys.argv),
         "parts": {},
     }
-    parts = args.parts.split(",")
     jobs = []
     if "ceiling" in parts:
         jobs.append(("ceiling", part_ceiling))
@@ -334,6 +527,9 @@ def main(argv=None) -> int:
         jobs += [(f"paged_{S}", lambda S=S: part_paged(S)) for S in (4096, 32768)]
     if "indexer" in parts:
         jobs.append(("indexer", lambda: part_indexer(deep_gemm)))
+    if "frontier" in parts:
+        jobs += [(f"frontier_{S}x{N}", lambda S=S, N=N: part_frontier(S, N, args.frontier_topk, deep_gemm))
+                 for S, N in shapes]
     for name, job in jobs:
         t0 = time.perf_counter()
         try:
@@ -347,13 +543,14 @@ def main(argv=None) -> int:
         # Written after every part, so that a run stopped by its time limit keeps what it finished.
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
 
-    print("\n| part | ms | TFLOP/s | DeepGEMM TFLOP/s | ratio | calc_diff | masks |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in report["parts"].items():
-        if "triton_ms" in r:
-            print(f"| {name} | {r['triton_ms']:.2f} | {r['triton_tflops']:.0f} | "
-                  f"{r.get('deepgemm_tflops', float('nan')):.0f} | {r.get('ratio', float('nan')):.3f} | "
-                  f"{r['calc_diff']:.2e} | {r['masks_equal']} |")  # fmt: skip
+    logits = {name: r for name, r in report["parts"].items() if "triton_ms" in r}
+    if logits:
+        print("\n| part | ms | TFLOP/s | DeepGEMM TFLOP/s | ratio | calc_diff | masks |")
+        print("|---|---|---|---|---|---|---|")
+    for name, r in logits.items():
+        print(f"| {name} | {r['triton_ms']:.2f} | {r['triton_tflops']:.0f} | "
+              f"{r.get('deepgemm_tflops', float('nan')):.0f} | {r.get('ratio', float('nan')):.3f} | "
+              f"{r['calc_diff']:.2e} | {r['masks_equal']} |")  # fmt: skip
     if "indexer" in report["parts"] and "indexer_s" in report["parts"]["indexer"]:
         r = report["parts"]["indexer"]
         print(f"\nindexer 32K @ 983,040: {r['indexer_s']:.3f} s ({r['indexer_tflops']:.0f} TFLOP/s), "
@@ -365,6 +562,9 @@ def main(argv=None) -> int:
               f"(mean {r['candidates_mean']:.0f}, slots {r['cand_slots']}), redo {r['redo_rows']}; "
               f"peak +{r['peak_above_inputs_bytes'] / 2**30:.2f} GiB; "
               f"recall mean {r['recall_mean']:.4f} worst {r['recall_worst']:.4f}")  # fmt: skip
+    frontier = {n: r for n, r in report["parts"].items() if n.startswith("frontier_") and "indexer_ms" in r}
+    if frontier:
+        print(_frontier_table(frontier))
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     return 0
 

@@ -6,6 +6,7 @@ The scripts import it as ``benchlib`` (a script's own folder is first on ``sys.p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -26,9 +27,17 @@ def sync(device: torch.device | str | None = None) -> None:
 
 def median_seconds(fn: Callable[[], object], warmup: int = 1, reps: int = 3) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs timed with CUDA events, after ``warmup``
-    untimed ones."""
+    untimed ones; on the host clock when CUDA is absent (a CPU run of Triton's interpreter,
+    whose work is done when each call returns)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

@@ -1,7 +1,9 @@
 """The arithmetic behind scripts/bench.py's reported figures (the GPU timings themselves run on
-the H200 only): the top-k overlap against HF and the per-component FLOP split."""
+the H200 only): the top-k overlap against HF and the per-component FLOP split; and
+scripts/bench_indexer.py's frontier part end to end at tiny shapes in Triton's interpreter."""
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -166,3 +168,69 @@ def test_the_bench_metric_is_the_oracles_calc_diff_in_row_blocks():
     y = x + 1e-3 * torch.randn(1000, 7, generator=gen)
     assert abs(benchlib.calc_diff(x, y, rows=64) - calc_diff(x, y)) < 1e-12
     assert benchlib.calc_diff(torch.zeros(3, 2), torch.zeros(3, 2)) == 0.0
+
+
+# ------------------------------------------------------------------ bench_indexer's frontier part
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"glm_dsa_{name}", _PATH.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_frontier_part_reports_each_shape_and_both_top_ks_hold_an_exact_top_k(tmp_path, monkeypatch):
+    """``bench_indexer.py --parts frontier`` at two tiny shapes (Triton's interpreter on the
+    CPU): each shape's fields, its causal pair count, and on the rows it checked, indexer_topk's
+    and the composition's sets equal to each other and each a top-k of float64 scores computed
+    here from the inputs the two were called with."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from glm_dsa.kernels import indexer as fast
+
+    bench_indexer = _load_script("bench_indexer")
+    calls: dict = {}
+
+    def spy(fn, kind):
+        def wrapped(q, w, k, k_scale, ks, ke, topk, *rest):
+            out = fn(q, w, k, k_scale, ks, ke, topk, *rest)
+            calls[kind, q.shape[0], k.shape[0]] = (out.cpu(), q, w, k, k_scale, ks, ke)
+            return out
+        return wrapped
+
+    # The composition (peers.indexer_topk, or select_in_chunks without DeepGEMM) ends in
+    # select_in_chunks; indexer_topk redoes rows through another function.
+    monkeypatch.setattr(fast, "indexer_topk", spy(fast.indexer_topk, "indexer"))
+    monkeypatch.setattr(fast, "select_in_chunks", spy(fast.select_in_chunks, "composition"))
+    out = tmp_path / "frontier.json"
+    shapes, topk = [(4, 96), (6, 80)], 8
+    assert bench_indexer.main(["--out", str(out), "--parts", "frontier", "--frontier-topk", str(topk),
+                               "--frontier-shapes", ",".join(f"{S}x{N}" for S, N in shapes)]) == 0
+    report = json.loads(out.read_text())
+    for S, N in shapes:
+        r = report["parts"][f"frontier_{S}x{N}"]
+        assert "error" not in r, r.get("traceback")
+        assert r["unmasked_pairs"] == sum(N - S + 1 + i for i in range(S))  # row i sees keys [0, N − S + 1 + i)
+        for name in ("indexer", "triton_logits", "composition"):
+            assert r[f"{name}_ms"] > 0 and r[f"{name}_tflops"] > 0
+        assert "deepgemm_logits_ms" in r or "deepgemm_skipped" in r or "deepgemm_error" in r
+        for step in ("sample_threshold_ms", "candidates_ms", "select_ms", "rest_ms", "redo_rows"):
+            assert step in r
+        if r["redo_rows"] == 0:  # every row's candidates held its top-k, within the slots
+            assert topk <= r["candidates_min"] <= r["candidates_max"] <= r["cand_slots"]
+        assert r["indexer_topk_margin"]["passed"] and r["composition_topk_margin"]["passed"]
+        rows = r["check_rows"]
+        assert rows[0] == 0 and rows[-1] == S - 1 and r["topk_sets_equal_rows"] == len(rows)
+        got, q, w, k, k_scale, ks, ke = calls["indexer", S, N]
+        composed = calls["composition", S, N][0]
+        # Exact scores: k_scale[n] · Σ_h w[m, h] · relu(q[m, h] · k[n]), in float64.
+        dots = torch.einsum("shd,nd->shn", q.double().cpu(), k.double().cpu()).clamp_min(0)
+        scores = (w.double().cpu()[:, :, None] * dots).sum(1) * k_scale.double().cpu()
+        for m in rows:
+            window = scores[m, int(ks[m]):int(ke[m])]
+            kth = float(window.topk(topk).values[-1])
+            picked = set(got[m].tolist())
+            assert picked == set(composed[m].tolist()) and len(picked) == topk
+            assert all(0 <= c < len(window) for c in picked)
+            # Float32 logits may swap members of near-equal exact score, nothing further.
+            assert float(window[sorted(picked)].min()) >= kth - 1e-6 * float(window.abs().max())
