@@ -686,7 +686,8 @@ def _layer_plan(args, run: _Resolved, lengths: list[int], have: int | None):
     ahead = 0
     if run.checkpoint is not None:  # CheckpointLayerWeights' two buffers, each of the largest layer
         ahead = max(run.checkpoint.read_bytes(i) for i in range(run.config.num_hidden_layers))
-    return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have, ahead)
+    return memory_plan(run.config, lengths, args.chunk, args.kv_dtype, run.dtype, transient, have, ahead,
+                       staged=run.device.type == "cuda")
 
 
 def _check_positions(flag: str, args, config, lengths: list[int]) -> None:

@@ -19,8 +19,9 @@ any model is built.
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
@@ -33,7 +34,7 @@ from glm_dsa.ledger import index_k_row_bytes, layer_cache_row_bytes, layer_kind_
 
 if TYPE_CHECKING:
     from glm_dsa.prefill import PrefillEngine, ScheduledStep
-    from glm_dsa.weights import Checkpoint
+    from glm_dsa.weights import Checkpoint, LayerTensors
 
 __all__ = [
     "ORDERS",
@@ -89,48 +90,113 @@ class CheckpointLayerWeights:
     into buffer ``i % 2``, whose read is queued once layer ``i − 2`` has been copied out of it.
     So the disk reads without pause, up to two layers ahead, while the layers compute: a short
     layer (GLM-5.3's shared ones at 1M tokens) takes its time from a long one before it. The
-    reads release the GIL (``Checkpoint.read_layer``), so the launches are not slowed. Without
-    it each tensor is read on its layer's turn, straight to the device, with host memory about
-    one tensor. The layers' values are the same bits either way."""
+    reads release the GIL (``Checkpoint.read_layer``), so the launches are not slowed. On CUDA
+    the same thread then copies the layer's stored bytes into a device buffer of that size (the
+    stage) on a stream of its own, once the layer before has been filled from it, so the copy
+    to the GPU (10 GB a GLM-5.3 layer) overlaps the layer before's compute as well, and only
+    the dequantization on the device is left between layers. Without ``read_ahead`` each tensor
+    is read on its layer's turn, straight to the device, with host memory about one tensor. The
+    layers' values are the same bits either way."""
 
     def __init__(self, checkpoint: Checkpoint, read_ahead: bool = True) -> None:
         self.checkpoint, self.read_ahead = checkpoint, read_ahead
         self._reader: ThreadPoolExecutor | None = None
         self._ahead: dict[int, Future] = {}
         self._buffers: list[torch.Tensor] = []
+        self._stage: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        # (layer, event after its fill's kernels): the stage is free for the next layer's bytes
+        # once that event has passed; the reader waits on it, woken early by close().
+        self._filled = threading.Condition()
+        self._stage_free: tuple[int, torch.cuda.Event] | None = None
+        self._first = 0
+        self._closing = False
 
     def fill(self, layer: DecoderLayer) -> None:
         if not self.read_ahead:
             self.checkpoint.load_layer(layer)
             return
         i, n = layer.layer_idx, self.checkpoint.config.num_hidden_layers
-        pin = next(layer.parameters()).device.type == "cuda"
+        device = next(layer.parameters()).device
+        pin = device.type == "cuda"
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="glm-dsa read-ahead")
             size = max(self.checkpoint.read_bytes(j) for j in range(n))
             self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(min(2, n))]
+            if pin:
+                self._stage = torch.empty(size, dtype=torch.uint8, device=device)
+                self._stream = torch.cuda.Stream(device)
+            self._first, self._closing, self._stage_free = i, False, None
         if i not in self._ahead:  # the first layer filled (a run may start anywhere)
             self._queue(i, pin)
         self._queue(i + 1, pin)
         read = self._ahead.pop(i).result()
         self.checkpoint.load_layer(layer, read)  # returns once the copies are done
         del read
+        if self._stage is not None:
+            free = torch.cuda.Event()
+            free.record()  # after the dequantization kernels that read the stage
+            with self._filled:
+                self._stage_free = (i, free)
+                self._filled.notify_all()
         self._queue(i + 2, pin)  # into the buffer just copied out of
 
     def _queue(self, i: int, pin: bool) -> None:
         if i < self.checkpoint.config.num_hidden_layers and i not in self._ahead:
             assert self._reader is not None
-            self._ahead[i] = self._reader.submit(self.checkpoint.read_layer, i, pin, self._buffers[i % 2])
+            self._ahead[i] = self._reader.submit(self._read, i, pin)
+
+    def _read(self, i: int, pin: bool) -> LayerTensors:
+        """Layer ``i`` read into its host buffer and, on CUDA, copied on to the stage."""
+        host = self._buffers[i % 2]
+        read = self.checkpoint.read_layer(i, pin, host)
+        if self._stage is None:
+            return read
+        with self._filled:
+            self._filled.wait_for(lambda: self._closing or i == self._first
+                                  or (self._stage_free is not None and self._stage_free[0] == i - 1))
+            if self._closing:
+                raise CancelledError
+            free = None if i == self._first else self._stage_free
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            if free is not None:
+                self._stream.wait_event(free[1])
+            used = self.checkpoint.read_bytes(i)
+            self._stage[:used].copy_(host[:used], non_blocking=True)
+            staged = torch.cuda.Event()
+            staged.record()
+        staged.synchronize()  # the host buffer is free again, the stage holds the layer
+        return staged_views(read, host, self._stage)
 
     def close(self) -> None:
         """Drop the layers read ahead, end the reader thread and free its buffers."""
+        with self._filled:
+            self._closing = True
+            self._filled.notify_all()
         for future in self._ahead.values():
             future.cancel()
         self._ahead = {}
         if self._reader is not None:
             self._reader.shutdown(wait=True)
             self._reader = None
-        self._buffers = []
+        self._buffers, self._stage, self._stream, self._stage_free = [], None, None, None
+
+
+def staged_views(read: LayerTensors, host: torch.Tensor, stage: torch.Tensor) -> LayerTensors:
+    """``read`` (views of the uint8 buffer ``host``) as views of ``stage``, a buffer holding a copy
+    of ``host``'s bytes: each tensor at its offset in ``host``, with its dtype and shape."""
+    base, size = host.data_ptr(), host.numel()
+
+    def moved(t: torch.Tensor) -> torch.Tensor:
+        offset, nbytes = t.data_ptr() - base, t.numel() * t.element_size()
+        if not (0 <= offset and offset + nbytes <= min(size, stage.numel()) and t.is_contiguous()):
+            raise ValueError(f"staged_views: a tensor of {nbytes} bytes at offset {offset} is not a "
+                             f"contiguous view of the {size}-byte buffer the stage copies")
+        return stage[offset:offset + nbytes].view(t.dtype).view(t.shape)
+
+    return replace(read, tensors={n: moved(t) for n, t in read.tensors.items()},
+                   scales={n: moved(t) for n, t in read.scales.items()})
 
 
 # ------------------------------------------------------------------ the memory plan
@@ -192,6 +258,7 @@ def memory_plan(
     transient_bytes: int,
     available: int | None,
     read_ahead_bytes: int = 0,
+    staged: bool = False,
 ) -> MemoryPlan:
     """The resident bytes of a layer-major run of prompts of ``lengths`` tokens.
 
@@ -204,7 +271,9 @@ def memory_plan(
     the last full layer's int32 top-k of every token go on the device when ``available`` (None:
     unknown) holds them too, else on the host. ``read_ahead_bytes``: the largest layer's
     ``Checkpoint.read_bytes``, the size of each of the two host buffers (pinned on CUDA) a
-    checkpoint is read ahead into; 0 for random weights.
+    checkpoint is read ahead into; 0 for random weights. ``staged``: the run is on CUDA, where
+    ``CheckpointLayerWeights`` also keeps a device buffer of that size (the next layer's stored
+    bytes, copied while this layer computes).
     """
     c = config
     tokens = sum(lengths)
@@ -226,6 +295,8 @@ def memory_plan(
         ("one chunk's activations and top-k", rows * (4 * c.hidden_size * item + 2 * c.index_topk * 4)),
         ("transients (logits / attention / MoE budget)", transient_bytes),
     ]
+    if staged and read_ahead_bytes:
+        items.append(("a checkpoint's next layer, staged", read_ahead_bytes))
     between = [(f"hidden rows of {tokens:,} tokens", tokens * c.hidden_size * item)]
     if len(c.full_layers) < c.num_hidden_layers:
         between.append((f"top-k of the last full layer, {tokens:,} tokens", tokens * c.index_topk * 4))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from glm_dsa.config import PRESETS, keep_layers
-from glm_dsa.layer_major import CheckpointLayerWeights, RandomLayerWeights, memory_plan
+from glm_dsa.layer_major import CheckpointLayerWeights, RandomLayerWeights, memory_plan, staged_views
 from glm_dsa.prefill import PrefillEngine
 from glm_dsa.weights import build_model, build_outer_model, init_outer_weights, init_weights, load_checkpoint, \
     open_checkpoint
@@ -135,6 +135,85 @@ def test_an_fp8_checkpoint_read_ahead_into_pinned_memory_gives_the_loaded_models
     assert pinned == {0: True, 1: True, 2: True, 3: True}
 
 
+@pytest.mark.cuda
+def test_on_cuda_each_layer_read_ahead_is_staged_on_the_device_before_its_fill(tmp_path, monkeypatch):
+    """On CUDA the reader copies each layer's bytes on to the device stage: every layer's fill
+    gets device tensors, views of the one stage buffer (allocated once), and the layers give the
+    bits of the model loaded whole on the GPU; the run frees the stage."""
+    from glm_dsa.weights import Checkpoint, state_dict_for_save, write_config, write_safetensors
+
+    model = init_weights(build_model(PRESETS["tiny"], torch.bfloat16), seed=4)
+    write_config(model.config, tmp_path, fp8=True)
+    write_safetensors(state_dict_for_save(model, fp8=True), tmp_path, 48 << 10)
+    checkpoint = open_checkpoint(str(tmp_path))
+    weights = CheckpointLayerWeights(checkpoint)
+    staged: dict[int, bool] = {}
+    load = Checkpoint.load_layer
+
+    def spy_load(self, layer, r=None):
+        stage = weights._stage
+        lo, hi = stage.data_ptr(), stage.data_ptr() + stage.numel()
+        staged[layer.layer_idx] = all(t.is_cuda and lo <= t.data_ptr() < hi
+                                      for t in [*r.tensors.values(), *r.scales.values()])
+        return load(self, layer, r)
+
+    monkeypatch.setattr(Checkpoint, "load_layer", spy_load)
+    loaded = load_checkpoint(str(tmp_path), torch.float32, "cuda").eval()
+    streamed = checkpoint.load_outer(torch.float32, "cuda").eval()
+    args = dict(lengths=[150, 60], chunk=64, layer_outputs=True, backend="reference")
+    _assert_same(_run(loaded, "chunk", **args), _run(streamed, "layer", **args, layer_weights=weights))
+    assert staged == {0: True, 1: True, 2: True, 3: True}
+    assert weights._stage is None and weights._reader is None
+
+
+@pytest.mark.cuda
+def test_a_run_that_stops_after_its_first_layer_ends_the_staging_reader_at_once():
+    """Closed after one layer, the reader waiting for the stage (layer 1 read, layer 0 filled
+    but its event not yet seen) or reading ends without waiting for a layer that never comes."""
+    import threading
+
+    from glm_dsa.layer import DecoderLayer
+
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    weights = CheckpointLayerWeights(checkpoint)
+    layer = DecoderLayer(checkpoint.config, 0).to("cuda", torch.float32)
+    weights.fill(layer)
+    ended = threading.Event()
+    closer = threading.Thread(target=lambda: (weights.close(), ended.set()))
+    closer.start()
+    assert ended.wait(timeout=30), "close() waited for the reader"
+    closer.join()
+    assert weights._reader is None and weights._stage is None and weights._ahead == {}
+
+
+def test_staged_views_are_the_read_tensors_at_their_offsets_in_the_stage(tmp_path):
+    """Each tensor of a layer read into a host buffer (FP8 weights, their scales, the rest),
+    moved to a copy of that buffer, has its bytes, dtype and shape there, at the same offset; a
+    tensor outside the buffer is refused."""
+    from glm_dsa.weights import state_dict_for_save, write_config, write_safetensors
+
+    model = init_weights(build_model(PRESETS["tiny"], torch.bfloat16), seed=4)
+    write_config(model.config, tmp_path, fp8=True)
+    write_safetensors(state_dict_for_save(model, fp8=True), tmp_path, 48 << 10)
+    checkpoint = open_checkpoint(str(tmp_path))
+    host = torch.zeros(checkpoint.read_bytes(1) + 64, dtype=torch.uint8)
+    read = checkpoint.read_layer(1, into=host)
+    stage = host.clone()
+    host.zero_()  # the views must read the stage, not the host buffer
+    moved = staged_views(read, host, stage)
+    assert moved.layer == 1 and moved.names == read.names and read.scales
+    fresh = checkpoint.read_layer(1)
+    for got, before, expect in ((moved.tensors, read.tensors, fresh.tensors), (moved.scales, read.scales, fresh.scales)):
+        assert sorted(got) == sorted(expect)
+        for name, t in got.items():
+            assert t.dtype == expect[name].dtype and t.shape == expect[name].shape, name
+            assert torch.equal(t.view(torch.uint8), expect[name].view(torch.uint8)), name
+            assert t.data_ptr() - stage.data_ptr() == before[name].data_ptr() - host.data_ptr(), name
+    outside = type(read)(1, read.names, {"x": torch.zeros(4)}, {})
+    with pytest.raises(ValueError, match="^staged_views: a tensor of 16 bytes at offset -?\\d+ is not a contiguous view"):
+        staged_views(outside, host, stage)
+
+
 def test_read_layer_reads_the_stored_tensors_into_one_reused_buffer(tmp_path):
     """``read_layer``'s plain reads give the tensors safetensors gives (weights, FP8 weights and
     their scales, a layer cut across shards), as views of one buffer; a given buffer is reused,
@@ -234,6 +313,9 @@ def test_the_plan_counts_two_layers_of_a_checkpoint_read_ahead(tmp_path):
     plan = memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None, largest)
     assert dict(plan.host_items) == {"a checkpoint's layers, two read ahead": 2 * largest}
     assert memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None).host_items == ()
+    staged = memory_plan(PRESETS["tiny"], [64], 64, "fp32", torch.float32, 1 << 20, None, largest, staged=True)
+    assert dict(staged.items)["a checkpoint's next layer, staged"] == largest
+    assert staged.device_bytes == plan.device_bytes + largest and staged.host_items == plan.host_items
 
 
 def test_read_ahead_reads_the_next_layer_while_this_one_runs(monkeypatch):
