@@ -86,7 +86,8 @@ class CheckpointLayerWeights:
     """One layer of an opened checkpoint at a time.
 
     With ``read_ahead`` (default) a thread of its own reads the layers, in order, into two host
-    buffers (pinned on CUDA) allocated once at the largest layer's ``read_bytes``: layer ``i``
+    buffers (pinned on CUDA), each allocated once, at first use, at the largest layer's
+    ``read_bytes``: layer ``i``
     into buffer ``i % 2``, whose read is queued once layer ``i − 2`` has been copied out of it.
     So the disk reads without pause, up to two layers ahead, while the layers compute: a short
     layer (GLM-5.3's shared ones at 1M tokens) takes its time from a long one before it. The
@@ -102,7 +103,8 @@ class CheckpointLayerWeights:
         self.checkpoint, self.read_ahead = checkpoint, read_ahead
         self._reader: ThreadPoolExecutor | None = None
         self._ahead: dict[int, Future] = {}
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor | None] = []
+        self._size = 0
         self._stage: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         # (layer, event after its fill's kernels): the stage is free for the next layer's bytes
@@ -121,10 +123,12 @@ class CheckpointLayerWeights:
         pin = device.type == "cuda"
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="glm-dsa read-ahead")
-            size = max(self.checkpoint.read_bytes(j) for j in range(n))
-            self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(min(2, n))]
+            self._size = max(self.checkpoint.read_bytes(j) for j in range(n))
+            # Allocated by the reader on first use: pinning 10 GB takes seconds, which the second
+            # buffer's allocation then spends beside the first layer's compute.
+            self._buffers = [None] * min(2, n)
             if pin:
-                self._stage = torch.empty(size, dtype=torch.uint8, device=device)
+                self._stage = torch.empty(self._size, dtype=torch.uint8, device=device)
                 self._stream = torch.cuda.Stream(device)
             self._first, self._closing, self._stage_free = i, False, None
         if i not in self._ahead:  # the first layer filled (a run may start anywhere)
@@ -149,6 +153,8 @@ class CheckpointLayerWeights:
     def _read(self, i: int, pin: bool) -> LayerTensors:
         """Layer ``i`` read into its host buffer and, on CUDA, copied on to the stage."""
         host = self._buffers[i % 2]
+        if host is None:
+            host = self._buffers[i % 2] = torch.empty(self._size, dtype=torch.uint8, pin_memory=pin)
         read = self.checkpoint.read_layer(i, pin, host)
         if self._stage is None:
             return read
