@@ -254,9 +254,10 @@ def _progress_bar(total_tokens: int, enabled: bool, every_s: float = 10.0):
     return update_line, lambda: None
 
 
-def _layer_progress_bar(num_layers: int, first_layer: int, enabled: bool):
+def _layer_progress_bar(num_layers: int, first_layer: int, enabled: bool, layer_weights=None):
     """Layer-major progress: a tqdm bar over the layers (its ETA from the layers done) on a
-    terminal; otherwise one line per layer with the ETA from the mean layer so far."""
+    terminal; otherwise one line per layer with the ETA from the mean layer so far, and where
+    the layers are read ahead from a checkpoint, what the layer's read took."""
     if not enabled:
         return lambda record: None, lambda: None
     if sys.stderr.isatty():
@@ -275,8 +276,10 @@ def _layer_progress_bar(num_layers: int, first_layer: int, enabled: bool):
         spent[0] += record.weight_seconds + record.seconds
         done = record.layer + 1
         eta = spent[0] / done * (num_layers - done)
+        read = getattr(layer_weights, "read_times", {}).get(record.layer)
         print(f"prefill: layer {first_layer + record.layer} ({done}/{num_layers}), weights {record.weight_seconds:.2f} s, "
-              f"{record.tokens} tokens {record.seconds:.2f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+              f"{record.tokens} tokens {record.seconds:.2f} s, ETA {eta:.0f} s" + (f"; {read.line()}" if read else ""),
+              file=sys.stderr, flush=True)
 
     return update_line, lambda: None
 
@@ -834,7 +837,7 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
             for p in prompts]
     progress = not (args.no_progress or args.json or quiet)
     if args.order == "layer":
-        update, close = _layer_progress_bar(config.num_hidden_layers, run.first_layer, progress)
+        update, close = _layer_progress_bar(config.num_hidden_layers, run.first_layer, progress, layer_weights)
         engine.run(layer_progress=update)
     else:
         update, close = _progress_bar(engine.tokens_to_run(), progress)

@@ -82,6 +82,25 @@ class RandomLayerWeights:
         init_layer_weights(layer, self.seed, self.first_layer + layer.layer_idx)
 
 
+@dataclass(frozen=True)
+class ReadTimes:
+    """Where ``CheckpointLayerWeights``' reader spent its time on one layer, in seconds:
+    pinning the layer's host buffer (its first use only), reading the ``nbytes`` stored bytes,
+    waiting for the device stage to be free (the layer before filled from it) and copying
+    them on to it (0 off CUDA)."""
+
+    nbytes: int
+    pin: float
+    read: float
+    stage_wait: float
+    stage: float
+
+    def line(self) -> str:
+        rate = self.nbytes / self.read / 1e9 if self.read > 0 else float("inf")
+        return (f"read ahead: {self.nbytes / 1e9:.2f} GB in {self.read:.2f} s ({rate:.2f} GB/s), pinned "
+                f"{self.pin:.2f} s, stage waited {self.stage_wait:.2f} s, copied {self.stage:.2f} s")
+
+
 class CheckpointLayerWeights:
     """One layer of an opened checkpoint at a time.
 
@@ -113,6 +132,8 @@ class CheckpointLayerWeights:
         self._stage_free: tuple[int, torch.cuda.Event] | None = None
         self._first = 0
         self._closing = False
+        self.read_times: dict[int, ReadTimes] = {}
+        """By stack layer, what its read ahead took (filled by the reader thread)."""
 
     def fill(self, layer: DecoderLayer) -> None:
         if not self.read_ahead:
@@ -152,11 +173,16 @@ class CheckpointLayerWeights:
 
     def _read(self, i: int, pin: bool) -> LayerTensors:
         """Layer ``i`` read into its host buffer and, on CUDA, copied on to the stage."""
+        t0 = time.perf_counter()
         host = self._buffers[i % 2]
         if host is None:
             host = self._buffers[i % 2] = torch.empty(self._size, dtype=torch.uint8, pin_memory=pin)
+        t1 = time.perf_counter()
         read = self.checkpoint.read_layer(i, pin, host)
+        t2 = time.perf_counter()
+        used = self.checkpoint.read_bytes(i)
         if self._stage is None:
+            self.read_times[i] = ReadTimes(used, t1 - t0, t2 - t1, 0.0, 0.0)
             return read
         with self._filled:
             self._filled.wait_for(lambda: self._closing or i == self._first
@@ -165,14 +191,15 @@ class CheckpointLayerWeights:
                 raise CancelledError
             free = None if i == self._first else self._stage_free
         assert self._stream is not None
+        t3 = time.perf_counter()
         with torch.cuda.stream(self._stream):
             if free is not None:
                 self._stream.wait_event(free[1])
-            used = self.checkpoint.read_bytes(i)
             self._stage[:used].copy_(host[:used], non_blocking=True)
             staged = torch.cuda.Event()
             staged.record()
         staged.synchronize()  # the host buffer is free again, the stage holds the layer
+        self.read_times[i] = ReadTimes(used, t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         return staged_views(read, host, self._stage)
 
     def close(self) -> None:

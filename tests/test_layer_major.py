@@ -421,6 +421,23 @@ def test_prefill_order_layer_writes_chunk_orders_outputs(tmp_path, capsys):
     assert sorted(chunk) == sorted(layer) and all(torch.equal(chunk[k], layer[k]) for k in chunk)
 
 
+def test_prefill_from_a_checkpoint_says_what_each_layers_read_ahead_took(capsys):
+    """Off a terminal each layer's line of a checkpoint run ends with its read: bytes, seconds,
+    rate, pinning, the stage (0 off CUDA); the bytes are the layer's ``read_bytes``."""
+    import re
+
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    rc, _, err = _prefill(capsys, "--tokens", 100, "--order", "layer", "--weights", os.path.join(STUB, "tiny"))
+    assert rc == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("prefill: layer")]
+    assert len(lines) == 4
+    for i, line in enumerate(lines):
+        m = re.search(r"; read ahead: ([\d.]+) GB in ([\d.]+) s \(([\d.]+|inf) GB/s\), pinned ([\d.]+) s, "
+                      r"stage waited 0.00 s, copied 0.00 s$", line)
+        assert m, line
+        assert float(m[1]) == round(checkpoint.read_bytes(i) / 1e9, 2)
+
+
 def test_on_the_host_a_run_only_one_layer_fits_is_refused_naming_layer_order(capsys, monkeypatch):
     """A host whose memory holds one layer at a time but not the whole model: the chunk-major
     refusal names --order layer with its plan's size (on the host layer order is never chosen
