@@ -25,6 +25,7 @@ DeepGEMM's ``calc_diff``, not bitwise.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -86,6 +87,14 @@ INTERPRET_PROGRAMS = 4
 MAX_HEADS = 256
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_log = logging.getLogger("glm_dsa.kernels")
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        _log.info(message)
 
 
 def _configs(table: list[dict] | None = None) -> list[triton.Config]:
@@ -356,7 +365,49 @@ def _grid(row_blocks, n_tiles, device: torch.device):
     return grid
 
 
+def gluon_refusal(q_fp8: Tensor, k_fp8: Tensor) -> str | None:
+    """Why this call cannot take the Gluon sm_90 kernel (None when it can): the device rule of
+    the Gluon sparse MLA (``sparse_mla.device_refusal``: an sm_90 GPU, a tested Triton, not the
+    interpreter), the kernel's shapes (``mqa_logits_gluon.shape_refusal``), 16-byte aligned
+    queries and keys (its ``cp.async``)."""
+    from glm_dsa.kernels.sparse_mla import DeviceFacts, device_refusal
+
+    why = device_refusal(DeviceFacts.of(q_fp8.device))
+    if why is not None:
+        return why
+    from glm_dsa.kernels.mqa_logits_gluon import shape_refusal
+
+    why = shape_refusal(q_fp8.shape[1], q_fp8.shape[2])
+    if why is None and (q_fp8.data_ptr() % 16 or k_fp8.data_ptr() % 16):
+        why = "queries or keys not 16-byte aligned"
+    return why
+
+
 def launch_mqa_logits(
+    q_fp8: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    clean_logits: bool,
+    max_seqlen_k: int,
+) -> Tensor:
+    """Unchecked launch (``launch_mqa_logits_triton``'s contract): the Gluon sm_90 kernel where
+    ``gluon_refusal`` allows it, the Triton kernel elsewhere."""
+    why_not = gluon_refusal(q_fp8, k_fp8)
+    if why_not is None:
+        from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon
+
+        _log_once(f"MQA logits: Gluon sm_90 kernel (triton {triton.__version__})")
+        return launch_mqa_logits_gluon(q_fp8.contiguous(), k_fp8.contiguous(), k_scale, weights,
+                                       ks, ke, clean_logits, max_seqlen_k)
+    _log_once(f"MQA logits: Triton kernel ({why_not})")
+    return launch_mqa_logits_triton(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits,
+                                    max_seqlen_k)
+
+
+def launch_mqa_logits_triton(
     q_fp8: Tensor,
     k_fp8: Tensor,
     k_scale: Tensor,
@@ -459,6 +510,16 @@ def fp8_mqa_logits(
     Returns:
         float32 ``[S, S_kv]`` (or ``[S, max_seqlen_k]``).
     """
+    check_mqa_logits_call(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k)
+    return launch_mqa_logits(
+        q, kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k
+    )
+
+
+def check_mqa_logits_call(q: Tensor, kv: tuple[Tensor, Tensor], weights: Tensor,
+                          cu_seqlen_ks: Tensor, cu_seqlen_ke: Tensor, clean_logits: bool,
+                          max_seqlen_k: int) -> None:
+    """``fp8_mqa_logits``'s checks of its arguments (the launches' precondition)."""
     check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
     k_fp8, k_scale = kv
     S, H, D, S_kv = check_logits_inputs(q, k_fp8, k_scale, weights)
@@ -469,9 +530,6 @@ def fp8_mqa_logits(
     check_ranges(cu_seqlen_ks, cu_seqlen_ke, S_kv, "S_kv")
     if max_seqlen_k > 0:
         check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    return launch_mqa_logits(
-        q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k
-    )
 
 
 def fp8_paged_mqa_logits(

@@ -1,0 +1,295 @@
+"""FP8 MQA logits for sm_90 in Gluon: a warp-specialized ``fp8_mqa_logits`` (ragged rows).
+
+Same contract and output as ``glm_dsa.kernels.mqa_logits.launch_mqa_logits`` (and
+``glm_dsa.oracle.fp8_mqa_logits``): ``out[i, j] = k_scale[j] · Σ_h w[i, h] · relu(q[i, h] · k[j])``
+for ``j ∈ [ks[i], ke[i])``, ``-inf`` elsewhere with ``clean_logits``, or the compressed
+``[S, max_seqlen_k]`` rows. It takes ``D = 128`` and a power-of-two ``H`` from 8 to 128; the
+Triton kernel serves every other shape, the CPU interpreter and other GPUs.
+
+Schedule: one CTA per (row block, column split), grid as the Triton kernel's (row blocks
+heaviest first, columns split only when there are too few row blocks for the SMs), and the
+same work skipping: only the key tiles that meet the union of the block's windows are read;
+the other columns of the split get ``-inf`` stores. A row block is ``2 · 128 / H`` rows, two
+halves of ``QN = 128`` (query, head) pairs, one per consumer warpgroup. Three partitions:
+
+- **Loader** (``LOADER_WARPS`` warps, ``LOADER_REGS`` registers). 16-byte ``cp.async`` of the
+  block's queries ``[2 · QN, 128]`` once (``q_ready``), then per key tile ``BLOCK_N`` keys
+  ``[BLOCK_N, 128]`` and their ``BLOCK_N`` float32 scales into stage ``t % STAGES`` of a ring
+  (``ready[s]``, a no-increment arrive per thread; keys past the end zero-filled), after
+  ``empty[s]`` says both consumers are done with the stage.
+- **Two consumer warpgroups** (the default partition, and a worker of ``CONSUMER_REGS``).
+  Consumer ``c`` computes ``k_tile [BLOCK_N, 128] @ q_cᵀ [128, QN]`` (fp8 wgmma, keys on the M
+  side as DeepGEMM), waits for it, frees the stage, and runs the epilogue in registers: ReLU,
+  the gate, the head sum (inside a thread and its quad: the ``QN`` columns are ``128 / H`` rows
+  of ``H`` heads), the key scale, the window mask and a direct store. The two warpgroups share
+  each key tile (so a key is read once per ``2 · 128 / H`` rows: half the L2 traffic per FLOP
+  of DeepGEMM's 128-column tile) and take turns on the tensor cores: ``turn[c]`` lets
+  consumer ``c`` issue its wgmma once the other has issued its own, so their MMAs queue back to
+  back and each one's epilogue runs while the other's MMA does (without it both finish their
+  MMAs together and then both sit in the epilogue with the tensor cores idle).
+
+Registers: the accumulator is ``BLOCK_N · QN / 128`` float32 a thread (64 at ``BLOCK_N`` 64,
+128 at 128), the gates ``QN / 4`` (32). Shared memory: queries 32 KB, the ring ``STAGES ·
+BLOCK_N · 132`` bytes (4 × 128 keys: 66 KB). ``CONFIG`` is the launch configuration; what its
+choices were measured at is in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["launch_mqa_logits_gluon", "shape_refusal", "compile_sm90", "CONFIG"]
+
+QN = 128  # (query, head) pairs per consumer warpgroup: the wgmma's N
+HEAD_DIM = 128  # D: one 128-byte swizzled row, one wgmma K chain of 4 × 32
+_QN = gl.constexpr(QN)
+# The launch configuration. Registers: the default partition (consumer 0) takes 256, so the
+# worker consumer and the loader share the other 256 of a warpgroup's 512 (65,536 a CTA).
+CONFIG = {"block_n": 128, "stages": 4, "loader_warps": 4, "loader_regs": 40,
+          "consumer_regs": 216}
+
+
+def shape_refusal(H: int, D: int) -> str | None:
+    """Why ``H`` heads of ``D`` dims cannot take the Gluon kernel (None when they can)."""
+    if D != HEAD_DIM:
+        return f"D={D} (the Gluon kernel is D={HEAD_DIM})"
+    if H < 8 or H > QN or H & (H - 1):
+        return f"H={H} (the Gluon kernel takes a power of two from 8 to {QN})"
+    return None
+
+
+# ----------------------------------------------------------------------------- device code
+@gluon.jit
+def _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+           WARPS: gl.constexpr):
+    """This CTA's first row (heaviest block first), its split ``[s0, s1)`` of key tiles and
+    the part ``[c0, c1)`` that meets its rows' windows; every partition computes the same."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    row0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    rows = row0 + gl.arange(0, BLOCK_M, layout=lay)
+    ok = rows < S
+    ks = gl.load(ks_ptr + rows, mask=ok, other=0)
+    ke = gl.load(ke_ptr + rows, mask=ok, other=0)
+    nonempty = ke > ks
+    lo = gl.min(gl.where(nonempty, ks, n_keys), axis=0)
+    hi = gl.max(gl.where(nonempty, ke, 0), axis=0)
+    n_tiles = gl.cdiv(n_keys, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, gl.num_programs(1))
+    s0 = gl.program_id(1) * per_split
+    s1 = gl.minimum(s0 + per_split, n_tiles)
+    c0 = gl.minimum(gl.maximum(lo // BLOCK_N, s0), s1)
+    c1 = gl.maximum(gl.minimum(gl.cdiv(hi, BLOCK_N), s1), c0)
+    return row0, s0, s1, c0, c1
+
+
+@gluon.jit
+def _loader(q_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, q_smem, k_smem, sc_smem, q_ready, ready,
+            empty, S, n_keys, H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """Queries once, then the key tiles ``[c0, c1)`` into the ring (cp.async)."""
+    row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, WARPS)
+    # 8 threads × 16 bytes cover a 128-byte row.
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+    d = gl.arange(0, D, layout=gl.SliceLayout(0, lay))[None, :]
+    qr = row0 * H + gl.arange(0, BLOCK_M * H, layout=gl.SliceLayout(1, lay))
+    async_copy.async_copy_global_to_shared(q_smem, q_ptr + qr.to(gl.int64)[:, None] * D + d,
+                                           mask=(qr < S * H)[:, None])
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+    sc_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    sc_keys = gl.arange(0, BLOCK_N, layout=sc_lay)
+    for i in range(c1 - c0):
+        s = i % STAGES
+        t = c0 + i
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        cols = t * BLOCK_N + keys
+        async_copy.async_copy_global_to_shared(
+            k_smem.index(s), k_ptr + cols.to(gl.int64)[:, None] * D + d,
+            mask=(cols < n_keys)[:, None])
+        sc_cols = t * BLOCK_N + sc_keys
+        async_copy.async_copy_global_to_shared(sc_smem.index(s), k_scale_ptr + sc_cols,
+                                               mask=sc_cols < n_keys)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _fill(out_ptr, out_stride, rows, row_ok, t0, t1, n_out, BLOCK_N: gl.constexpr,
+          lay: gl.constexpr):
+    """``-inf`` into the output columns of key tiles ``[t0, t1)`` of ``rows``."""
+    fill = gl.full([rows.shape[0], BLOCK_N], float("-inf"), gl.float32, lay)
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, lay))
+    row_off = rows.to(gl.int64)[:, None] * out_stride
+    for t in range(t0, t1):
+        cols = t * BLOCK_N + keys
+        gl.store(out_ptr + row_off + cols[None, :], fill,
+                 mask=row_ok[:, None] & (cols < n_out)[None, :])
+
+
+@gluon.jit
+def _consumer(w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, ready, empty,
+              turn, S, n_keys, n_out, out_stride,
+              C: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr):
+    """Consumer ``C``: the logits of the block's rows ``[C · 128 / H, (C + 1) · 128 / H)``."""
+    ROWS: gl.constexpr = _QN // H
+    acc_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, _QN, 32])
+    row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, 4)
+    row0 += C * ROWS
+    # Gates in the accumulator's column layout: column n is row n // H, head n % H.
+    n = gl.arange(0, _QN, layout=gl.SliceLayout(0, acc_lay))
+    w = gl.load(w_ptr + (row0 * H + n).to(gl.int64), mask=row0 + n // H < S, other=0.0)
+    zero = gl.zeros([BLOCK_N, _QN], gl.float32, acc_lay)
+    # The epilogue's [BLOCK_N, ROWS] layout: the head sum's (columns stay in their threads).
+    red_lay: gl.constexpr = gl.sum(gl.reshape(zero, [BLOCK_N, ROWS, H]), axis=2).type.layout
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, red_lay))
+    row_ok = rows < S
+    ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
+    ke = gl.load(ke_ptr + rows, mask=row_ok, other=0)
+    row_off = rows.to(gl.int64) * out_stride
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_lay))
+    q_c = q_smem.slice(C * _QN, _QN, dim=0).permute((1, 0))  # [D, _QN], K-major
+    mbarrier.wait(q_ready, 0)
+    for i in range(c1 - c0):
+        s = i % STAGES
+        t = c0 + i
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
+        mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
+        acc = warpgroup_mma(k_smem.index(s), q_c, zero, use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - C), count=1)
+        scale = sc_smem.index(s).load(gl.SliceLayout(1, acc_lay))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+        p = gl.maximum(acc, 0.0) * w[None, :]
+        logits = gl.sum(gl.reshape(p, [BLOCK_N, ROWS, H]), axis=2)
+        logits = logits * gl.convert_layout(scale, gl.SliceLayout(1, red_lay))[:, None]
+        cols = t * BLOCK_N + keys
+        inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        if COMPRESSED:
+            # Row i's column j holds key ks[i] + j; only its window is written.
+            ptrs = out_ptr + row_off[None, :] + (cols[:, None] - ks[None, :])
+            gl.store(ptrs, logits, mask=inside & row_ok[None, :])
+        else:
+            if CLEAN:
+                logits = gl.where(inside, logits, float("-inf"))
+            ptrs = out_ptr + row_off[None, :] + cols[:, None]
+            gl.store(ptrs, logits, mask=row_ok[None, :] & (cols < n_keys)[:, None])
+    if CLEAN:
+        fill_lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
+        f_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill_lay))
+        _fill(out_ptr, out_stride, f_rows, f_rows < S, s0, c0, n_out, BLOCK_N, fill_lay)
+        _fill(out_ptr, out_stride, f_rows, f_rows < S, c1, s1, n_out, BLOCK_N, fill_lay)
+
+
+@gluon.jit
+def _mqa_logits_gluon_kernel(
+    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    S, n_keys, n_out, out_stride,
+    H: gl.constexpr, D: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = 2 * _QN // H
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * _QN, D], swz)
+    k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], swz)
+    sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], flat)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    mbarrier.init(q_ready, count=LOADER_WARPS * 32)  # a no-increment arrive per loader thread
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(s), count=2)  # both consumers
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    gl.warp_specialize([
+        (_consumer, (w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, ready,
+                     empty, turn, S, n_keys, n_out, out_stride, 0, H, BLOCK_M, BLOCK_N, STAGES,
+                     CLEAN, COMPRESSED)),
+        (_consumer, (w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, ready,
+                     empty, turn, S, n_keys, n_out, out_stride, 1, H, BLOCK_M, BLOCK_N, STAGES,
+                     CLEAN, COMPRESSED)),
+        (_loader, (q_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, q_smem, k_smem, sc_smem, q_ready,
+                   ready, empty, S, n_keys, H, D, BLOCK_M, BLOCK_N, STAGES, LOADER_WARPS)),
+    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------- host side
+def _constexprs(cfg: dict) -> dict:
+    return {"BLOCK_N": cfg["block_n"], "STAGES": cfg["stages"],
+            "LOADER_WARPS": cfg["loader_warps"], "LOADER_REGS": cfg["loader_regs"],
+            "CONSUMER_REGS": cfg["consumer_regs"]}
+
+
+def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
+                 config: dict | None = None):
+    """Compile the kernel for sm_90 ahead of time, no GPU needed (offline checks of shared
+    memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``). Pointers marked 16-aligned,
+    as the JIT marks GLM-5.3's on the GPU. Must run without ``TRITON_INTERPRET``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = _mqa_logits_gluon_kernel
+    cfg = CONFIG if config is None else {**CONFIG, **config}
+    ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "w_ptr": "*fp32",
+            "ks_ptr": "*i32", "ke_ptr": "*i32", "out_ptr": "*fp32"}
+    consts = {"H": H, "D": HEAD_DIM, "CLEAN": clean and not compressed, "COMPRESSED": compressed,
+              **_constexprs(cfg)}
+    sig = {**ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32", "out_stride": "i32",
+           **{n: "constexpr" for n in consts}}
+    order = list(sig)
+    if order != list(kernel.arg_names):
+        raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
+                           f"{list(kernel.arg_names)}")
+    src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
+                         attrs={(order.index(n),): [["tt.divisibility", 16]] for n in ptrs})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor,
+                            ks: Tensor, ke: Tensor, clean_logits: bool, max_seqlen_k: int,
+                            config: dict | None = None) -> Tensor:
+    """``launch_mqa_logits`` (same unchecked contract: validated arguments, int32 windows,
+    float32 weights) on the Gluon kernel; ``shape_refusal(H, D)`` must be None. ``config``:
+    entries overriding ``CONFIG`` (for measurements)."""
+    S, H, D = q_fp8.shape
+    n_keys = k_fp8.shape[0]
+    compressed = max_seqlen_k > 0
+    n_out = max_seqlen_k if compressed else n_keys
+    if compressed:
+        out = torch.full((S, n_out), float("-inf"), dtype=torch.float32, device=q_fp8.device)
+    else:
+        out = torch.empty((S, n_out), dtype=torch.float32, device=q_fp8.device)
+    if S == 0 or n_out == 0:
+        return out
+    cfg = CONFIG if config is None else {**CONFIG, **config}
+    block_m = 2 * QN // H
+    row_blocks = triton.cdiv(S, block_m)
+    n_tiles = triton.cdiv(n_keys, cfg["block_n"])
+    # One CTA a SM (registers): columns are split only when the row blocks do not fill them.
+    sms = torch.cuda.get_device_properties(q_fp8.device).multi_processor_count
+    splits = max(1, min(n_tiles, triton.cdiv(sms, row_blocks)))
+    _mqa_logits_gluon_kernel[(row_blocks, splits)](
+        q_fp8.contiguous(), k_fp8.contiguous(), k_scale.contiguous(), weights.contiguous(),
+        ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous(), out,
+        S, n_keys, n_out, out.stride(0),
+        H=H, D=D, CLEAN=bool(clean_logits) and not compressed, COMPRESSED=compressed,
+        **_constexprs(cfg), num_warps=4,
+    )
+    return out

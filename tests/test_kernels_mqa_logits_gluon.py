@@ -1,0 +1,134 @@
+"""The Gluon sm_90 logits kernel (``glm_dsa.kernels.mqa_logits_gluon``) against the oracle.
+
+Gluon kernels do not run in Triton's CPU interpreter: on the CPU only the ahead-of-time sm_90
+compile is checked (when the installed Triton is one the kernel was tested with); the ``cuda``
+tests run it on an sm_90 GPU with DeepGEMM's metric (exact ``-inf`` masks, ``calc_diff``), at
+ragged edge shapes, through the harness, and at GLM-5.3 shapes beside the Triton kernel.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from glm_dsa import oracle, testing  # noqa: E402
+from glm_dsa.kernels import mqa_logits  # noqa: E402
+from glm_dsa.kernels.sparse_mla import GLUON_TESTED_TRITON  # noqa: E402
+from test_kernels_indexer import _assert_logits_close, _causal_chunk, _inputs, _windows  # noqa: E402
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+TESTED = triton.__version__ in GLUON_TESTED_TRITON
+needs_gluon = pytest.mark.skipif(not (SM90 and TESTED),
+                                 reason="needs an sm_90 GPU and a Triton in GLUON_TESTED_TRITON")
+_RAN_GLUON = []
+
+
+def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True, max_seqlen_k=0):
+    """``fp8_mqa_logits``'s checks, then the Gluon kernel (the Triton one for shapes it
+    refuses, which the harness may draw)."""
+    from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon, shape_refusal
+
+    mqa_logits.check_mqa_logits_call(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
+                                     max_seqlen_k)
+    launch = mqa_logits.launch_mqa_logits_triton
+    if shape_refusal(q.shape[1], q.shape[2]) is None:
+        launch = launch_mqa_logits_gluon
+        _RAN_GLUON.append(q.shape)
+    return launch(q, kv[0], kv[1], weights, cu_seqlen_ks.to(torch.int32),
+                  cu_seqlen_ke.to(torch.int32), clean_logits, max_seqlen_k)
+
+
+_AOT = """
+import json, sys
+from glm_dsa.kernels.mqa_logits_gluon import compile_sm90
+c = compile_sm90(H=int(sys.argv[1]), clean=sys.argv[2] == "1", compressed=sys.argv[3] == "1")
+ptx = c.asm["ptx"]
+print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+                  "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
+                  "setmaxnreg": ptx.count("setmaxnreg")}))
+"""
+
+
+@pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
+@pytest.mark.parametrize("H, clean, compressed", [(32, True, False), (64, False, False),
+                                                  (32, False, True)])
+def test_gluon_logits_kernel_compiles_for_sm90_within_shared_memory(H, clean, compressed):
+    # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [str(H), str(int(clean)), str(int(compressed))]
+    done = subprocess.run([sys.executable, "-c", _AOT, *args], env=env, capture_output=True,
+                          text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    assert info["shared"] <= 232_448  # sm_90's per-block opt-in maximum (227 KB)
+    assert info["wgmma"] > 0 and info["noinc"] > 0  # tensor cores; cp.async completing mbarriers
+    assert info["setmaxnreg"] > 0  # the partitions' register budgets took effect
+
+
+def test_gluon_logits_shape_refusal():
+    from glm_dsa.kernels.mqa_logits_gluon import shape_refusal
+
+    assert all(shape_refusal(h, 128) is None for h in (8, 16, 32, 64, 128))
+    assert all(shape_refusal(h, 128) is not None for h in (4, 24, 256))
+    assert shape_refusal(32, 64) is not None
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize(
+    "S, H, N, kind",
+    [
+        (37, 32, 300, "causal"),
+        (23, 32, 170, "random"),
+        (1, 64, 40, "causal"),
+        (50, 64, 1000, "random"),
+        (300, 8, 2049, "random"),  # 32 rows a block, a ragged last key tile
+        (17, 128, 513, "causal"),  # one row a consumer
+        (9, 16, 200_003, "random"),  # one row block: its columns split over the SMs
+    ],
+)
+@pytest.mark.parametrize("mode", ["clean", "unclean", "compressed"])
+def test_gluon_logits_match_oracle(S, H, N, kind, mode):
+    q, k, k_scale, w = _inputs(S, H, 128, N, seed=S + H)
+    ks, ke = _windows(kind, S, N, seed=N)
+    if mode == "clean":
+        ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke), ref)
+    elif mode == "unclean":
+        ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+        out = _gluon_logits(q, (k, k_scale), w, ks, ke, clean_logits=False)
+        cols = torch.arange(N, device=ks.device)
+        inside = (cols >= ks[:, None].long()) & (cols < ke[:, None].long())
+        assert oracle.calc_diff(out[inside], ref[inside]) <= 5e-6
+    else:
+        width = int((ke - ks).max()) + 3
+        ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, False, width)
+        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, False, width), ref)
+
+
+@pytest.mark.cuda
+@needs_gluon
+def test_gluon_logits_pass_the_harness_at_glm_shapes():
+    _RAN_GLUON.clear()
+    testing.check_kernel("fp8_mqa_logits", _gluon_logits, cases=20, device="cuda",
+                         shapes="glm-5.3")
+    assert _RAN_GLUON, "no case took the Gluon kernel"
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("S, N, H", [(2048, 32768, 32), (1024, 65536, 64)])
+def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H):
+    q, k, k_scale, w = _inputs(S, H, 128, N, seed=41)
+    ks, ke = _causal_chunk(S, N)
+    ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    out = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    _assert_logits_close(out, ref)
+    triton_out = mqa_logits.launch_mqa_logits_triton(q, k, k_scale, w, ks, ke, True, 0)
+    _assert_logits_close(out, triton_out)
