@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -57,7 +58,7 @@ _QN = gl.constexpr(QN)
 # The launch configuration. Registers: the default partition (consumer 0) takes 256, so the
 # worker consumer and the loader share the other 256 of a warpgroup's 512 (65,536 a CTA).
 CONFIG = {"block_n": 128, "stages": 4, "loader_warps": 4, "loader_regs": 40,
-          "consumer_regs": 216}
+          "consumer_regs": 216, "tma": True, "pingpong": False}
 
 
 def shape_refusal(H: int, D: int) -> str | None:
@@ -94,33 +95,42 @@ def _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _loader(q_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, q_smem, k_smem, sc_smem, q_ready, ready,
+def _loader(q_ptr, k_ptr, q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready,
             empty, S, n_keys, H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr):
-    """Queries once, then the key tiles ``[c0, c1)`` into the ring (cp.async)."""
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
+            LOAD_TMA: gl.constexpr):
+    """Queries once, then the key tiles ``[c0, c1)`` into the ring."""
     row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, WARPS)
-    # 8 threads × 16 bytes cover a 128-byte row.
-    lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
-    d = gl.arange(0, D, layout=gl.SliceLayout(0, lay))[None, :]
-    qr = row0 * H + gl.arange(0, BLOCK_M * H, layout=gl.SliceLayout(1, lay))
-    async_copy.async_copy_global_to_shared(q_smem, q_ptr + qr.to(gl.int64)[:, None] * D + d,
-                                           mask=(qr < S * H)[:, None])
-    async_copy.mbarrier_arrive(q_ready, increment_count=False)
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
-    sc_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-    sc_keys = gl.arange(0, BLOCK_N, layout=sc_lay)
-    for i in range(c1 - c0):
-        s = i % STAGES
-        t = c0 + i
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        cols = t * BLOCK_N + keys
-        async_copy.async_copy_global_to_shared(
-            k_smem.index(s), k_ptr + cols.to(gl.int64)[:, None] * D + d,
-            mask=(cols < n_keys)[:, None])
-        sc_cols = t * BLOCK_N + sc_keys
-        async_copy.async_copy_global_to_shared(sc_smem.index(s), k_scale_ptr + sc_cols,
-                                               mask=sc_cols < n_keys)
-        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+    if LOAD_TMA:
+        # Rows past the end of q or k are zero-filled by the TMA unit (and counted in the bytes).
+        mbarrier.expect(q_ready, 2 * _QN * D)
+        tma.async_copy_global_to_shared(q_desc, [row0 * H, 0], q_ready, q_smem.index(0))
+        tma.async_copy_global_to_shared(q_desc, [row0 * H + _QN, 0], q_ready, q_smem.index(1))
+        for i in range(c1 - c0):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), BLOCK_N * D)
+            tma.async_copy_global_to_shared(k_desc, [(c0 + i) * BLOCK_N, 0], ready.index(s),
+                                            k_smem.index(s))
+    else:
+        # 8 threads × 16 bytes cover a 128-byte row.
+        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+        d = gl.arange(0, D, layout=gl.SliceLayout(0, lay))[None, :]
+        for c in gl.static_range(2):
+            qr = row0 * H + c * _QN + gl.arange(0, _QN, layout=gl.SliceLayout(1, lay))
+            async_copy.async_copy_global_to_shared(
+                q_smem.index(c), q_ptr + qr.to(gl.int64)[:, None] * D + d,
+                mask=(qr < S * H)[:, None])
+        async_copy.mbarrier_arrive(q_ready, increment_count=False)
+        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
+        for i in range(c1 - c0):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            cols = (c0 + i) * BLOCK_N + keys
+            async_copy.async_copy_global_to_shared(
+                k_smem.index(s), k_ptr + cols.to(gl.int64)[:, None] * D + d,
+                mask=(cols < n_keys)[:, None])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
 
 
 @gluon.jit
@@ -137,14 +147,62 @@ def _fill(out_ptr, out_stride, rows, row_ok, t0, t1, n_out, BLOCK_N: gl.constexp
 
 
 @gluon.jit
-def _consumer(w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, ready, empty,
-              turn, S, n_keys, n_out, out_stride,
+def _scales(k_scale_ptr, t, n_keys, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Key tile ``t``'s scales (0 past the end), in the accumulator's row layout."""
+    cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    return gl.load(k_scale_ptr + cols, mask=cols < n_keys, other=0.0)
+
+
+@gluon.jit
+def _epilogue(acc, w, scale, t, ks, ke, row_ok, row_off, out_ptr, n_keys, lo_in, hi_in,
+              H: gl.constexpr, BLOCK_N: gl.constexpr, red_lay: gl.constexpr,
+              CLEAN: gl.constexpr, COMPRESSED: gl.constexpr):
+    """Key tile ``t``'s logits from its scores ``acc [BLOCK_N, QN]``: ReLU, gate, head sum (in
+    the thread and its quad), key scale, window mask, store. A tile inside every row's window
+    (``[lo_in, hi_in)``, empty unless all the rows are real) is stored without masks: at
+    about four instructions an output value, the masks are a sixth of the epilogue."""
+    ROWS: gl.constexpr = _QN // H
+    p = gl.maximum(acc, 0.0) * w[None, :]
+    logits = gl.sum(gl.reshape(p, [BLOCK_N, ROWS, H]), axis=2)
+    logits = logits * gl.convert_layout(scale, gl.SliceLayout(1, red_lay))[:, None]
+    cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_lay))
+    if COMPRESSED:
+        # Row i's column j holds key ks[i] + j; only its window is written.
+        ptrs = out_ptr + row_off[None, :] + (cols[:, None] - ks[None, :])
+    else:
+        ptrs = out_ptr + row_off[None, :] + cols[:, None]
+    if (t * BLOCK_N >= lo_in) & ((t + 1) * BLOCK_N <= hi_in):
+        gl.store(ptrs, logits)
+    else:
+        inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        if COMPRESSED:
+            gl.store(ptrs, logits, mask=inside & row_ok[None, :])
+        else:
+            if CLEAN:
+                logits = gl.where(inside, logits, float("-inf"))
+            gl.store(ptrs, logits, mask=row_ok[None, :] & (cols < n_keys)[:, None])
+
+
+@gluon.jit
+def _issue(k_smem, q_c, zero, ready, i, STAGES: gl.constexpr, LOAD_TMA: gl.constexpr):
+    """Wait for tile ``i`` of the ring, then issue its wgmma ``k [BLOCK_N, D] @ q_c [D, QN]``."""
+    mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
+    if not LOAD_TMA:
+        fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
+    return warpgroup_mma(k_smem.index(i % STAGES), q_c, zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_ready, ready,
+              empty, turn, S, n_keys, n_out, out_stride,
               C: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr):
+              STAGES: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
+              LOAD_TMA: gl.constexpr, PINGPONG: gl.constexpr):
     """Consumer ``C``: the logits of the block's rows ``[C · 128 / H, (C + 1) · 128 / H)``."""
     ROWS: gl.constexpr = _QN // H
     acc_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _QN, 32])
+    key_lay: gl.constexpr = gl.SliceLayout(1, acc_lay)
     row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, 4)
     row0 += C * ROWS
     # Gates in the accumulator's column layout: column n is row n // H, head n % H.
@@ -158,34 +216,70 @@ def _consumer(w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, 
     ks = gl.load(ks_ptr + rows, mask=row_ok, other=0)
     ke = gl.load(ke_ptr + rows, mask=row_ok, other=0)
     row_off = rows.to(gl.int64) * out_stride
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_lay))
-    q_c = q_smem.slice(C * _QN, _QN, dim=0).permute((1, 0))  # [D, _QN], K-major
+    # Keys inside every row's window (an empty range unless all ROWS rows are real).
+    lo_in = gl.max(ks, axis=0)
+    hi_in = gl.where(row0 + ROWS <= S, gl.min(ke, axis=0), 0)
+    q_c = q_smem.index(C).permute((1, 0))  # [D, QN], K-major
     mbarrier.wait(q_ready, 0)
-    for i in range(c1 - c0):
-        s = i % STAGES
-        t = c0 + i
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
-        mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
-        acc = warpgroup_mma(k_smem.index(s), q_c, zero, use_acc=False, is_async=True)
-        mbarrier.arrive(turn.index(1 - C), count=1)
-        scale = sc_smem.index(s).load(gl.SliceLayout(1, acc_lay))
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index(s), count=1)
-        p = gl.maximum(acc, 0.0) * w[None, :]
-        logits = gl.sum(gl.reshape(p, [BLOCK_N, ROWS, H]), axis=2)
-        logits = logits * gl.convert_layout(scale, gl.SliceLayout(1, red_lay))[:, None]
-        cols = t * BLOCK_N + keys
-        inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
-        if COMPRESSED:
-            # Row i's column j holds key ks[i] + j; only its window is written.
-            ptrs = out_ptr + row_off[None, :] + (cols[:, None] - ks[None, :])
-            gl.store(ptrs, logits, mask=inside & row_ok[None, :])
-        else:
-            if CLEAN:
-                logits = gl.where(inside, logits, float("-inf"))
-            ptrs = out_ptr + row_off[None, :] + cols[:, None]
-            gl.store(ptrs, logits, mask=row_ok[None, :] & (cols < n_keys)[:, None])
+    n_tiles = c1 - c0
+    if PINGPONG:
+        # Tile i + 1's wgmma is issued before tile i's epilogue, so this warpgroup always has
+        # one in flight while it works on the previous one. Two accumulators, unrolled by two
+        # so that each keeps its registers (a copy of one in flight would make ptxas
+        # serialize every wgmma).
+        if n_tiles > 0:
+            acc_a = _issue(k_smem, q_c, zero, ready, 0, STAGES, LOAD_TMA)
+            # No wait (one group in flight): it makes the loop-carried accumulator a tensor.
+            acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
+            scale_a = _scales(k_scale_ptr, c0, n_keys, BLOCK_N, key_lay)
+            for p in range((n_tiles - 1) // 2):
+                i = 2 * p
+                acc_b = _issue(k_smem, q_c, zero, ready, i + 1, STAGES, LOAD_TMA)
+                scale_b = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, acc_b))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                _epilogue(acc_a, w, scale_a, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys,
+                          lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                acc_a = _issue(k_smem, q_c, zero, ready, i + 2, STAGES, LOAD_TMA)
+                scale_a = _scales(k_scale_ptr, c0 + i + 2, n_keys, BLOCK_N, key_lay)
+                acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b, acc_a))
+                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+                _epilogue(acc_b, w, scale_b, c0 + i + 1, ks, ke, row_ok, row_off, out_ptr,
+                          n_keys, lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+            # Tile i (in acc_a) is in flight; one more tile when n_tiles is even.
+            i = ((n_tiles - 1) // 2) * 2
+            if i + 1 < n_tiles:
+                acc_b = _issue(k_smem, q_c, zero, ready, i + 1, STAGES, LOAD_TMA)
+                scale_b = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
+                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, acc_b))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                _epilogue(acc_a, w, scale_a, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys,
+                          lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
+                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
+                _epilogue(acc_b, w, scale_b, c0 + i + 1, ks, ke, row_ok, row_off, out_ptr,
+                          n_keys, lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+            else:
+                acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
+                mbarrier.arrive(empty.index(i % STAGES), count=1)
+                _epilogue(acc_a, w, scale_a, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys,
+                          lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+    else:
+        scale_n = _scales(k_scale_ptr, c0, n_keys, BLOCK_N, key_lay)
+        for i in range(n_tiles):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            if not LOAD_TMA:
+                fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
+            mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
+            acc = warpgroup_mma(k_smem.index(s), q_c, zero, use_acc=False, is_async=True)
+            mbarrier.arrive(turn.index(1 - C), count=1)
+            scale = scale_n
+            scale_n = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(s), count=1)
+            _epilogue(acc, w, scale, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys, lo_in,
+                      hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
     if CLEAN:
         fill_lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
         f_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill_lay))
@@ -195,38 +289,39 @@ def _consumer(w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, 
 
 @gluon.jit
 def _mqa_logits_gluon_kernel(
-    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
+    q_ptr, k_ptr, q_desc, k_desc, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
     S, n_keys, n_out, out_stride,
     H: gl.constexpr, D: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_TMA: gl.constexpr,
+    PINGPONG: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 2 * _QN // H
     swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2 * _QN, D], swz)
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, _QN, D], swz)
     k_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, D], swz)
-    sc_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], flat)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    mbarrier.init(q_ready, count=LOADER_WARPS * 32)  # a no-increment arrive per loader thread
+    # TMA: one arrive with the byte count; cp.async: a no-increment arrive per loader thread.
+    arrivals: gl.constexpr = 1 if LOAD_TMA else LOADER_WARPS * 32
+    mbarrier.init(q_ready, count=arrivals)
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=LOADER_WARPS * 32)
+        mbarrier.init(ready.index(s), count=arrivals)
         mbarrier.init(empty.index(s), count=2)  # both consumers
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
     gl.warp_specialize([
-        (_consumer, (w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, ready,
-                     empty, turn, S, n_keys, n_out, out_stride, 0, H, BLOCK_M, BLOCK_N, STAGES,
-                     CLEAN, COMPRESSED)),
-        (_consumer, (w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, sc_smem, q_ready, ready,
-                     empty, turn, S, n_keys, n_out, out_stride, 1, H, BLOCK_M, BLOCK_N, STAGES,
-                     CLEAN, COMPRESSED)),
-        (_loader, (q_ptr, k_ptr, k_scale_ptr, ks_ptr, ke_ptr, q_smem, k_smem, sc_smem, q_ready,
-                   ready, empty, S, n_keys, H, D, BLOCK_M, BLOCK_N, STAGES, LOADER_WARPS)),
+        (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_ready,
+                     ready, empty, turn, S, n_keys, n_out, out_stride, 0, H, BLOCK_M, BLOCK_N,
+                     STAGES, CLEAN, COMPRESSED, LOAD_TMA, PINGPONG)),
+        (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_ready,
+                     ready, empty, turn, S, n_keys, n_out, out_stride, 1, H, BLOCK_M, BLOCK_N,
+                     STAGES, CLEAN, COMPRESSED, LOAD_TMA, PINGPONG)),
+        (_loader, (q_ptr, k_ptr, q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready,
+                   empty, S, n_keys, H, D, BLOCK_M, BLOCK_N, STAGES, LOADER_WARPS, LOAD_TMA)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -234,7 +329,12 @@ def _mqa_logits_gluon_kernel(
 def _constexprs(cfg: dict) -> dict:
     return {"BLOCK_N": cfg["block_n"], "STAGES": cfg["stages"],
             "LOADER_WARPS": cfg["loader_warps"], "LOADER_REGS": cfg["loader_regs"],
-            "CONSUMER_REGS": cfg["consumer_regs"]}
+            "CONSUMER_REGS": cfg["consumer_regs"], "LOAD_TMA": cfg["tma"],
+            "PINGPONG": cfg["pingpong"]}
+
+
+def _smem_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
 
 
 def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
@@ -247,18 +347,22 @@ def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
 
     kernel = _mqa_logits_gluon_kernel
     cfg = CONFIG if config is None else {**CONFIG, **config}
-    ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "w_ptr": "*fp32",
-            "ks_ptr": "*i32", "ke_ptr": "*i32", "out_ptr": "*fp32"}
+    ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv"}
+    descs = {"q_desc": f"tensordesc<fp8e4nv[{QN}, {HEAD_DIM}],{_smem_layout()!r}>",
+             "k_desc": f"tensordesc<fp8e4nv[{cfg['block_n']}, {HEAD_DIM}],{_smem_layout()!r}>"}
+    more_ptrs = {"k_scale_ptr": "*fp32", "w_ptr": "*fp32", "ks_ptr": "*i32", "ke_ptr": "*i32",
+                 "out_ptr": "*fp32"}
     consts = {"H": H, "D": HEAD_DIM, "CLEAN": clean and not compressed, "COMPRESSED": compressed,
               **_constexprs(cfg)}
-    sig = {**ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32", "out_stride": "i32",
-           **{n: "constexpr" for n in consts}}
+    sig = {**ptrs, **descs, **more_ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32",
+           "out_stride": "i32", **{n: "constexpr" for n in consts}}
     order = list(sig)
     if order != list(kernel.arg_names):
         raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
                            f"{list(kernel.arg_names)}")
+    aligned = [order.index(n) for n in [*ptrs, *more_ptrs]]
     src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
-                         attrs={(order.index(n),): [["tt.divisibility", 16]] for n in ptrs})
+                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
@@ -266,8 +370,11 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
                             ks: Tensor, ke: Tensor, clean_logits: bool, max_seqlen_k: int,
                             config: dict | None = None) -> Tensor:
     """``launch_mqa_logits`` (same unchecked contract: validated arguments, int32 windows,
-    float32 weights) on the Gluon kernel; ``shape_refusal(H, D)`` must be None. ``config``:
-    entries overriding ``CONFIG`` (for measurements)."""
+    float32 weights) on the Gluon kernel; ``shape_refusal(H, D)`` must be None and q, k
+    contiguous with 16-byte aligned bases. ``config``: entries overriding ``CONFIG`` (for
+    measurements)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     S, H, D = q_fp8.shape
     n_keys = k_fp8.shape[0]
     compressed = max_seqlen_k > 0
@@ -276,7 +383,7 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
         out = torch.full((S, n_out), float("-inf"), dtype=torch.float32, device=q_fp8.device)
     else:
         out = torch.empty((S, n_out), dtype=torch.float32, device=q_fp8.device)
-    if S == 0 or n_out == 0:
+    if S == 0 or n_out == 0 or n_keys == 0:
         return out
     cfg = CONFIG if config is None else {**CONFIG, **config}
     block_m = 2 * QN // H
@@ -285,8 +392,11 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
     # One CTA a SM (registers): columns are split only when the row blocks do not fill them.
     sms = torch.cuda.get_device_properties(q_fp8.device).multi_processor_count
     splits = max(1, min(n_tiles, triton.cdiv(sms, row_blocks)))
+    q_rows = q_fp8.view(S * H, D)
+    q_desc = TensorDescriptor.from_tensor(q_rows, [QN, D], _smem_layout())
+    k_desc = TensorDescriptor.from_tensor(k_fp8, [cfg["block_n"], D], _smem_layout())
     _mqa_logits_gluon_kernel[(row_blocks, splits)](
-        q_fp8.contiguous(), k_fp8.contiguous(), k_scale.contiguous(), weights.contiguous(),
+        q_rows, k_fp8, q_desc, k_desc, k_scale.contiguous(), weights.contiguous(),
         ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous(), out,
         S, n_keys, n_out, out.stride(0),
         H=H, D=D, CLEAN=bool(clean_logits) and not compressed, COMPRESSED=compressed,
