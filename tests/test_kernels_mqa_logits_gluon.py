@@ -46,7 +46,8 @@ def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True,
 _AOT = """
 import json, sys
 from glm_dsa.kernels.mqa_logits_gluon import compile_sm90
-c = compile_sm90(H=int(sys.argv[1]), clean=sys.argv[2] == "1", compressed=sys.argv[3] == "1")
+c = compile_sm90(H=int(sys.argv[1]), clean=sys.argv[2] == "1", compressed=sys.argv[3] == "1",
+                 candidates=sys.argv[4] == "1")
 ptx = c.asm["ptx"]
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
@@ -55,12 +56,14 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
-@pytest.mark.parametrize("H, clean, compressed", [(32, True, False), (64, False, False),
-                                                  (32, False, True)])
-def test_gluon_logits_kernel_compiles_for_sm90_within_shared_memory(H, clean, compressed):
+@pytest.mark.parametrize("H, clean, compressed, candidates",
+                         [(32, True, False, False), (64, False, False, False),
+                          (32, False, True, False), (32, False, False, True)])
+def test_gluon_logits_kernel_compiles_for_sm90_within_shared_memory(H, clean, compressed,
+                                                                    candidates):
     # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(H), str(int(clean)), str(int(compressed))]
+    args = [str(H), str(int(clean)), str(int(compressed)), str(int(candidates))]
     done = subprocess.run([sys.executable, "-c", _AOT, *args], env=env, capture_output=True,
                           text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -132,3 +135,62 @@ def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H):
     _assert_logits_close(out, ref)
     triton_out = mqa_logits.launch_mqa_logits_triton(q, k, k_scale, w, ks, ke, True, 0)
     _assert_logits_close(out, triton_out)
+
+
+def _gluon_candidates(q, k, k_scale, w, ks, ke, thr, cand):
+    from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_candidates_gluon
+    from glm_dsa.kernels.topk import COUNTERS
+
+    counters = torch.zeros((q.shape[0], COUNTERS), dtype=torch.int32, device="cuda")
+    keys, cols = launch_mqa_candidates_gluon(q, k, k_scale, w, ks, ke, thr, counters, cand)
+    return keys, cols, counters[:, 0]
+
+
+def _decode(keys):
+    """The float32 scores of ``order_keys`` bits (its inverse, as test_kernels_indexer)."""
+    positive = keys < 0  # top bit set: a non-negative score
+    return torch.where(positive, keys ^ torch.iinfo(torch.int32).min, ~keys).view(torch.float32)
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("S, H, N, kind", [(37, 32, 3000, "causal"), (50, 64, 1000, "random"),
+                                           (9, 16, 200_003, "random")])
+def test_gluon_candidates_at_minus_inf_keep_each_window_entry_with_its_logit(S, H, N, kind):
+    q, k, k_scale, w = _inputs(S, H, 128, N, seed=S)
+    ks, ke = _windows(kind, S, N, seed=N)
+    width = max(1, int((ke - ks).max()))
+    thr = torch.full((S,), float("-inf"), device="cuda")
+    keys, cols, count = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, width)
+    assert torch.equal(count, (ke - ks).to(torch.int32))
+    logits = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    for m in range(S):
+        n = int(ke[m] - ks[m])
+        seen = cols[m, :n].long()
+        assert torch.equal(seen.sort().values, torch.arange(n, device="cuda")), m  # each once
+        # The same epilogue as the logits kernel: bitwise its logits.
+        assert torch.equal(_decode(keys[m, :n]), logits[m, int(ks[m]) + seen]), m
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("S, H, N", [(64, 32, 40_000), (16, 64, 9000)])
+def test_gluon_candidates_keep_what_reaches_the_threshold_and_count_the_overflow(S, H, N):
+    q, k, k_scale, w = _inputs(S, H, 128, N, seed=H)
+    ks, ke = _causal_chunk(S, N)
+    logits = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    thr = logits.float().quantile(0.99, dim=1)
+    expected = logits >= thr[:, None]
+    cand = int(expected.sum(1).max())
+    keys, cols, count = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, cand)
+    assert torch.equal(count, expected.sum(1).to(torch.int32))
+    for m in range(S):
+        n = int(count[m])
+        assert sorted(cols[m, :n].tolist()) == expected[m].nonzero().flatten().tolist(), m
+    # Fewer slots than entries: all are counted, the slots hold a subset of them.
+    small = max(1, cand // 4)
+    keys, cols, count2 = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, small)
+    assert torch.equal(count2, count)
+    for m in range(S):
+        got = cols[m, :min(small, int(count[m]))].tolist()
+        assert len(set(got)) == len(got) and all(bool(expected[m, j]) for j in got), m

@@ -456,7 +456,8 @@ def launch_mqa_candidates(
     cand: int,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked launch of the candidate kernel: the logits of ``launch_mqa_logits`` that are
-    not below their row's threshold, appended per row.
+    not below their row's threshold, appended per row (the Gluon kernel where
+    ``gluon_refusal`` allows it, as ``launch_mqa_logits``).
 
     Args:
         q_fp8, k_fp8, k_scale, weights, ks, ke: as ``launch_mqa_logits`` (int32 windows).
@@ -470,6 +471,29 @@ def launch_mqa_candidates(
         ``glm_dsa.kernels.topk``'s key order) and columns relative to ``ks``, in no set order;
         the first ``min(count, cand)`` slots of a row are written.
     """
+    why_not = gluon_refusal(q_fp8, k_fp8)
+    if why_not is None:
+        # The logits kernel's dispatch, so that rows redone from full logits see the same values.
+        from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_candidates_gluon
+
+        return launch_mqa_candidates_gluon(q_fp8.contiguous(), k_fp8.contiguous(), k_scale,
+                                           weights, ks, ke, thresholds, counters, cand)
+    return launch_mqa_candidates_triton(q_fp8, k_fp8, k_scale, weights, ks, ke, thresholds,
+                                        counters, cand)
+
+
+def launch_mqa_candidates_triton(
+    q_fp8: Tensor,
+    k_fp8: Tensor,
+    k_scale: Tensor,
+    weights: Tensor,
+    ks: Tensor,
+    ke: Tensor,
+    thresholds: Tensor,
+    counters: Tensor,
+    cand: int,
+) -> tuple[Tensor, Tensor]:
+    """``launch_mqa_candidates`` on the Triton kernel."""
     S, H, D = q_fp8.shape
     n_keys = k_fp8.shape[0]
     keys = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)

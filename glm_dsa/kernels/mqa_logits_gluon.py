@@ -50,15 +50,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-__all__ = ["launch_mqa_logits_gluon", "shape_refusal", "compile_sm90", "CONFIG"]
+from glm_dsa.kernels.topk import COUNTERS
+
+__all__ = ["launch_mqa_logits_gluon", "launch_mqa_candidates_gluon", "shape_refusal",
+           "compile_sm90", "CONFIG"]
 
 QN = 128  # (query, head) pairs per consumer warpgroup: the wgmma's N
 HEAD_DIM = 128  # D: one 128-byte swizzled row, one wgmma K chain of 4 × 32
 _QN = gl.constexpr(QN)
+# The candidate epilogue bumps column 0 of each row's counters (glm_dsa.kernels.topk's layout).
+_COUNTERS = gl.constexpr(COUNTERS)
 # The launch configuration. Registers: the default partition (consumer 0) takes 256, so the
 # worker consumer and the loader share the other 256 of a warpgroup's 512 (65,536 a CTA).
-CONFIG = {"block_n": 128, "stages": 4, "loader_warps": 4, "loader_regs": 40,
-          "consumer_regs": 216, "tma": True, "pingpong": False}
+CONFIG = {"block_n": 64, "stages": 8, "loader_warps": 4, "loader_regs": 40,
+          "consumer_regs": 216, "tma": True, "pingpong": True}
 
 
 def shape_refusal(H: int, D: int) -> str | None:
@@ -154,33 +159,59 @@ def _scales(k_scale_ptr, t, n_keys, BLOCK_N: gl.constexpr, layout: gl.constexpr)
 
 
 @gluon.jit
-def _epilogue(acc, w, scale, t, ks, ke, row_ok, row_off, out_ptr, n_keys, lo_in, hi_in,
-              H: gl.constexpr, BLOCK_N: gl.constexpr, red_lay: gl.constexpr,
-              CLEAN: gl.constexpr, COMPRESSED: gl.constexpr):
+def _order_keys(x):
+    """``glm_dsa.kernels.topk.order_keys`` as int32 bits: uint32 keys in the order of the
+    float32 scores ``x`` (``-0.0`` as ``+0.0``)."""
+    bits = (x + 0.0).to(gl.uint32, bitcast=True)
+    flip = gl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(gl.uint32)
+    return (bits ^ flip).to(gl.int32, bitcast=True)
+
+
+@gluon.jit
+def _epilogue(acc, w, scale, t, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES):
     """Key tile ``t``'s logits from its scores ``acc [BLOCK_N, QN]``: ReLU, gate, head sum (in
-    the thread and its quad), key scale, window mask, store. A tile inside every row's window
-    (``[lo_in, hi_in)``, empty unless all the rows are real) is stored without masks: at
-    about four instructions an output value, the masks are a sixth of the epilogue."""
+    the thread and its quad), key scale; then stored (window-masked), or with ``CANDIDATES``
+    those of the window not below the row's threshold appended to the row's candidates.
+
+    ``ep``: the consumer's rows ``(ks, ke, row_ok, row_off, lo_in, hi_in, thr, count_ptrs,
+    cand_off)``; ``dst``: ``(out_ptr, cand_key_ptr, cand_idx_ptr)``. A logits tile inside
+    every row's window (``[lo_in, hi_in)``) is stored without masks: at about four
+    instructions an output value, the masks are a sixth of the epilogue."""
     ROWS: gl.constexpr = _QN // H
+    ks, ke, row_ok, row_off, lo_in, hi_in, thr, count_ptrs, cand_off = ep
     p = gl.maximum(acc, 0.0) * w[None, :]
     logits = gl.sum(gl.reshape(p, [BLOCK_N, ROWS, H]), axis=2)
     logits = logits * gl.convert_layout(scale, gl.SliceLayout(1, red_lay))[:, None]
     cols = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, red_lay))
-    if COMPRESSED:
-        # Row i's column j holds key ks[i] + j; only its window is written.
-        ptrs = out_ptr + row_off[None, :] + (cols[:, None] - ks[None, :])
-    else:
-        ptrs = out_ptr + row_off[None, :] + cols[:, None]
-    if (t * BLOCK_N >= lo_in) & ((t + 1) * BLOCK_N <= hi_in):
-        gl.store(ptrs, logits)
-    else:
+    if CANDIDATES:
+        # Rows past S have empty windows (ks = ke = 0).
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        take = inside & ~(logits < thr[None, :])  # NaN is kept
+        # One atomic per kept entry, none for the rest.
+        one = gl.full([BLOCK_N, ROWS], 1, gl.int32, red_lay)
+        slot = gl.atomic_add(count_ptrs[None, :] + gl.zeros_like(cols)[:, None], one, mask=take,
+                             sem="relaxed")
+        ok = take & (slot < cand)
+        at = cand_off[None, :] + slot
+        gl.store(dst[1] + at, _order_keys(logits), mask=ok)
+        gl.store(dst[2] + at, cols[:, None] - ks[None, :], mask=ok)
+    else:
         if COMPRESSED:
-            gl.store(ptrs, logits, mask=inside & row_ok[None, :])
+            # Row i's column j holds key ks[i] + j; only its window is written.
+            ptrs = dst[0] + row_off[None, :] + (cols[:, None] - ks[None, :])
         else:
-            if CLEAN:
-                logits = gl.where(inside, logits, float("-inf"))
-            gl.store(ptrs, logits, mask=row_ok[None, :] & (cols < n_keys)[:, None])
+            ptrs = dst[0] + row_off[None, :] + cols[:, None]
+        if (t * BLOCK_N >= lo_in) & ((t + 1) * BLOCK_N <= hi_in):
+            gl.store(ptrs, logits)
+        else:
+            inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+            if COMPRESSED:
+                gl.store(ptrs, logits, mask=inside & row_ok[None, :])
+            else:
+                if CLEAN:
+                    logits = gl.where(inside, logits, float("-inf"))
+                gl.store(ptrs, logits, mask=row_ok[None, :] & (cols < n_keys)[:, None])
 
 
 @gluon.jit
@@ -193,12 +224,12 @@ def _issue(k_smem, q_c, zero, ready, i, STAGES: gl.constexpr, LOAD_TMA: gl.const
 
 
 @gluon.jit
-def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_ready, ready,
-              empty, turn, S, n_keys, n_out, out_stride,
+def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_smem, k_smem,
+              q_ready, ready, empty, turn, S, n_keys, n_out, out_stride, cand,
               C: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
-              LOAD_TMA: gl.constexpr, PINGPONG: gl.constexpr):
-    """Consumer ``C``: the logits of the block's rows ``[C · 128 / H, (C + 1) · 128 / H)``."""
+              CANDIDATES: gl.constexpr, LOAD_TMA: gl.constexpr, PINGPONG: gl.constexpr):
+    """Consumer ``C``: the block's rows ``[C · 128 / H, (C + 1) · 128 / H)``."""
     ROWS: gl.constexpr = _QN // H
     acc_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _QN, 32])
@@ -219,6 +250,13 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_rea
     # Keys inside every row's window (an empty range unless all ROWS rows are real).
     lo_in = gl.max(ks, axis=0)
     hi_in = gl.where(row0 + ROWS <= S, gl.min(ke, axis=0), 0)
+    if CANDIDATES:
+        thr = gl.load(thr_ptr + rows, mask=row_ok, other=0.0)
+        count_ptrs = counters_ptr + rows * _COUNTERS
+        cand_off = rows.to(gl.int64) * cand
+    else:
+        thr, count_ptrs, cand_off = ks, ks, row_off  # unused
+    ep = (ks, ke, row_ok, row_off, lo_in, hi_in, thr, count_ptrs, cand_off)
     q_c = q_smem.index(C).permute((1, 0))  # [D, QN], K-major
     mbarrier.wait(q_ready, 0)
     n_tiles = c1 - c0
@@ -238,14 +276,14 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_rea
                 scale_b = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
                 acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, acc_b))
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
-                _epilogue(acc_a, w, scale_a, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys,
-                          lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                _epilogue(acc_a, w, scale_a, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
                 acc_a = _issue(k_smem, q_c, zero, ready, i + 2, STAGES, LOAD_TMA)
                 scale_a = _scales(k_scale_ptr, c0 + i + 2, n_keys, BLOCK_N, key_lay)
                 acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b, acc_a))
                 mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-                _epilogue(acc_b, w, scale_b, c0 + i + 1, ks, ke, row_ok, row_off, out_ptr,
-                          n_keys, lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                _epilogue(acc_b, w, scale_b, c0 + i + 1, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
             # Tile i (in acc_a) is in flight; one more tile when n_tiles is even.
             i = ((n_tiles - 1) // 2) * 2
             if i + 1 < n_tiles:
@@ -253,17 +291,17 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_rea
                 scale_b = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
                 acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, acc_b))
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
-                _epilogue(acc_a, w, scale_a, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys,
-                          lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                _epilogue(acc_a, w, scale_a, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
                 acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
                 mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-                _epilogue(acc_b, w, scale_b, c0 + i + 1, ks, ke, row_ok, row_off, out_ptr,
-                          n_keys, lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                _epilogue(acc_b, w, scale_b, c0 + i + 1, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
             else:
                 acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
                 mbarrier.arrive(empty.index(i % STAGES), count=1)
-                _epilogue(acc_a, w, scale_a, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys,
-                          lo_in, hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+                _epilogue(acc_a, w, scale_a, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
     else:
         scale_n = _scales(k_scale_ptr, c0, n_keys, BLOCK_N, key_lay)
         for i in range(n_tiles):
@@ -278,9 +316,10 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_rea
             scale_n = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(s), count=1)
-            _epilogue(acc, w, scale, c0 + i, ks, ke, row_ok, row_off, out_ptr, n_keys, lo_in,
-                      hi_in, H, BLOCK_N, red_lay, CLEAN, COMPRESSED)
+            _epilogue(acc, w, scale, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
+                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
     if CLEAN:
+        out_ptr = dst[0]
         fill_lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
         f_rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, fill_lay))
         _fill(out_ptr, out_stride, f_rows, f_rows < S, s0, c0, n_out, BLOCK_N, fill_lay)
@@ -288,14 +327,16 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_rea
 
 
 @gluon.jit
-def _mqa_logits_gluon_kernel(
-    q_ptr, k_ptr, q_desc, k_desc, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr,
-    S, n_keys, n_out, out_stride,
+def _mqa_gluon_kernel(
+    q_ptr, k_ptr, q_desc, k_desc, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, thr_ptr,
+    cand_key_ptr, cand_idx_ptr, counters_ptr, S, n_keys, n_out, out_stride, cand,
     H: gl.constexpr, D: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOAD_TMA: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    CANDIDATES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOAD_TMA: gl.constexpr, PINGPONG: gl.constexpr,
 ):
+    """The logits (into ``out``), or with ``CANDIDATES`` the candidates (``launch_mqa_candidates``'
+    contract: ``cand_key``, ``cand_idx`` and ``counters``; ``out`` unused)."""
     BLOCK_M: gl.constexpr = 2 * _QN // H
     swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     bar: gl.constexpr = mbarrier.MBarrierLayout()
@@ -313,13 +354,16 @@ def _mqa_logits_gluon_kernel(
         mbarrier.init(empty.index(s), count=2)  # both consumers
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
+    dst = (out_ptr, cand_key_ptr, cand_idx_ptr)
     gl.warp_specialize([
-        (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_ready,
-                     ready, empty, turn, S, n_keys, n_out, out_stride, 0, H, BLOCK_M, BLOCK_N,
-                     STAGES, CLEAN, COMPRESSED, LOAD_TMA, PINGPONG)),
-        (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, q_smem, k_smem, q_ready,
-                     ready, empty, turn, S, n_keys, n_out, out_stride, 1, H, BLOCK_M, BLOCK_N,
-                     STAGES, CLEAN, COMPRESSED, LOAD_TMA, PINGPONG)),
+        (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_smem,
+                     k_smem, q_ready, ready, empty, turn, S, n_keys, n_out, out_stride, cand, 0,
+                     H, BLOCK_M, BLOCK_N, STAGES, CLEAN, COMPRESSED, CANDIDATES, LOAD_TMA,
+                     PINGPONG)),
+        (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_smem,
+                     k_smem, q_ready, ready, empty, turn, S, n_keys, n_out, out_stride, cand, 1,
+                     H, BLOCK_M, BLOCK_N, STAGES, CLEAN, COMPRESSED, CANDIDATES, LOAD_TMA,
+                     PINGPONG)),
         (_loader, (q_ptr, k_ptr, q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready,
                    empty, S, n_keys, H, D, BLOCK_M, BLOCK_N, STAGES, LOADER_WARPS, LOAD_TMA)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
@@ -338,24 +382,26 @@ def _smem_layout():
 
 
 def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
-                 config: dict | None = None):
+                 candidates: bool = False, config: dict | None = None):
     """Compile the kernel for sm_90 ahead of time, no GPU needed (offline checks of shared
     memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``). Pointers marked 16-aligned,
     as the JIT marks GLM-5.3's on the GPU. Must run without ``TRITON_INTERPRET``."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = _mqa_logits_gluon_kernel
+    kernel = _mqa_gluon_kernel
     cfg = CONFIG if config is None else {**CONFIG, **config}
     ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv"}
     descs = {"q_desc": f"tensordesc<fp8e4nv[{QN}, {HEAD_DIM}],{_smem_layout()!r}>",
              "k_desc": f"tensordesc<fp8e4nv[{cfg['block_n']}, {HEAD_DIM}],{_smem_layout()!r}>"}
     more_ptrs = {"k_scale_ptr": "*fp32", "w_ptr": "*fp32", "ks_ptr": "*i32", "ke_ptr": "*i32",
-                 "out_ptr": "*fp32"}
-    consts = {"H": H, "D": HEAD_DIM, "CLEAN": clean and not compressed, "COMPRESSED": compressed,
+                 "out_ptr": "*fp32", "thr_ptr": "*fp32", "cand_key_ptr": "*i32",
+                 "cand_idx_ptr": "*i32", "counters_ptr": "*i32"}
+    consts = {"H": H, "D": HEAD_DIM, "CLEAN": clean and not compressed and not candidates,
+              "COMPRESSED": compressed and not candidates, "CANDIDATES": candidates,
               **_constexprs(cfg)}
     sig = {**ptrs, **descs, **more_ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32",
-           "out_stride": "i32", **{n: "constexpr" for n in consts}}
+           "out_stride": "i32", "cand": "i32", **{n: "constexpr" for n in consts}}
     order = list(sig)
     if order != list(kernel.arg_names):
         raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
@@ -366,6 +412,33 @@ def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def _launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor,
+            ke: Tensor, out: Tensor, n_out: int, clean: bool, compressed: bool,
+            candidates: tuple[Tensor, Tensor, Tensor, Tensor, int] | None, config: dict | None):
+    """The grid and the launch (``candidates``: thresholds, keys, columns, counters, slots)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    S, H, D = q_fp8.shape
+    n_keys = k_fp8.shape[0]
+    cfg = CONFIG if config is None else {**CONFIG, **config}
+    row_blocks = triton.cdiv(S, 2 * QN // H)
+    n_tiles = triton.cdiv(n_keys, cfg["block_n"])
+    # One CTA a SM (registers): columns are split only when the row blocks do not fill them.
+    sms = torch.cuda.get_device_properties(q_fp8.device).multi_processor_count
+    splits = max(1, min(n_tiles, triton.cdiv(sms, row_blocks)))
+    q_rows = q_fp8.view(S * H, D)
+    q_desc = TensorDescriptor.from_tensor(q_rows, [QN, D], _smem_layout())
+    k_desc = TensorDescriptor.from_tensor(k_fp8, [cfg["block_n"], D], _smem_layout())
+    ks32, ke32 = ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous()
+    thr, cand_keys, cand_cols, counters, cand = candidates or (weights, ks32, ks32, ks32, 0)
+    _mqa_gluon_kernel[(row_blocks, splits)](
+        q_rows, k_fp8, q_desc, k_desc, k_scale.contiguous(), weights.contiguous(), ks32, ke32,
+        out, thr, cand_keys, cand_cols, counters, S, n_keys, n_out, out.stride(0), cand,
+        H=H, D=D, CLEAN=clean, COMPRESSED=compressed, CANDIDATES=candidates is not None,
+        **_constexprs(cfg), num_warps=4,
+    )
+
+
 def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor,
                             ks: Tensor, ke: Tensor, clean_logits: bool, max_seqlen_k: int,
                             config: dict | None = None) -> Tensor:
@@ -373,9 +446,7 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
     float32 weights) on the Gluon kernel; ``shape_refusal(H, D)`` must be None and q, k
     contiguous with 16-byte aligned bases. ``config``: entries overriding ``CONFIG`` (for
     measurements)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    S, H, D = q_fp8.shape
+    S = q_fp8.shape[0]
     n_keys = k_fp8.shape[0]
     compressed = max_seqlen_k > 0
     n_out = max_seqlen_k if compressed else n_keys
@@ -385,21 +456,24 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
         out = torch.empty((S, n_out), dtype=torch.float32, device=q_fp8.device)
     if S == 0 or n_out == 0 or n_keys == 0:
         return out
-    cfg = CONFIG if config is None else {**CONFIG, **config}
-    block_m = 2 * QN // H
-    row_blocks = triton.cdiv(S, block_m)
-    n_tiles = triton.cdiv(n_keys, cfg["block_n"])
-    # One CTA a SM (registers): columns are split only when the row blocks do not fill them.
-    sms = torch.cuda.get_device_properties(q_fp8.device).multi_processor_count
-    splits = max(1, min(n_tiles, triton.cdiv(sms, row_blocks)))
-    q_rows = q_fp8.view(S * H, D)
-    q_desc = TensorDescriptor.from_tensor(q_rows, [QN, D], _smem_layout())
-    k_desc = TensorDescriptor.from_tensor(k_fp8, [cfg["block_n"], D], _smem_layout())
-    _mqa_logits_gluon_kernel[(row_blocks, splits)](
-        q_rows, k_fp8, q_desc, k_desc, k_scale.contiguous(), weights.contiguous(),
-        ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous(), out,
-        S, n_keys, n_out, out.stride(0),
-        H=H, D=D, CLEAN=bool(clean_logits) and not compressed, COMPRESSED=compressed,
-        **_constexprs(cfg), num_warps=4,
-    )
+    _launch(q_fp8, k_fp8, k_scale, weights, ks, ke, out, n_out,
+            bool(clean_logits) and not compressed, compressed, None, config)
     return out
+
+
+def launch_mqa_candidates_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor,
+                                weights: Tensor, ks: Tensor, ke: Tensor, thresholds: Tensor,
+                                counters: Tensor, cand: int, config: dict | None = None
+                                ) -> tuple[Tensor, Tensor]:
+    """``launch_mqa_candidates`` (its unchecked contract, int32 windows) on the Gluon kernel:
+    the logits not below their row's threshold appended to the row's ``cand`` slots, counted in
+    ``counters[:, 0]``; returns ``(keys, columns)``. As ``launch_mqa_logits_gluon`` for
+    ``shape_refusal``, alignment and ``config``."""
+    S = q_fp8.shape[0]
+    keys = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
+    cols = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
+    if S == 0 or k_fp8.shape[0] == 0:
+        return keys, cols
+    _launch(q_fp8, k_fp8, k_scale, weights, ks, ke, keys, 0, False, False,
+            (thresholds.contiguous(), keys, cols, counters, cand), config)
+    return keys, cols
