@@ -19,7 +19,12 @@ triton = pytest.importorskip("triton")
 from glm_dsa import oracle, testing  # noqa: E402
 from glm_dsa.kernels import mqa_logits  # noqa: E402
 from glm_dsa.kernels.sparse_mla import GLUON_TESTED_TRITON  # noqa: E402
-from test_kernels_indexer import _assert_logits_close, _causal_chunk, _inputs, _windows  # noqa: E402
+from test_kernels_indexer import (  # noqa: E402
+    _assert_logits_close,
+    _causal_chunk,
+    _inputs,
+    _windows,
+)
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 TESTED = triton.__version__ in GLUON_TESTED_TRITON
@@ -35,7 +40,7 @@ def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True,
 
     mqa_logits.check_mqa_logits_call(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
                                      max_seqlen_k)
-    launch = mqa_logits.launch_mqa_logits_triton
+    launch = mqa_logits.launch_mqa_logits
     if shape_refusal(q.shape[1], q.shape[2]) is None:
         launch = launch_mqa_logits_gluon
         _RAN_GLUON.append(q.shape)
@@ -50,7 +55,7 @@ c = compile_sm90(H=int(sys.argv[1]), clean=sys.argv[2] == "1", compressed=sys.ar
                  candidates=sys.argv[4] == "1")
 ptx = c.asm["ptx"]
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-                  "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
+                  "tma": ptx.count("cp.async.bulk.tensor"), "atom": ptx.count("atom."),
                   "setmaxnreg": ptx.count("setmaxnreg")}))
 """
 
@@ -70,16 +75,25 @@ def test_gluon_logits_kernel_compiles_for_sm90_within_shared_memory(H, clean, co
     assert done.returncode == 0, done.stderr[-3000:]
     info = json.loads(done.stdout.strip().splitlines()[-1])
     assert info["shared"] <= 232_448  # sm_90's per-block opt-in maximum (227 KB)
-    assert info["wgmma"] > 0 and info["noinc"] > 0  # tensor cores; cp.async completing mbarriers
+    assert info["wgmma"] > 0 and info["tma"] > 0  # tensor cores; TMA loads
     assert info["setmaxnreg"] > 0  # the partitions' register budgets took effect
+    assert (info["atom"] > 0) == candidates  # the candidates' slot counters
 
 
-def test_gluon_logits_shape_refusal():
-    from glm_dsa.kernels.mqa_logits_gluon import shape_refusal
+def test_gluon_logits_refusals():
+    from glm_dsa.kernels.mqa_logits_gluon import gluon_refusal, shape_refusal
 
     assert all(shape_refusal(h, 128) is None for h in (8, 16, 32, 64, 128))
     assert all(shape_refusal(h, 128) is not None for h in (4, 24, 256))
     assert shape_refusal(32, 64) is not None
+    q = torch.zeros(4, 32, 128, dtype=torch.float8_e4m3fn)
+    k = torch.zeros(16, 128, dtype=torch.float8_e4m3fn)
+    assert gluon_refusal(q, k) is not None  # the CPU (or its interpreter)
+    if SM90 and TESTED:
+        qc, kc = q.cuda(), k.cuda()
+        assert gluon_refusal(qc, kc) is None
+        assert gluon_refusal(qc[:, :24], kc) is not None  # 24 heads
+        assert gluon_refusal(qc, kc[:, :64]) is not None  # D = 64, and not contiguous
 
 
 @pytest.mark.cuda
@@ -133,7 +147,7 @@ def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H):
     ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
     out = _gluon_logits(q, (k, k_scale), w, ks, ke)
     _assert_logits_close(out, ref)
-    triton_out = mqa_logits.launch_mqa_logits_triton(q, k, k_scale, w, ks, ke, True, 0)
+    triton_out = mqa_logits.launch_mqa_logits(q, k, k_scale, w, ks, ke, True, 0)
     _assert_logits_close(out, triton_out)
 
 

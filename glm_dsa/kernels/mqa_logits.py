@@ -17,6 +17,10 @@ Work skipping: a program computes only the key tiles that meet the union of its 
 launched heaviest-first (causal rows are longer the later they are) and the columns are split
 only when there are too few row blocks to fill the GPU.
 
+On sm_90, ``glm_dsa.kernels.mqa_logits_gluon`` is a warp-specialized Gluon form of the logits and
+candidate kernels (same contracts); it is not dispatched from here: measured on one H200 it ran
+at 0.90–0.97× this kernel (bench/RESULTS.md, issue 43).
+
 Numerics: each fp8 dot product is accumulated in float32 by the tensor core (exact for
 D = 128 products on the interpreter; Hopper's fp8 wgmma adds with a narrower accumulator), then
 ReLU, gate, a head sum in the reduction's order, key scale. Checked against the oracle with
@@ -25,7 +29,6 @@ DeepGEMM's ``calc_diff``, not bitwise.
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -87,14 +90,6 @@ INTERPRET_PROGRAMS = 4
 MAX_HEADS = 256
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_log = logging.getLogger("glm_dsa.kernels")
-_LOGGED: set[str] = set()
-
-
-def _log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        _log.info(message)
 
 
 def _configs(table: list[dict] | None = None) -> list[triton.Config]:
@@ -365,49 +360,7 @@ def _grid(row_blocks, n_tiles, device: torch.device):
     return grid
 
 
-def gluon_refusal(q_fp8: Tensor, k_fp8: Tensor) -> str | None:
-    """Why this call cannot take the Gluon sm_90 kernel (None when it can): the device rule of
-    the Gluon sparse MLA (``sparse_mla.device_refusal``: an sm_90 GPU, a tested Triton, not the
-    interpreter), the kernel's shapes (``mqa_logits_gluon.shape_refusal``), 16-byte aligned
-    queries and keys (its ``cp.async``)."""
-    from glm_dsa.kernels.sparse_mla import DeviceFacts, device_refusal
-
-    why = device_refusal(DeviceFacts.of(q_fp8.device))
-    if why is not None:
-        return why
-    from glm_dsa.kernels.mqa_logits_gluon import shape_refusal
-
-    why = shape_refusal(q_fp8.shape[1], q_fp8.shape[2])
-    if why is None and (q_fp8.data_ptr() % 16 or k_fp8.data_ptr() % 16):
-        why = "queries or keys not 16-byte aligned"
-    return why
-
-
 def launch_mqa_logits(
-    q_fp8: Tensor,
-    k_fp8: Tensor,
-    k_scale: Tensor,
-    weights: Tensor,
-    ks: Tensor,
-    ke: Tensor,
-    clean_logits: bool,
-    max_seqlen_k: int,
-) -> Tensor:
-    """Unchecked launch (``launch_mqa_logits_triton``'s contract): the Gluon sm_90 kernel where
-    ``gluon_refusal`` allows it, the Triton kernel elsewhere."""
-    why_not = gluon_refusal(q_fp8, k_fp8)
-    if why_not is None:
-        from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon
-
-        _log_once(f"MQA logits: Gluon sm_90 kernel (triton {triton.__version__})")
-        return launch_mqa_logits_gluon(q_fp8.contiguous(), k_fp8.contiguous(), k_scale, weights,
-                                       ks, ke, clean_logits, max_seqlen_k)
-    _log_once(f"MQA logits: Triton kernel ({why_not})")
-    return launch_mqa_logits_triton(q_fp8, k_fp8, k_scale, weights, ks, ke, clean_logits,
-                                    max_seqlen_k)
-
-
-def launch_mqa_logits_triton(
     q_fp8: Tensor,
     k_fp8: Tensor,
     k_scale: Tensor,
@@ -456,8 +409,7 @@ def launch_mqa_candidates(
     cand: int,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked launch of the candidate kernel: the logits of ``launch_mqa_logits`` that are
-    not below their row's threshold, appended per row (the Gluon kernel where
-    ``gluon_refusal`` allows it, as ``launch_mqa_logits``).
+    not below their row's threshold, appended per row.
 
     Args:
         q_fp8, k_fp8, k_scale, weights, ks, ke: as ``launch_mqa_logits`` (int32 windows).
@@ -471,29 +423,6 @@ def launch_mqa_candidates(
         ``glm_dsa.kernels.topk``'s key order) and columns relative to ``ks``, in no set order;
         the first ``min(count, cand)`` slots of a row are written.
     """
-    why_not = gluon_refusal(q_fp8, k_fp8)
-    if why_not is None:
-        # The logits kernel's dispatch, so that rows redone from full logits see the same values.
-        from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_candidates_gluon
-
-        return launch_mqa_candidates_gluon(q_fp8.contiguous(), k_fp8.contiguous(), k_scale,
-                                           weights, ks, ke, thresholds, counters, cand)
-    return launch_mqa_candidates_triton(q_fp8, k_fp8, k_scale, weights, ks, ke, thresholds,
-                                        counters, cand)
-
-
-def launch_mqa_candidates_triton(
-    q_fp8: Tensor,
-    k_fp8: Tensor,
-    k_scale: Tensor,
-    weights: Tensor,
-    ks: Tensor,
-    ke: Tensor,
-    thresholds: Tensor,
-    counters: Tensor,
-    cand: int,
-) -> tuple[Tensor, Tensor]:
-    """``launch_mqa_candidates`` on the Triton kernel."""
     S, H, D = q_fp8.shape
     n_keys = k_fp8.shape[0]
     keys = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
@@ -543,7 +472,8 @@ def fp8_mqa_logits(
 def check_mqa_logits_call(q: Tensor, kv: tuple[Tensor, Tensor], weights: Tensor,
                           cu_seqlen_ks: Tensor, cu_seqlen_ke: Tensor, clean_logits: bool,
                           max_seqlen_k: int) -> None:
-    """``fp8_mqa_logits``'s checks of its arguments (the launches' precondition)."""
+    """``fp8_mqa_logits``'s checks of its arguments (the launches' precondition; the Gluon
+    kernel's tests check through it too)."""
     check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
     k_fp8, k_scale = kv
     S, H, D, S_kv = check_logits_inputs(q, k_fp8, k_scale, weights)

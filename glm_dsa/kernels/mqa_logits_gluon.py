@@ -1,37 +1,45 @@
-"""FP8 MQA logits for sm_90 in Gluon: a warp-specialized ``fp8_mqa_logits`` (ragged rows).
+"""FP8 MQA logits for sm_90 in Gluon: warp-specialized ``fp8_mqa_logits`` and candidate filter.
 
-Same contract and output as ``glm_dsa.kernels.mqa_logits.launch_mqa_logits`` (and
-``glm_dsa.oracle.fp8_mqa_logits``): ``out[i, j] = k_scale[j] · Σ_h w[i, h] · relu(q[i, h] · k[j])``
-for ``j ∈ [ks[i], ke[i])``, ``-inf`` elsewhere with ``clean_logits``, or the compressed
-``[S, max_seqlen_k]`` rows. It takes ``D = 128`` and a power-of-two ``H`` from 8 to 128; the
-Triton kernel serves every other shape, the CPU interpreter and other GPUs.
+Same contracts and outputs as ``glm_dsa.kernels.mqa_logits.launch_mqa_logits`` (ragged rows,
+``glm_dsa.oracle.fp8_mqa_logits``: ``out[i, j] = k_scale[j] · Σ_h w[i, h] · relu(q[i, h] ·
+k[j])`` for ``j ∈ [ks[i], ke[i])``, ``-inf`` elsewhere with ``clean_logits``, or the compressed
+``[S, max_seqlen_k]`` rows) and ``launch_mqa_candidates`` (the logits not below a row's
+threshold appended to its candidate slots, ``glm_dsa.kernels.topk``'s order keys). It takes
+``D = 128`` and a power-of-two ``H`` from 8 to 128 (``gluon_refusal``). It is not dispatched
+by default: on one H200 it ran at 0.90–0.97× the Triton kernel and 0.89–0.93× DeepGEMM
+(bench/RESULTS.md, issue 43), so ``mqa_logits`` keeps the Triton kernel everywhere.
 
-Schedule: one CTA per (row block, column split), grid as the Triton kernel's (row blocks
-heaviest first, columns split only when there are too few row blocks for the SMs), and the
-same work skipping: only the key tiles that meet the union of the block's windows are read;
-the other columns of the split get ``-inf`` stores. A row block is ``2 · 128 / H`` rows, two
-halves of ``QN = 128`` (query, head) pairs, one per consumer warpgroup. Three partitions:
+Schedule: one CTA per (row block, column split), the Triton kernel's grid (row blocks heaviest
+first, columns split only when there are too few row blocks for the SMs) and work skipping:
+only the key tiles that meet the union of the block's windows are read; the other columns of
+the split get ``-inf`` stores. A row block is ``2 · 128 / H`` rows, two halves of ``QN = 128``
+(query, head) pairs, one per consumer warpgroup. Three partitions:
 
-- **Loader** (``LOADER_WARPS`` warps, ``LOADER_REGS`` registers). 16-byte ``cp.async`` of the
-  block's queries ``[2 · QN, 128]`` once (``q_ready``), then per key tile ``BLOCK_N`` keys
-  ``[BLOCK_N, 128]`` and their ``BLOCK_N`` float32 scales into stage ``t % STAGES`` of a ring
-  (``ready[s]``, a no-increment arrive per thread; keys past the end zero-filled), after
-  ``empty[s]`` says both consumers are done with the stage.
-- **Two consumer warpgroups** (the default partition, and a worker of ``CONSUMER_REGS``).
+- **Loader** (``LOADER_WARPS`` warps, ``LOADER_REGS`` registers). TMA of the block's queries
+  ``[2 · QN, 128]`` once (``q_ready``), then per key tile of ``BLOCK_N`` keys into stage ``t %
+  STAGES`` of a ring (``ready[s]``, expect-tx; keys past the end zero-filled by the TMA unit),
+  once ``empty[s]`` says both consumers are done with the stage.
+- **Two consumer warpgroups** (the default partition and a worker of ``CONSUMER_REGS``).
   Consumer ``c`` computes ``k_tile [BLOCK_N, 128] @ q_cᵀ [128, QN]`` (fp8 wgmma, keys on the M
-  side as DeepGEMM), waits for it, frees the stage, and runs the epilogue in registers: ReLU,
-  the gate, the head sum (inside a thread and its quad: the ``QN`` columns are ``128 / H`` rows
-  of ``H`` heads), the key scale, the window mask and a direct store. The two warpgroups share
-  each key tile (so a key is read once per ``2 · 128 / H`` rows: half the L2 traffic per FLOP
-  of DeepGEMM's 128-column tile) and take turns on the tensor cores: ``turn[c]`` lets
-  consumer ``c`` issue its wgmma once the other has issued its own, so their MMAs queue back to
-  back and each one's epilogue runs while the other's MMA does (without it both finish their
-  MMAs together and then both sit in the epilogue with the tensor cores idle).
+  side as DeepGEMM), waits for it, frees the stage and runs the epilogue in registers: ReLU,
+  gate, head sum (inside a thread and its quad: the ``QN`` columns are ``128 / H`` rows of
+  ``H`` heads), the key scales (loaded from global a tile ahead), then a direct store (the
+  window mask only on tiles that cross a row's window edge) or the candidate filter (one
+  relaxed atomic per kept entry). The two warpgroups share each key tile, so a key is read
+  once per ``2 · 128 / H`` rows (half DeepGEMM's L2 traffic per FLOP), and take turns on the
+  tensor cores: ``turn[c]`` lets consumer ``c`` issue its wgmma once the other has issued its
+  own, so their MMAs queue back to back and each one's epilogue runs during the other's MMA.
 
-Registers: the accumulator is ``BLOCK_N · QN / 128`` float32 a thread (64 at ``BLOCK_N`` 64,
-128 at 128), the gates ``QN / 4`` (32). Shared memory: queries 32 KB, the ring ``STAGES ·
-BLOCK_N · 132`` bytes (4 × 128 keys: 66 KB). ``CONFIG`` is the launch configuration; what its
-choices were measured at is in bench/RESULTS.md.
+Registers (ptxas -v at sm_90a, every mode): 168 a thread at launch, no spills; setmaxnreg gives
+the worker consumer 216 and the loader 40, the default partition the rest. The accumulator is
+128 float32 a thread (``BLOCK_N`` 128), the gates 32. Shared memory 98,576 bytes (queries
+32 KB, ring 4 × 16 KB, barriers); the candidate form 102,496 (the atomics' scratch).
+
+Measured and dropped (4,096 × 131,072, H 32; bench/RESULTS.md): a 16-byte ``cp.async`` loader
+(with its ``fence.proxy.async`` before each wgmma): 5.35 ms with the turns (run 1), as TMA's
+5.39 (run 2), and 6.45 against TMA's 6.23 with ping-pong; ping-pong accumulators (each
+consumer issues tile i + 1's wgmma before tile i's epilogue; 64-key tiles, 8 stages, two
+accumulators of 64 registers) 6.23 ms against 5.39 for the turns.
 """
 
 from __future__ import annotations
@@ -41,9 +49,7 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -52,18 +58,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from glm_dsa.kernels.topk import COUNTERS
 
-__all__ = ["launch_mqa_logits_gluon", "launch_mqa_candidates_gluon", "shape_refusal",
-           "compile_sm90", "CONFIG"]
+__all__ = ["launch_mqa_logits_gluon", "launch_mqa_candidates_gluon", "gluon_refusal",
+           "shape_refusal", "compile_sm90", "CONFIG"]
 
 QN = 128  # (query, head) pairs per consumer warpgroup: the wgmma's N
 HEAD_DIM = 128  # D: one 128-byte swizzled row, one wgmma K chain of 4 × 32
 _QN = gl.constexpr(QN)
 # The candidate epilogue bumps column 0 of each row's counters (glm_dsa.kernels.topk's layout).
 _COUNTERS = gl.constexpr(COUNTERS)
-# The launch configuration. Registers: the default partition (consumer 0) takes 256, so the
-# worker consumer and the loader share the other 256 of a warpgroup's 512 (65,536 a CTA).
-CONFIG = {"block_n": 64, "stages": 8, "loader_warps": 4, "loader_regs": 40,
-          "consumer_regs": 216, "tma": True, "pingpong": True}
+# The launch configuration (the fastest of the variants measured; module docstring). Registers:
+# the default partition (consumer 0) takes 248, so the worker consumer and the loader share the
+# rest of a warpgroup's 512 (65,536 a CTA).
+CONFIG = {"block_n": 128, "stages": 4, "loader_warps": 4, "loader_regs": 40,
+          "consumer_regs": 216}
 
 
 def shape_refusal(H: int, D: int) -> str | None:
@@ -73,6 +80,22 @@ def shape_refusal(H: int, D: int) -> str | None:
     if H < 8 or H > QN or H & (H - 1):
         return f"H={H} (the Gluon kernel takes a power of two from 8 to {QN})"
     return None
+
+
+def gluon_refusal(q_fp8: Tensor, k_fp8: Tensor) -> str | None:
+    """Why a call with these queries and keys cannot take the Gluon kernel (None when it can):
+    the Gluon sparse MLA's device rule (``sparse_mla.device_refusal``: an sm_90 GPU, a tested
+    Triton, not the interpreter), ``shape_refusal``, contiguous 16-byte aligned q and k (TMA)."""
+    from glm_dsa.kernels.sparse_mla import DeviceFacts, device_refusal
+
+    why = device_refusal(DeviceFacts.of(q_fp8.device))
+    if why is None:
+        why = shape_refusal(q_fp8.shape[1], q_fp8.shape[2])
+    if why is None and not (q_fp8.is_contiguous() and k_fp8.is_contiguous()):
+        why = "q or k not contiguous"
+    if why is None and (q_fp8.data_ptr() % 16 or k_fp8.data_ptr() % 16):
+        why = "q or k not 16-byte aligned"
+    return why
 
 
 # ----------------------------------------------------------------------------- device code
@@ -100,42 +123,21 @@ def _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _loader(q_ptr, k_ptr, q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready,
-            empty, S, n_keys, H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, WARPS: gl.constexpr,
-            LOAD_TMA: gl.constexpr):
-    """Queries once, then the key tiles ``[c0, c1)`` into the ring."""
+def _loader(q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready, empty, S, n_keys,
+            H: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, WARPS: gl.constexpr):
+    """TMA of the block's queries once, then of the key tiles ``[c0, c1)`` into the ring."""
     row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, WARPS)
-    if LOAD_TMA:
-        # Rows past the end of q or k are zero-filled by the TMA unit (and counted in the bytes).
-        mbarrier.expect(q_ready, 2 * _QN * D)
-        tma.async_copy_global_to_shared(q_desc, [row0 * H, 0], q_ready, q_smem.index(0))
-        tma.async_copy_global_to_shared(q_desc, [row0 * H + _QN, 0], q_ready, q_smem.index(1))
-        for i in range(c1 - c0):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), BLOCK_N * D)
-            tma.async_copy_global_to_shared(k_desc, [(c0 + i) * BLOCK_N, 0], ready.index(s),
-                                            k_smem.index(s))
-    else:
-        # 8 threads × 16 bytes cover a 128-byte row.
-        lay: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
-        d = gl.arange(0, D, layout=gl.SliceLayout(0, lay))[None, :]
-        for c in gl.static_range(2):
-            qr = row0 * H + c * _QN + gl.arange(0, _QN, layout=gl.SliceLayout(1, lay))
-            async_copy.async_copy_global_to_shared(
-                q_smem.index(c), q_ptr + qr.to(gl.int64)[:, None] * D + d,
-                mask=(qr < S * H)[:, None])
-        async_copy.mbarrier_arrive(q_ready, increment_count=False)
-        keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, lay))
-        for i in range(c1 - c0):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            cols = (c0 + i) * BLOCK_N + keys
-            async_copy.async_copy_global_to_shared(
-                k_smem.index(s), k_ptr + cols.to(gl.int64)[:, None] * D + d,
-                mask=(cols < n_keys)[:, None])
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+    # Rows past the end of q or k are zero-filled by the TMA unit (and counted in the bytes).
+    mbarrier.expect(q_ready, 2 * _QN * D)
+    tma.async_copy_global_to_shared(q_desc, [row0 * H, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [row0 * H + _QN, 0], q_ready, q_smem.index(1))
+    for i in range(c1 - c0):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), BLOCK_N * D)
+        tma.async_copy_global_to_shared(k_desc, [(c0 + i) * BLOCK_N, 0], ready.index(s),
+                                        k_smem.index(s))
 
 
 @gluon.jit
@@ -168,16 +170,17 @@ def _order_keys(x):
 
 
 @gluon.jit
-def _epilogue(acc, w, scale, t, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES):
+def _epilogue(acc, w, scale, t, ep, dst, n_keys, cand, H: gl.constexpr, BLOCK_N: gl.constexpr,
+              red_lay: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
+              CANDIDATES: gl.constexpr):
     """Key tile ``t``'s logits from its scores ``acc [BLOCK_N, QN]``: ReLU, gate, head sum (in
     the thread and its quad), key scale; then stored (window-masked), or with ``CANDIDATES``
     those of the window not below the row's threshold appended to the row's candidates.
 
     ``ep``: the consumer's rows ``(ks, ke, row_ok, row_off, lo_in, hi_in, thr, count_ptrs,
     cand_off)``; ``dst``: ``(out_ptr, cand_key_ptr, cand_idx_ptr)``. A logits tile inside
-    every row's window (``[lo_in, hi_in)``) is stored without masks: at about four
-    instructions an output value, the masks are a sixth of the epilogue."""
+    every row's window (``[lo_in, hi_in)``, nearly every tile of a causal chunk) is stored
+    without the window masks."""
     ROWS: gl.constexpr = _QN // H
     ks, ke, row_ok, row_off, lo_in, hi_in, thr, count_ptrs, cand_off = ep
     p = gl.maximum(acc, 0.0) * w[None, :]
@@ -215,20 +218,11 @@ def _epilogue(acc, w, scale, t, ep, dst, n_keys, cand, H, BLOCK_N,
 
 
 @gluon.jit
-def _issue(k_smem, q_c, zero, ready, i, STAGES: gl.constexpr, LOAD_TMA: gl.constexpr):
-    """Wait for tile ``i`` of the ring, then issue its wgmma ``k [BLOCK_N, D] @ q_c [D, QN]``."""
-    mbarrier.wait(ready.index(i % STAGES), (i // STAGES) & 1)
-    if not LOAD_TMA:
-        fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
-    return warpgroup_mma(k_smem.index(i % STAGES), q_c, zero, use_acc=False, is_async=True)
-
-
-@gluon.jit
 def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_smem, k_smem,
               q_ready, ready, empty, turn, S, n_keys, n_out, out_stride, cand,
               C: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
-              CANDIDATES: gl.constexpr, LOAD_TMA: gl.constexpr, PINGPONG: gl.constexpr):
+              CANDIDATES: gl.constexpr):
     """Consumer ``C``: the block's rows ``[C · 128 / H, (C + 1) · 128 / H)``."""
     ROWS: gl.constexpr = _QN // H
     acc_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -259,65 +253,22 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
     ep = (ks, ke, row_ok, row_off, lo_in, hi_in, thr, count_ptrs, cand_off)
     q_c = q_smem.index(C).permute((1, 0))  # [D, QN], K-major
     mbarrier.wait(q_ready, 0)
-    n_tiles = c1 - c0
-    if PINGPONG:
-        # Tile i + 1's wgmma is issued before tile i's epilogue, so this warpgroup always has
-        # one in flight while it works on the previous one. Two accumulators, unrolled by two
-        # so that each keeps its registers (a copy of one in flight would make ptxas
-        # serialize every wgmma).
-        if n_tiles > 0:
-            acc_a = _issue(k_smem, q_c, zero, ready, 0, STAGES, LOAD_TMA)
-            # No wait (one group in flight): it makes the loop-carried accumulator a tensor.
-            acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a,))
-            scale_a = _scales(k_scale_ptr, c0, n_keys, BLOCK_N, key_lay)
-            for p in range((n_tiles - 1) // 2):
-                i = 2 * p
-                acc_b = _issue(k_smem, q_c, zero, ready, i + 1, STAGES, LOAD_TMA)
-                scale_b = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
-                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, acc_b))
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
-                _epilogue(acc_a, w, scale_a, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
-                acc_a = _issue(k_smem, q_c, zero, ready, i + 2, STAGES, LOAD_TMA)
-                scale_a = _scales(k_scale_ptr, c0 + i + 2, n_keys, BLOCK_N, key_lay)
-                acc_b, acc_a = warpgroup_mma_wait(num_outstanding=1, deps=(acc_b, acc_a))
-                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-                _epilogue(acc_b, w, scale_b, c0 + i + 1, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
-            # Tile i (in acc_a) is in flight; one more tile when n_tiles is even.
-            i = ((n_tiles - 1) // 2) * 2
-            if i + 1 < n_tiles:
-                acc_b = _issue(k_smem, q_c, zero, ready, i + 1, STAGES, LOAD_TMA)
-                scale_b = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
-                acc_a, acc_b = warpgroup_mma_wait(num_outstanding=1, deps=(acc_a, acc_b))
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
-                _epilogue(acc_a, w, scale_a, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
-                acc_b = warpgroup_mma_wait(num_outstanding=0, deps=(acc_b,))
-                mbarrier.arrive(empty.index((i + 1) % STAGES), count=1)
-                _epilogue(acc_b, w, scale_b, c0 + i + 1, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
-            else:
-                acc_a = warpgroup_mma_wait(num_outstanding=0, deps=(acc_a,))
-                mbarrier.arrive(empty.index(i % STAGES), count=1)
-                _epilogue(acc_a, w, scale_a, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
-    else:
-        scale_n = _scales(k_scale_ptr, c0, n_keys, BLOCK_N, key_lay)
-        for i in range(n_tiles):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            if not LOAD_TMA:
-                fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
-            mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
-            acc = warpgroup_mma(k_smem.index(s), q_c, zero, use_acc=False, is_async=True)
-            mbarrier.arrive(turn.index(1 - C), count=1)
-            scale = scale_n
-            scale_n = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index(s), count=1)
-            _epilogue(acc, w, scale, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N,
-                          red_lay, CLEAN, COMPRESSED, CANDIDATES)
+    # The two consumers take turns issuing their wgmmas (turn[C], see the module docstring):
+    # consumer 0's first tile goes first, then each issues once the other has issued.
+    scale_n = _scales(k_scale_ptr, c0, n_keys, BLOCK_N, key_lay)
+    for i in range(c1 - c0):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(turn.index(C), (i & 1) ^ (1 - C))
+        acc = warpgroup_mma(k_smem.index(s), q_c, zero, use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - C), count=1)
+        # The next tile's scales are loaded while this tile's wgmma runs.
+        scale = scale_n
+        scale_n = _scales(k_scale_ptr, c0 + i + 1, n_keys, BLOCK_N, key_lay)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(s), count=1)
+        _epilogue(acc, w, scale, c0 + i, ep, dst, n_keys, cand, H, BLOCK_N, red_lay, CLEAN,
+                  COMPRESSED, CANDIDATES)
     if CLEAN:
         out_ptr = dst[0]
         fill_lay: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0])
@@ -328,12 +279,11 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
 
 @gluon.jit
 def _mqa_gluon_kernel(
-    q_ptr, k_ptr, q_desc, k_desc, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, thr_ptr,
+    q_desc, k_desc, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, out_ptr, thr_ptr,
     cand_key_ptr, cand_idx_ptr, counters_ptr, S, n_keys, n_out, out_stride, cand,
     H: gl.constexpr, D: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
     CANDIDATES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOAD_TMA: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """The logits (into ``out``), or with ``CANDIDATES`` the candidates (``launch_mqa_candidates``'
     contract: ``cand_key``, ``cand_idx`` and ``counters``; ``out`` unused)."""
@@ -346,11 +296,9 @@ def _mqa_gluon_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    # TMA: one arrive with the byte count; cp.async: a no-increment arrive per loader thread.
-    arrivals: gl.constexpr = 1 if LOAD_TMA else LOADER_WARPS * 32
-    mbarrier.init(q_ready, count=arrivals)
+    mbarrier.init(q_ready, count=1)  # the loader's arrive with the TMA byte count
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=arrivals)
+        mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)  # both consumers
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
@@ -358,14 +306,12 @@ def _mqa_gluon_kernel(
     gl.warp_specialize([
         (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_smem,
                      k_smem, q_ready, ready, empty, turn, S, n_keys, n_out, out_stride, cand, 0,
-                     H, BLOCK_M, BLOCK_N, STAGES, CLEAN, COMPRESSED, CANDIDATES, LOAD_TMA,
-                     PINGPONG)),
+                     H, BLOCK_M, BLOCK_N, STAGES, CLEAN, COMPRESSED, CANDIDATES)),
         (_consumer, (k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_smem,
                      k_smem, q_ready, ready, empty, turn, S, n_keys, n_out, out_stride, cand, 1,
-                     H, BLOCK_M, BLOCK_N, STAGES, CLEAN, COMPRESSED, CANDIDATES, LOAD_TMA,
-                     PINGPONG)),
-        (_loader, (q_ptr, k_ptr, q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready,
-                   empty, S, n_keys, H, D, BLOCK_M, BLOCK_N, STAGES, LOADER_WARPS, LOAD_TMA)),
+                     H, BLOCK_M, BLOCK_N, STAGES, CLEAN, COMPRESSED, CANDIDATES)),
+        (_loader, (q_desc, k_desc, ks_ptr, ke_ptr, q_smem, k_smem, q_ready, ready, empty, S,
+                   n_keys, H, D, BLOCK_M, BLOCK_N, STAGES, LOADER_WARPS)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -373,8 +319,7 @@ def _mqa_gluon_kernel(
 def _constexprs(cfg: dict) -> dict:
     return {"BLOCK_N": cfg["block_n"], "STAGES": cfg["stages"],
             "LOADER_WARPS": cfg["loader_warps"], "LOADER_REGS": cfg["loader_regs"],
-            "CONSUMER_REGS": cfg["consumer_regs"], "LOAD_TMA": cfg["tma"],
-            "PINGPONG": cfg["pingpong"]}
+            "CONSUMER_REGS": cfg["consumer_regs"]}
 
 
 def _smem_layout():
@@ -391,22 +336,21 @@ def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
 
     kernel = _mqa_gluon_kernel
     cfg = CONFIG if config is None else {**CONFIG, **config}
-    ptrs = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv"}
     descs = {"q_desc": f"tensordesc<fp8e4nv[{QN}, {HEAD_DIM}],{_smem_layout()!r}>",
              "k_desc": f"tensordesc<fp8e4nv[{cfg['block_n']}, {HEAD_DIM}],{_smem_layout()!r}>"}
-    more_ptrs = {"k_scale_ptr": "*fp32", "w_ptr": "*fp32", "ks_ptr": "*i32", "ke_ptr": "*i32",
+    ptrs = {"k_scale_ptr": "*fp32", "w_ptr": "*fp32", "ks_ptr": "*i32", "ke_ptr": "*i32",
                  "out_ptr": "*fp32", "thr_ptr": "*fp32", "cand_key_ptr": "*i32",
                  "cand_idx_ptr": "*i32", "counters_ptr": "*i32"}
     consts = {"H": H, "D": HEAD_DIM, "CLEAN": clean and not compressed and not candidates,
               "COMPRESSED": compressed and not candidates, "CANDIDATES": candidates,
               **_constexprs(cfg)}
-    sig = {**ptrs, **descs, **more_ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32",
+    sig = {**descs, **ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32",
            "out_stride": "i32", "cand": "i32", **{n: "constexpr" for n in consts}}
     order = list(sig)
     if order != list(kernel.arg_names):
         raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
                            f"{list(kernel.arg_names)}")
-    aligned = [order.index(n) for n in [*ptrs, *more_ptrs]]
+    aligned = [order.index(n) for n in ptrs]
     src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -432,7 +376,7 @@ def _launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: 
     ks32, ke32 = ks.to(torch.int32).contiguous(), ke.to(torch.int32).contiguous()
     thr, cand_keys, cand_cols, counters, cand = candidates or (weights, ks32, ks32, ks32, 0)
     _mqa_gluon_kernel[(row_blocks, splits)](
-        q_rows, k_fp8, q_desc, k_desc, k_scale.contiguous(), weights.contiguous(), ks32, ke32,
+        q_desc, k_desc, k_scale.contiguous(), weights.contiguous(), ks32, ke32,
         out, thr, cand_keys, cand_cols, counters, S, n_keys, n_out, out.stride(0), cand,
         H=H, D=D, CLEAN=clean, COMPRESSED=compressed, CANDIDATES=candidates is not None,
         **_constexprs(cfg), num_warps=4,
