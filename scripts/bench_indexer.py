@@ -12,7 +12,11 @@ Parts (each independent: one that fails records its error and the others still r
   logits    ``fp8_mqa_logits`` at issue 30's four shapes (``LOGITS_SHAPES``: S × N, H, D = 128,
             the queries the last S tokens of an N-token request, causal with prefix);
             TFLOP/s over unmasked pairs (2·H·D per pair), DeepGEMM on the same inputs when
-            ``import deep_gemm`` works, the ratio, calc_diff against the oracle on a row subset.
+            ``import deep_gemm`` works, the ratio, calc_diff against the oracle on a row subset;
+            on sm_90 the Gluon kernel (``glm_dsa.kernels.mqa_logits_gluon``) too, each of
+            ``--gluon-configs`` timed and the fastest reported beside both, its masks against
+            the Triton kernel's and its last rows against DeepGEMM's. ``--logits-shapes``
+            replaces the four shapes.
   paged     ``fp8_paged_mqa_logits`` at 4,096 and 32,768 × 131,072 through a shuffled block table.
   frontier  (not in the default parts; issue 43) ``indexer_topk`` beside the peers composition
             (``glm_dsa.peers.indexer_topk``: DeepGEMM's logits in the budget's row chunks, our
@@ -121,19 +125,55 @@ def part_ceiling() -> dict:
     return {"scaled_mm_tflops": 2 * n**3 / ms / 1e9, "ms": ms}
 
 
-def part_logits(S: int, N: int, heads: int, deep_gemm) -> dict:
-    from glm_dsa.kernels import fp8_mqa_logits, mqa_logits
+def part_logits(S: int, N: int, heads: int, deep_gemm, gluon_configs: list[dict]) -> dict:
+    """The Triton kernel, the Gluon sm_90 kernel (each of ``gluon_configs``, the fastest
+    reported) and DeepGEMM on one shape; each checked against the oracle on a row subset, the
+    Gluon kernel's masks against the Triton kernel's and its last rows against DeepGEMM's."""
+    from glm_dsa import oracle
+    from glm_dsa.kernels import mqa_logits
 
     q, k, k_scale, w, ks, ke = _inputs(S, N, heads=heads)
     pairs = int((ke - ks).long().sum())
     flops = 2 * heads * D * pairs
-    run = lambda: fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
+    run = lambda: mqa_logits.launch_mqa_logits(q, k, k_scale, w, ks, ke, True, 0)  # noqa: E731
     res = {"S": S, "N": N, "H": heads, "unmasked_pairs": pairs, "first_call_s": _first_call_s(run)}
     res["config"] = _best_config(mqa_logits._mqa_logits_tuned)
     ms = _time_ms(run)
     res.update(triton_ms=ms, triton_tflops=flops / ms / 1e9)
     out = run()
     res.update(_check_rows(out, q, k, k_scale, w, ks, ke))
+    tail = slice(S - CHECK_ROWS, S)
+    gluon_tail = None
+    try:
+        from glm_dsa.kernels.mqa_logits_gluon import gluon_refusal
+    except Exception as e:  # a Triton whose Gluon API differs: the other columns still run
+        res["gluon_refusal"] = f"import: {type(e).__name__}: {e}"
+    else:
+        res["gluon_refusal"] = gluon_refusal(q, k)
+    if res["gluon_refusal"] is None:
+        from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon
+
+        timings = []
+        for cfg in gluon_configs:
+            grun = lambda cfg=cfg: launch_mqa_logits_gluon(q, k, k_scale, w, ks, ke, True, 0, cfg)  # noqa: E731
+            try:
+                timings.append({"config": cfg, "first_call_s": _first_call_s(grun), "ms": _time_ms(grun)})
+            except Exception as e:  # one config's failure (a compile error) must not hide the others
+                timings.append({"config": cfg, "error": f"{type(e).__name__}: {e}"})
+            print(f"  gluon {cfg}: {timings[-1].get('ms', timings[-1].get('error'))}", flush=True)
+        res["gluon_configs"] = timings
+        timed = [t for t in timings if "ms" in t]
+        if timed:
+            best = min(timed, key=lambda t: t["ms"])
+            gms = best["ms"]
+            res.update(gluon_config=best["config"], gluon_ms=gms, gluon_tflops=flops / gms / 1e9,
+                       gluon_vs_triton=ms / gms)
+            gout = launch_mqa_logits_gluon(q, k, k_scale, w, ks, ke, True, 0, best["config"])
+            check = _check_rows(gout, q, k, k_scale, w, ks, ke)
+            res.update({f"gluon_{n}": v for n, v in check.items()})
+            res["gluon_masks_equal_triton"] = bool(torch.equal(torch.isneginf(gout), torch.isneginf(out)))
+            gluon_tail = gout[tail].clone()
+            del gout
     if deep_gemm is not None:
         try:
             dg = lambda: deep_gemm.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
@@ -141,13 +181,14 @@ def part_logits(S: int, N: int, heads: int, deep_gemm) -> dict:
             dms = _time_ms(dg)
             res.update(deepgemm_ms=dms, deepgemm_tflops=flops / dms / 1e9, ratio=dms / ms)
             mask = torch.isneginf(ref)
-            from glm_dsa import oracle
-
             res["deepgemm_masks_equal"] = bool(torch.equal(torch.isneginf(out), mask))
-            rows = slice(S - CHECK_ROWS, S)
             res["calc_diff_vs_deepgemm"] = oracle.calc_diff(
-                out[rows].masked_fill(mask[rows], 0), ref[rows].masked_fill(mask[rows], 0)
+                out[tail].masked_fill(mask[tail], 0), ref[tail].masked_fill(mask[tail], 0)
             )
+            if gluon_tail is not None:
+                res["gluon_vs_deepgemm"] = dms / res["gluon_ms"]
+                res["gluon_calc_diff_vs_deepgemm"] = oracle.calc_diff(
+                    gluon_tail.masked_fill(mask[tail], 0), ref[tail].masked_fill(mask[tail], 0))
         except Exception as e:  # DeepGEMM's own failure must not hide ours
             res["deepgemm_error"] = f"{type(e).__name__}: {e}"
     del out
@@ -439,6 +480,19 @@ def _compare_topk(a, b, q, w, k, k_scale, ks, ke, topk: int) -> dict:
     return res
 
 
+def _logits_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"4096x131072x32"`` → ``[(4096, 131072, 32)]`` (rows × keys × heads), comma-separated."""
+    shapes = []
+    for item in text.split(","):
+        fields = item.lower().split("x")
+        if len(fields) != 3 or not all(f.strip().isdigit() for f in fields) or not (
+                1 <= int(fields[0]) <= int(fields[1])):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: give rows x keys x heads, 1 <= rows <= keys, e.g. 4096x131072x32")
+        shapes.append((int(fields[0]), int(fields[1]), int(fields[2])))
+    return shapes
+
+
 def _shapes(text: str) -> list[tuple[int, int]]:
     """``"64x1024,128x2048"`` → ``[(64, 1024), (128, 2048)]`` (rows × keys)."""
     shapes = []
@@ -479,6 +533,12 @@ def main(argv=None) -> int:
     p.add_argument("--deep-gemm", default=None, help="directory to put on sys.path for deep_gemm")
     p.add_argument("--parts", default="ceiling,indexer,logits,paged",
                    help="comma-separated: ceiling, indexer, logits, paged, frontier (module docstring)")
+    p.add_argument("--gluon-configs", type=json.loads, default=[{}],
+                   help="JSON list of entries overriding mqa_logits_gluon.CONFIG, each timed in the "
+                        "logits part (the fastest reported); default: CONFIG alone")
+    p.add_argument("--logits-shapes", type=_logits_shapes, default=None,
+                   help="rows x keys x heads list for the logits part, e.g. 4096x131072x32 "
+                        "(default: LOGITS_SHAPES)")
     p.add_argument("--frontier-shapes", type=_shapes, default=None,
                    help="rows x keys list for the frontier part, e.g. 64x1024,128x2048 "
                         "(default: FRONTIER_SHAPES)")
@@ -521,8 +581,9 @@ def main(argv=None) -> int:
     if "ceiling" in parts:
         jobs.append(("ceiling", part_ceiling))
     if "logits" in parts:
-        jobs += [(f"logits_{S}x{N}_h{h}", lambda S=S, N=N, h=h: part_logits(S, N, h, deep_gemm))
-                 for S, N, h in LOGITS_SHAPES]
+        jobs += [(f"logits_{S}x{N}_h{h}",
+                  lambda S=S, N=N, h=h: part_logits(S, N, h, deep_gemm, args.gluon_configs))
+                 for S, N, h in args.logits_shapes or LOGITS_SHAPES]
     if "paged" in parts:
         jobs += [(f"paged_{S}", lambda S=S: part_paged(S)) for S in (4096, 32768)]
     if "indexer" in parts:
@@ -545,12 +606,18 @@ def main(argv=None) -> int:
 
     logits = {name: r for name, r in report["parts"].items() if "triton_ms" in r}
     if logits:
-        print("\n| part | ms | TFLOP/s | DeepGEMM TFLOP/s | ratio | calc_diff | masks |")
-        print("|---|---|---|---|---|---|---|")
+        print("\n| part | Triton ms (TFLOP/s) | Gluon ms (TFLOP/s) | DeepGEMM ms (TFLOP/s) | Triton vs DG "
+              "| Gluon vs DG | Gluon vs Triton | calc_diff T / G / G-DG | masks T / G |")
+        print("|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
     for name, r in logits.items():
-        print(f"| {name} | {r['triton_ms']:.2f} | {r['triton_tflops']:.0f} | "
-              f"{r.get('deepgemm_tflops', float('nan')):.0f} | {r.get('ratio', float('nan')):.3f} | "
-              f"{r['calc_diff']:.2e} | {r['masks_equal']} |")  # fmt: skip
+        print(f"| {name} | {r['triton_ms']:.2f} ({r['triton_tflops']:.0f}) | "
+              f"{r.get('gluon_ms', nan):.2f} ({r.get('gluon_tflops', nan):.0f}) | "
+              f"{r.get('deepgemm_ms', nan):.2f} ({r.get('deepgemm_tflops', nan):.0f}) | "
+              f"{r.get('ratio', nan):.3f} | {r.get('gluon_vs_deepgemm', nan):.3f} | "
+              f"{r.get('gluon_vs_triton', nan):.3f} | {r['calc_diff']:.1e} / "
+              f"{r.get('gluon_calc_diff', nan):.1e} / {r.get('gluon_calc_diff_vs_deepgemm', nan):.1e} | "
+              f"{r['masks_equal']} / {r.get('gluon_masks_equal')} |")  # fmt: skip
     if "indexer" in report["parts"] and "indexer_s" in report["parts"]["indexer"]:
         r = report["parts"]["indexer"]
         print(f"\nindexer 32K @ 983,040: {r['indexer_s']:.3f} s ({r['indexer_tflops']:.0f} TFLOP/s), "

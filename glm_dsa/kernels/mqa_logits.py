@@ -17,6 +17,10 @@ Work skipping: a program computes only the key tiles that meet the union of its 
 launched heaviest-first (causal rows are longer the later they are) and the columns are split
 only when there are too few row blocks to fill the GPU.
 
+On sm_90, ``glm_dsa.kernels.mqa_logits_gluon`` is a warp-specialized Gluon form of the logits and
+candidate kernels (same contracts); it is not dispatched from here: measured on one H200 it ran
+at 0.90–0.97× this kernel (bench/RESULTS.md, issue 43).
+
 Numerics: each fp8 dot product is accumulated in float32 by the tensor core (exact for
 D = 128 products on the interpreter; Hopper's fp8 wgmma adds with a narrower accumulator), then
 ReLU, gate, a head sum in the reduction's order, key scale. Checked against the oracle with
@@ -459,6 +463,17 @@ def fp8_mqa_logits(
     Returns:
         float32 ``[S, S_kv]`` (or ``[S, max_seqlen_k]``).
     """
+    check_mqa_logits_call(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k)
+    return launch_mqa_logits(
+        q, kv[0], kv[1], weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k
+    )
+
+
+def check_mqa_logits_call(q: Tensor, kv: tuple[Tensor, Tensor], weights: Tensor,
+                          cu_seqlen_ks: Tensor, cu_seqlen_ke: Tensor, clean_logits: bool,
+                          max_seqlen_k: int) -> None:
+    """``fp8_mqa_logits``'s checks of its arguments (the launches' precondition; the Gluon
+    kernel's tests check through it too)."""
     check_mqa_logits_mode(kv, clean_logits, max_seqlen_k)
     k_fp8, k_scale = kv
     S, H, D, S_kv = check_logits_inputs(q, k_fp8, k_scale, weights)
@@ -469,9 +484,6 @@ def fp8_mqa_logits(
     check_ranges(cu_seqlen_ks, cu_seqlen_ke, S_kv, "S_kv")
     if max_seqlen_k > 0:
         check_compressed_width(cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
-    return launch_mqa_logits(
-        q, k_fp8, k_scale, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits, max_seqlen_k
-    )
 
 
 def fp8_paged_mqa_logits(
