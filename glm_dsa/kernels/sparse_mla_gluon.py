@@ -581,7 +581,7 @@ def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False):
     aligned = [order.index(n) for n in [*ptrs, *strides]]
     src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 128),
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": CONFIG["num_warps"]})
 
 
