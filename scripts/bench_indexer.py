@@ -480,30 +480,28 @@ def _compare_topk(a, b, q, w, k, k_scale, ks, ke, topk: int) -> dict:
     return res
 
 
-def _logits_shapes(text: str) -> list[tuple[int, int, int]]:
+def _dims(text: str, names: str, example: str) -> list[tuple[int, ...]]:
+    """Comma-separated ``AxBx…`` items, one field for each of ``names`` (``"rows x keys"``):
+    positive integers with rows ≤ keys."""
+    n = names.count(" x ") + 1
+    shapes = []
+    for item in text.split(","):
+        fields = item.lower().split("x")
+        if len(fields) != n or not all(f.strip().isdigit() for f in fields) or not (
+                1 <= int(fields[0]) <= int(fields[1])):
+            raise argparse.ArgumentTypeError(f"{item!r}: give {names}, 1 <= rows <= keys, e.g. {example}")
+        shapes.append(tuple(int(f) for f in fields))
+    return shapes
+
+
+def _logits_shapes(text: str) -> list[tuple[int, ...]]:
     """``"4096x131072x32"`` → ``[(4096, 131072, 32)]`` (rows × keys × heads), comma-separated."""
-    shapes = []
-    for item in text.split(","):
-        fields = item.lower().split("x")
-        if len(fields) != 3 or not all(f.strip().isdigit() for f in fields) or not (
-                1 <= int(fields[0]) <= int(fields[1])):
-            raise argparse.ArgumentTypeError(
-                f"{item!r}: give rows x keys x heads, 1 <= rows <= keys, e.g. 4096x131072x32")
-        shapes.append((int(fields[0]), int(fields[1]), int(fields[2])))
-    return shapes
+    return _dims(text, "rows x keys x heads", "4096x131072x32")
 
 
-def _shapes(text: str) -> list[tuple[int, int]]:
+def _shapes(text: str) -> list[tuple[int, ...]]:
     """``"64x1024,128x2048"`` → ``[(64, 1024), (128, 2048)]`` (rows × keys)."""
-    shapes = []
-    for item in text.split(","):
-        fields = item.lower().split("x")
-        if len(fields) != 2 or not all(f.strip().isdigit() for f in fields) or not (
-                1 <= int(fields[0]) <= int(fields[1])):
-            raise argparse.ArgumentTypeError(
-                f"{item!r}: give rows x keys pairs, 1 <= rows <= keys, e.g. 64x1024,128x2048")
-        shapes.append((int(fields[0]), int(fields[1])))
-    return shapes
+    return _dims(text, "rows x keys pairs", "64x1024,128x2048")
 
 
 def _frontier_table(parts: dict) -> str:

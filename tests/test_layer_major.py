@@ -421,6 +421,19 @@ def test_prefill_order_layer_writes_chunk_orders_outputs(tmp_path, capsys):
     assert sorted(chunk) == sorted(layer) and all(torch.equal(chunk[k], layer[k]) for k in chunk)
 
 
+def test_read_ahead_records_each_layers_bytes_and_times():
+    """``read_times`` holds every layer read, with its ``read_bytes``, a read of positive length,
+    one pinning per host buffer at most (none off CUDA: plain memory) and no stage off CUDA."""
+    checkpoint = open_checkpoint(os.path.join(STUB, "tiny"))
+    weights = CheckpointLayerWeights(checkpoint)
+    _run(checkpoint.load_outer(torch.float32).eval(), "layer", [100], chunk=64, layer_weights=weights)
+    assert sorted(weights.read_times) == [0, 1, 2, 3]
+    for i, t in weights.read_times.items():
+        assert t.nbytes == checkpoint.read_bytes(i) and t.read > 0 and t.pin >= 0
+        assert t.stage_wait == 0 and t.stage == 0
+    assert f"{weights.read_times[0].nbytes / 1e9:.2f} GB in" in weights.read_times[0].line()
+
+
 def test_prefill_from_a_checkpoint_says_what_each_layers_read_ahead_took(capsys):
     """Off a terminal each layer's line of a checkpoint run ends with its read: bytes, seconds,
     rate, pinning, the stage (0 off CUDA); the bytes are the layer's ``read_bytes``."""
