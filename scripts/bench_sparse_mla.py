@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--gluon-variants", nargs="*", default=[], metavar="JSON",
                         help="also time the Gluon bf16 kernel with these CONFIG overrides, "
                              'e.g. \'{"prefetch": 1}\' (recorded as gluon_variants: config -> ms)')
+    parser.add_argument("--gluon-fp8-variants", nargs="*", default=[], metavar="JSON",
+                        help="the same for the Gluon FP8-row kernel (with gluon_fp8 in --forms), "
+                             'e.g. \'{"fp8_stages": 2}\' (recorded as gluon_fp8_variants)')
     args = parser.parse_args()
     forms, s_kv = set(args.forms), args.s_kv
 
@@ -158,6 +161,11 @@ def main() -> None:
                 _guard(row.setdefault("gluon_variants", {}), text, lambda: time_it(
                     lambda: flash_mla_sparse_fwd_gluon(q, kv, kv.stride(0), s_kv, idx, SM_SCALE,
                                                        None, None, json.loads(text))) * 1e3)
+            for text in args.gluon_fp8_variants if "gluon_fp8" in runs else ():
+                _guard(row.setdefault("gluon_fp8_variants", {}), text, lambda: time_it(
+                    lambda: flash_mla_sparse_fwd_gluon(
+                        q, fp8_rows, fp8_rows.stride(0), s_kv, idx, SM_SCALE, None, None,
+                        json.loads(text), fp8=True)) * 1e3)
             for form, fn in runs.items():
                 t0 = time.time()
                 if form.startswith("triton"):
@@ -190,7 +198,8 @@ def main() -> None:
                     row[name] = row[num] / row[den]
             report["rows"].append(row)
             print(_line(row), flush=True)
-            for form in ("gluon_variants", "triton_variants", "triton_fp8_variants"):
+            for form in ("gluon_variants", "gluon_fp8_variants", "triton_variants",
+                         "triton_fp8_variants"):
                 for cfg, ms in row.get(form, {}).items():
                     shown = f"{ms:8.3f} ms" if isinstance(ms, float) else f"error {ms}"
                     print(f"    {form[:-9]:10s} {shown}  {cfg}", flush=True)
