@@ -1,4 +1,4 @@
-"""The Gluon sm_90 FP8-query x FP8-KV sparse MLA kernel (``glm_dsa.kernels.sparse_mla_q8kv8_gluon``).
+"""The Gluon sm_90 FP8-query x FP8-KV sparse MLA kernel (``kernels.sparse_mla_q8kv8_gluon``).
 
 Gluon kernels do not run in Triton's CPU interpreter: on the CPU only the ahead-of-time sm_90
 compile is checked (with a Triton the Gluon kernels were tested with); the ``cuda`` tests call

@@ -28,18 +28,22 @@ Schedule: one CTA per query token and 64-head group, three partitions of one war
   e4m3 goes to ``p_smem[v]`` and the rescale factor to ``alpha_smem[v]`` (after ``vt_empty[v]``
   says both readers of that slot are done), ``p_ready[v]`` hands both over; then ``O_l = alpha ·
   O_l + P · V_l`` (columns 0-255) once ``vt_ready[v]``, and an arrive on ``vt_empty[v]``. At the
-  end the denominators to ``denom_smem`` (``done``), its half of the output times ``kv_scale``,
-  ``max_logits`` and ``lse``.
+  end ``kv_scale / denominator`` to ``denom_smem`` (``done``), its half of the output times
+  that, ``max_logits`` and ``lse``.
 - **Value warpgroup** (4 warps). Waits ``p_ready[v]`` and ``vt_ready[v]``, ``O_r = alpha · O_r +
   P · V_r`` (columns 256-511, overlapping the softmax warpgroup's next scores), arrives on
   ``vt_empty[v]``; after ``done``, its half of the output.
 
-Registers (``setmaxnreg``): gather 72, value 168 (its ``64 x 256`` float32 accumulator is 128 a
-thread), the softmax warpgroup the rest of the 512 (its accumulator plus the scores, 32, and
-their float32 promotion buffer, 32). Shared memory (``CONFIG``: 3 K stages, 2 Vᵀ stages): Q 36
-KB + K ring 3 x 36 KB + Vᵀ ring 2 x 32 KB + P 2 x 4 KB + factors = 217 KB of the 227 KB an sm_90
-block may take. The K ring is deeper than the Vᵀ ring because a K stage is free after the
-scores and the transpose, a Vᵀ stage only after both ``P · V`` products.
+Registers (``setmaxnreg``, 512 a thread over the three): gather 72, value 168 (its ``64 x
+256`` float32 accumulator is 128 a thread), softmax 256 (its accumulator, the scores' two
+promotion chains of 32 each, the softmax state); ptxas -v: no spills. Shared memory
+(``CONFIG``: 3 K stages, 2 Vᵀ stages): Q 36 KB + K ring 3 x 36 KB + Vᵀ ring 2 x 32 KB + P 2 x 4
+KB + factors = 217 KB of the 227 KB an sm_90 block may take. The K ring is deeper than the Vᵀ
+ring because a K stage is free after the scores and the transpose, a Vᵀ stage only after both
+``P · V`` products. Shared-memory traffic a tile (the likely limit, 128 bytes a clock): the
+scores' wgmma read Q and K (72 KB), ``P · V`` 40 KB, the gather writes 36 KB, the transpose
+reads and writes 32 KB each at two accesses a wavefront (a 4-byte store of 4 keys cannot reach
+all 32 banks in a 64-byte-row swizzle), 280 KB in all.
 """
 
 from __future__ import annotations
@@ -94,8 +98,8 @@ def _tile_indices(idx_row, i, n_cols, BLOCK_K: gl.constexpr, WARPS: gl.constexpr
 def _copy_rows(base_l, base_p, ok_l, ok_p, dst_l, dst_r, dst_p, ready_l, ready_r,
                D_V: gl.constexpr, D_TAIL: gl.constexpr, WARPS: gl.constexpr):
     """cp.async of 576-byte rows (row pointers ``base_l`` / ``base_p`` in the two copy layouts,
-    zero-filled where not ``ok``; None: all rows) into ``dst_l | dst_r | dst_p``; the first block completes
-    ``ready_l``, the rest ``ready_r`` (no-increment arrives)."""
+    zero-filled where not ``ok``; None: all rows) into ``dst_l | dst_r | dst_p``; the first
+    block completes ``ready_l``, the rest ``ready_r`` (no-increment arrives)."""
     HALF: gl.constexpr = D_V // 2
     # 16 threads x 16 bytes cover a 256-byte latent half of a row, 4 threads its RoPE bytes.
     lay_l: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
@@ -199,8 +203,8 @@ def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase,
     """``Q · Kᵀ`` of one K stage in e4m3 (float32 ``[BLOCK_H, BLOCK_K]``, payload units): the
     first latent block as soon as ``ready_l`` completes ``phase``, the rest after ``ready_r``.
     Two accumulator chains (256 and 320 products) summed in float32: Hopper's FP8 accumulation
-    keeps ~14 bits, so a chain's partial sum is promoted as DeepGEMM does (``max_num_imprecise_acc``
-    would do it between asynchronous wgmmas without a wait, which ptxas serializes)."""
+    keeps ~14 bits, so partial sums are promoted as DeepGEMM does (``max_num_imprecise_acc``
+    would add them between asynchronous wgmmas without a wait, which ptxas serializes)."""
     zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
     mbarrier.wait(ready_l, phase)
     fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
@@ -412,7 +416,8 @@ def _sparse_mla_q8kv8_fwd_gluon_kernel(
 
 def _constexprs(cfg: dict) -> dict:
     return {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V, "D_TAIL": D_TAIL,
-            "STAGES": cfg["stages"], "V_STAGES": cfg["v_stages"], "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
+            "STAGES": cfg["stages"], "V_STAGES": cfg["v_stages"],
+            "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
             "VALUE_REGS": cfg["value_regs"]}
 
 
