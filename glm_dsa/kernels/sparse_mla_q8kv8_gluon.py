@@ -462,9 +462,8 @@ def sparse_mla_q8kv8_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     q: float8_e4m3fn ``[s_q, h_q, 576]`` contiguous (``h_q % 64 == 0``); kv_rows: e4m3 (or a
     uint8 view) whose row ``r`` starts at element ``r * stride_kv`` (a multiple of 16 bytes),
     576 bytes a row (latent 512, RoPE 64); ``s_kv`` rows; indices: int32 ``[s_q, 1, topk]``
-    (last dim contiguous);
-    sm_scale: on the dequantized scores; q_scale / kv_scale: float32 one-element tensors on
-    q's device (read in the kernel); attn_sink float ``[h_q]`` or None; topk_length int32
+    (last dim contiguous); sm_scale: on the dequantized scores; q_scale / kv_scale: float32
+    one-element tensors on q's device (read in the kernel); attn_sink float ``[h_q]`` or None; topk_length int32
     ``[s_q]`` or None. Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q] float32,
     lse [s_q, h_q] float32)``.
     """
