@@ -139,9 +139,11 @@ def test_dispatch_picks_gluon_for_glm_shapes_and_triton_otherwise(caplog):
 
 @pytest.mark.cuda
 @needs_gluon
-@pytest.mark.parametrize("schedule", ["split", "seesaw"])
-def test_gluon_passes_the_harness_at_glm_shapes(schedule, monkeypatch):
+@pytest.mark.parametrize("schedule,early", [("split", True), ("seesaw", True), ("seesaw", False)],
+                         ids=["split", "seesaw", "seesaw-scores-after"])
+def test_gluon_passes_the_harness_at_glm_shapes(schedule, early, monkeypatch):
     monkeypatch.setitem(sparse_mla_gluon.CONFIG, "schedule", schedule)
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "seesaw_early_scores", early)
     cases = len(testing.edge_case_names("flash_mla_sparse_fwd")) + 24
     report = testing.check_kernel("flash_mla_sparse_fwd", _gluon_only, cases=cases,
                                   device="cuda", shapes="glm-5.3")

@@ -100,10 +100,12 @@ D_V, D_TAIL = 512, 64
 # two compute warpgroups score alternate tiles, ``_sparse_mla_fwd_seesaw_gluon_kernel``; bf16
 # rows only, always 2 stages, "value_regs" unused); "seesaw_regs" is its odd warpgroup's
 # register budget (the even one, the default partition, gets the rest: FlashMLA's 216 / 216 /
-# 72). No L2 evict_last hint (FlashMLA's): Triton 3.6 drops async_copy's eviction_policy on
-# sm_90 (no cache_hint in the PTX).
+# 72); "seesaw_early_scores": warpgroup 0 issues its next tile's scores behind its last P · V
+# of a round instead of after it (FlashMLA's order). No L2 evict_last hint (FlashMLA's):
+# Triton 3.6 drops async_copy's eviction_policy on sm_90 (no cache_hint in the PTX).
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
-          "prefetch": 0, "schedule": "split", "seesaw_regs": 216}
+          "prefetch": 0, "schedule": "split", "seesaw_regs": 216,
+          "seesaw_early_scores": True}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
 
@@ -725,16 +727,39 @@ def _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, f
 
 
 @gluon.jit
+def _scores_behind(acc, q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase, free_a,
+                   free_b, layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The next tile's scores issued behind the in-flight P · V ``acc`` (FlashMLA's order, so
+    the tensor cores never wait on this warpgroup's softmax): the first latent block as soon as
+    ``ready_l`` lands, then ``acc``'s wait, which frees its stage's blocks (``free_a``,
+    ``free_b``), then the other blocks after ``ready_r``. Returns ``(acc, scores)``."""
+    s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
+    mbarrier.wait(ready_l, phase)
+    fence_async_shared()
+    s = warpgroup_mma(q_l, k_l_s.permute((1, 0)), s, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # groups complete in order
+    mbarrier.arrive(free_a, count=1)
+    mbarrier.arrive(free_b, count=1)
+    mbarrier.wait(ready_r, phase)
+    fence_async_shared()
+    s = warpgroup_mma(q_r, k_r_s.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_p, k_p_s.permute((1, 0)), s, is_async=True)
+    return acc, warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
 def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                            q_l, q_r, q_p, k_l, k_r, k_p, m_smem, l_smem,
                            q_ready, ready, empty, p_ready, m_ready, fin,
                            s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
                            h_groups, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
-                           BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr):
+                           BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                           EARLY: gl.constexpr):
     """Warpgroup 0 (the default partition), output columns 0-255. Round ``r``: scores of tile
     ``2r`` (stage 0), the chained max after them to warpgroup 1, P to ``k_p[0]``, ``O_l +=
     P · V_l[0]`` (P from registers); then, at warpgroup 1's max of tile ``2r + 1``, ``O_l +=
-    P' · V_l[1]`` (its P from ``k_p[1]``)."""
+    P' · V_l[1]`` (its P from ``k_p[1]``). With ``EARLY`` the scores of tile ``2r + 2`` are
+    issued while that last product runs (``_scores_behind``)."""
     HALF: gl.constexpr = D_V // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_K, 16])
@@ -755,14 +780,22 @@ def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     mbarrier.wait(q_ready, 0)
     fence_async_shared()
+    if EARLY:  # round 0's scores; each round issues the next round's
+        valid = _tile_valid(idx_row, 0, key_cols, n_cols, s_kv, BLOCK_K)
+        scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout)
+        if n_tiles > 0:
+            scores = _scores(q_l.index(0), q_r.index(0), q_p.index(0), k_l.index(0),
+                             k_r.index(0), k_p.index(0), ready.index(0), 0, ready.index(2), 0,
+                             s_layout, BLOCK_H, BLOCK_K)
     for r in range(gl.cdiv(n_tiles, 2)):
         ph = r & 1
         st0 = _stage_of(r, 0)
         st1 = _stage_of(r, 1)
-        valid = _tile_valid(idx_row, 2 * r, key_cols, n_cols, s_kv, BLOCK_K)
-        scores = _scores(q_l.index(st0), q_r.index(st0), q_p.index(st0), k_l.index(st0),
-                         k_r.index(st0), k_p.index(st0), ready.index(0), ph, ready.index(2), ph,
-                         s_layout, BLOCK_H, BLOCK_K)
+        if not EARLY:
+            valid = _tile_valid(idx_row, 2 * r, key_cols, n_cols, s_kv, BLOCK_K)
+            scores = _scores(q_l.index(st0), q_r.index(st0), q_p.index(st0), k_l.index(st0),
+                             k_r.index(st0), k_p.index(st0), ready.index(0), ph, ready.index(2),
+                             ph, s_layout, BLOCK_H, BLOCK_K)
         s, m_a = _chain_max(scores, valid, m_i, scale_log2, m_smem.index(0), m_ready.index(0))
         p = gl.exp2(s - _shift(m_a)[:, None])
         alpha = gl.exp2(m_i - _shift(m_a))
@@ -780,9 +813,22 @@ def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr
             mbarrier.wait(ready.index(1), ph)
             mbarrier.wait(p_ready.index(1), ph)
             fence_async_shared()
-            acc = _pv_ss(k_p.index(st1), k_l.index(st1), acc)
-            mbarrier.arrive(empty.index(1), count=1)
-            mbarrier.arrive(empty.index(3), count=1)
+            if EARLY:
+                if 2 * r + 2 < n_tiles:
+                    acc = warpgroup_mma(k_p.index(st1), k_l.index(st1), acc, is_async=True)
+                    valid = _tile_valid(idx_row, 2 * r + 2, key_cols, n_cols, s_kv, BLOCK_K)
+                    acc, scores = _scores_behind(
+                        acc, q_l.index(st0), q_r.index(st0), q_p.index(st0), k_l.index(st0),
+                        k_r.index(st0), k_p.index(st0), ready.index(0), ready.index(2), ph ^ 1,
+                        empty.index(1), empty.index(3), s_layout, BLOCK_H, BLOCK_K)
+                else:
+                    acc = _pv_ss(k_p.index(st1), k_l.index(st1), acc)
+                    mbarrier.arrive(empty.index(1), count=1)
+                    mbarrier.arrive(empty.index(3), count=1)
+            else:
+                acc = _pv_ss(k_p.index(st1), k_l.index(st1), acc)
+                mbarrier.arrive(empty.index(1), count=1)
+                mbarrier.arrive(empty.index(3), count=1)
             m_i = m_b
     _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, fin, qi, head0,
                    h_q, stride_os, stride_oh, 0, s_layout, o_layout, BLOCK_H, HALF, HAS_SINK)
@@ -865,7 +911,7 @@ def _sparse_mla_fwd_seesaw_gluon_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
     GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr, SEESAW_REGS: gl.constexpr,
-    PREFETCH: gl.constexpr,
+    PREFETCH: gl.constexpr, EARLY_SCORES: gl.constexpr,
 ):
     """FlashMLA's seesaw over bf16 rows: warpgroups 0 and 1 score the even and odd tiles
     (stages 0 and 1) and chain the running max through ``m_smem``; each owns half the output
@@ -906,7 +952,7 @@ def _sparse_mla_fwd_seesaw_gluon_kernel(
                                   q_r, q_p, k_l, k_r, k_p, m_smem, l_smem, q_ready, ready, empty,
                                   p_ready, m_ready, fin, s_kv, h_q, topk, scale_log2, stride_is,
                                   stride_os, stride_oh, h_groups, HAS_SINK, HAS_LEN, BLOCK_H,
-                                  BLOCK_K, D_V)),
+                                  BLOCK_K, D_V, EARLY_SCORES)),
         (_seesaw_odd_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_l,
                                  q_r, q_p, k_l, k_r, k_p, m_smem, l_smem, q_ready, ready, empty,
                                  p_ready, m_ready, fin, s_kv, h_q, topk, scale_log2, stride_is,
@@ -965,7 +1011,8 @@ def _kernel(cfg: dict, fp8: bool):
                              f"{cfg['stages']}")
         return _sparse_mla_fwd_seesaw_gluon_kernel, {
             **common, "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
-            "SEESAW_REGS": cfg["seesaw_regs"], "PREFETCH": cfg["prefetch"]}
+            "SEESAW_REGS": cfg["seesaw_regs"], "PREFETCH": cfg["prefetch"],
+            "EARLY_SCORES": cfg["seesaw_early_scores"]}
     kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
     return kernel, {**common, "STAGES": cfg["stages"], "GATHER_WARPS": cfg["gather_warps"],
                     "GATHER_REGS": cfg["gather_regs"], "VALUE_REGS": cfg["value_regs"],
