@@ -1,10 +1,11 @@
 """The Gluon sm_90 sparse MLA kernel (``glm_dsa.kernels.sparse_mla_gluon``) and its dispatch.
 
 Gluon kernels do not run in Triton's CPU interpreter: on the CPU only the ahead-of-time sm_90
-compile is checked (when the installed Triton is one the kernel was tested with); the ``cuda``
-tests run it on an sm_90 GPU through the harness (every contract edge case at GLM-5.3's
-shapes), and a stress test over random shapes against the float64 oracle, judged by FlashMLA's
-error on the same inputs where the peers import. The Triton kernel keeps its own tests
+compile is checked (when the installed Triton is one the kernel was tested with; no ptxas
+spills where ptxas is installed); the ``cuda`` tests run it on an sm_90 GPU through the harness
+(every contract edge case at GLM-5.3's shapes), and a stress test over random shapes against
+the float64 oracle, judged by FlashMLA's error on the same inputs where the peers import; both
+over each bf16 schedule (``CONFIG["schedule"]``: "split", "seesaw"). The Triton kernel keeps its own tests
 (tests/test_kernels_sparse_mla.py, CPU and GPU); here it is also run on the GPU beside Gluon.
 """
 
