@@ -105,7 +105,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="timed runs per form (median)")
     parser.add_argument("--gluon-variants", nargs="*", default=[], metavar="JSON",
                         help="also time the Gluon bf16 kernel with these CONFIG overrides, "
-                             'e.g. \'{"prefetch": 1}\' (recorded as gluon_variants: config -> ms)')
+                             'e.g. \'{"schedule": "seesaw"}\' (recorded as gluon_variants: '
+                             "config -> ms, with gluon_variants_check and, where FlashMLA ran, "
+                             "gluon_variants_vs_flashmla)")
     parser.add_argument("--gluon-fp8-variants", nargs="*", default=[], metavar="JSON",
                         help="the same for the Gluon FP8-row kernel (with gluon_fp8 in --forms), "
                              'e.g. \'{"fp8_stages": 2}\' (recorded as gluon_fp8_variants)')
@@ -158,9 +160,12 @@ def main() -> None:
                 runs["triton_fp8"] = lambda: sparse_mla._launch_triton(
                     q, fp8_rows, fp8_rows.stride(0), s_kv, idx, SM_SCALE, D_V, None, None, True)
             for text in args.gluon_variants if gluon_ok else ():
-                _guard(row.setdefault("gluon_variants", {}), text, lambda: time_it(
-                    lambda: flash_mla_sparse_fwd_gluon(q, kv, kv.stride(0), s_kv, idx, SM_SCALE,
-                                                       None, None, json.loads(text))) * 1e3)
+                variant = lambda: flash_mla_sparse_fwd_gluon(  # noqa: E731
+                    q, kv, kv.stride(0), s_kv, idx, SM_SCALE, None, None, json.loads(text))
+                _guard(row.setdefault("gluon_variants", {}), text,
+                       lambda: time_it(variant) * 1e3)
+                _guard(row.setdefault("gluon_variants_check", {}), text,
+                       lambda: _check(variant(), q, kv, idx, rows))
             for text in args.gluon_fp8_variants if "gluon_fp8" in runs else ():
                 _guard(row.setdefault("gluon_fp8_variants", {}), text, lambda: time_it(
                     lambda: flash_mla_sparse_fwd_gluon(
@@ -196,12 +201,23 @@ def main() -> None:
                                    ("reference_s", "gluon_s", "reference_over_gluon")):
                 if isinstance(row.get(num), float) and isinstance(row.get(den), float):
                     row[name] = row[num] / row[den]
+            for text, ms in row.get("gluon_variants", {}).items():
+                if isinstance(ms, float) and isinstance(row.get("flashmla_s"), float):
+                    row.setdefault("gluon_variants_vs_flashmla", {})[text] = (
+                        row["flashmla_s"] * 1e3 / ms)
             report["rows"].append(row)
             print(_line(row), flush=True)
             for form in ("gluon_variants", "gluon_fp8_variants", "triton_variants",
                          "triton_fp8_variants"):
                 for cfg, ms in row.get(form, {}).items():
                     shown = f"{ms:8.3f} ms" if isinstance(ms, float) else f"error {ms}"
+                    if form == "gluon_variants":
+                        ratio = row.get("gluon_variants_vs_flashmla", {}).get(cfg)
+                        check = row["gluon_variants_check"].get(cfg, {})
+                        passed = all(isinstance(c, dict) and c.get("passed")
+                                     for c in check.values()) and "error" not in check
+                        shown += (f"  {ratio:.3f}x FlashMLA" if ratio else "") + (
+                            "  check passed" if passed else "  CHECK FAILED")
                     print(f"    {form[:-9]:10s} {shown}  {cfg}", flush=True)
             for key, val in row.items():
                 if isinstance(val, dict) and "error" in val:

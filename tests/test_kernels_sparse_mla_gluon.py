@@ -1,11 +1,13 @@
 """The Gluon sm_90 sparse MLA kernel (``glm_dsa.kernels.sparse_mla_gluon``) and its dispatch.
 
 Gluon kernels do not run in Triton's CPU interpreter: on the CPU only the ahead-of-time sm_90
-compile is checked (when the installed Triton is one the kernel was tested with); the ``cuda``
-tests run it on an sm_90 GPU through the harness (every contract edge case at GLM-5.3's
-shapes), and a stress test over random shapes against the float64 oracle, judged by FlashMLA's
-error on the same inputs where the peers import. The Triton kernel keeps its own tests
-(tests/test_kernels_sparse_mla.py, CPU and GPU); here it is also run on the GPU beside Gluon.
+compile is checked (when the installed Triton is one the kernel was tested with; no ptxas
+spills where ptxas is installed); the ``cuda`` tests run it on an sm_90 GPU through the harness
+(every contract edge case at GLM-5.3's shapes), and a stress test over random shapes against
+the float64 oracle, judged by FlashMLA's error on the same inputs where the peers import; both
+over each bf16 schedule (``CONFIG["schedule"]``: "split", "seesaw"). The Triton kernel keeps its
+own tests (tests/test_kernels_sparse_mla.py, CPU and GPU); here it is also run on the GPU beside
+Gluon.
 """
 
 import json
@@ -21,7 +23,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from glm_dsa import oracle, peers, testing  # noqa: E402
-from glm_dsa.kernels import sparse_mla  # noqa: E402
+from glm_dsa.kernels import sparse_mla, sparse_mla_gluon  # noqa: E402
 from glm_dsa.kernels.sparse_mla import (  # noqa: E402
     GLUON_TESTED_TRITON,
     flash_mla_sparse_fwd,
@@ -53,23 +55,33 @@ def _triton_only(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=
 
 
 _AOT = """
-import json, sys
+import json, re, shutil, subprocess, sys, tempfile
 from glm_dsa.kernels.sparse_mla_gluon import compile_sm90
-c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1", fp8=sys.argv[3] == "1")
+c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1", fp8=sys.argv[3] == "1",
+                 schedule=sys.argv[4])
 ptx = c.asm["ptx"]
+spills = None
+if shutil.which("ptxas"):
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        err = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    spills = sum(int(n) for n in re.findall(r"(\\d+) bytes spill", err))
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
-                  "setmaxnreg": ptx.count("setmaxnreg")}))
+                  "setmaxnreg": ptx.count("setmaxnreg"), "spills": spills}))
 """
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
-@pytest.mark.parametrize("has_sink,has_len,fp8", [(False, False, False), (True, True, False),
-                                                 (True, True, True)])
-def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, fp8):
+@pytest.mark.parametrize("has_sink,has_len,fp8,schedule", [
+    (False, False, False, "split"), (True, True, False, "split"), (True, True, True, "split"),
+    (False, False, False, "seesaw"), (True, True, False, "seesaw")])
+def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, fp8, schedule):
     # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(int(x)) for x in (has_sink, has_len, fp8)]
+    args = [*(str(int(x)) for x in (has_sink, has_len, fp8)), schedule]
     done = subprocess.run([sys.executable, "-c", _AOT, *args],
                           env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,6 +90,19 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, 
     assert info["shared"] <= 232_448  # sm_90's per-block opt-in maximum (227 KB)
     assert info["wgmma"] > 0 and info["noinc"] > 0  # tensor cores; cp.async completing mbarriers
     assert info["setmaxnreg"] > 0  # the partitions' register budgets took effect
+    assert info["spills"] in (None, 0)  # ptxas -v (where ptxas is installed): no local memory
+
+
+def test_gluon_config_errors_name_the_bad_entry_before_any_launch():
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 1, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="schedule must be 'split' or 'seesaw', got 'pingpong'"):
+        sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, kv, 576, 4, idx, 0.1, None, None,
+                                                    config={"schedule": "pingpong"})
+    with pytest.raises(ValueError, match="the seesaw schedule has 2 stages"):
+        sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, kv, 576, 4, idx, 0.1, None, None,
+                                                    config={"schedule": "seesaw", "stages": 3})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's dispatch")
@@ -116,7 +141,11 @@ def test_dispatch_picks_gluon_for_glm_shapes_and_triton_otherwise(caplog):
 
 @pytest.mark.cuda
 @needs_gluon
-def test_gluon_passes_the_harness_at_glm_shapes():
+@pytest.mark.parametrize("schedule,early", [("split", True), ("seesaw", True), ("seesaw", False)],
+                         ids=["split", "seesaw", "seesaw-scores-after"])
+def test_gluon_passes_the_harness_at_glm_shapes(schedule, early, monkeypatch):
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "schedule", schedule)
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "seesaw_early_scores", early)
     cases = len(testing.edge_case_names("flash_mla_sparse_fwd")) + 24
     report = testing.check_kernel("flash_mla_sparse_fwd", _gluon_only, cases=cases,
                                   device="cuda", shapes="glm-5.3")
@@ -176,9 +205,12 @@ def _fp8_rows(kv):
 
 @pytest.mark.cuda
 @needs_gluon
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8,schedule", [(False, "split"), (True, "split"), (False, "seesaw")],
+                         ids=["bf16", "fp8", "bf16-seesaw"])
 @pytest.mark.parametrize("case", range(12))
-def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8):
+def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8, schedule,
+                                                                monkeypatch):
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "schedule", schedule)
     g = torch.Generator(device="cuda").manual_seed(1000 + case)
     dq, dkv, didx, dkw = _stress_case(g, case)
     sm_scale = 1 / math.sqrt(192)

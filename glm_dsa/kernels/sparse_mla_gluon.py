@@ -49,9 +49,24 @@ double buffers. With two working tiles the dequantization of tile ``i + 1`` runs
 Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
 217 KB (Q 72 + ring 144 + factors), FP8 215 KB (Q 72 + ring 61.5 + working tiles 72 + P 8),
 of the 227 KB an sm_90 block may take. The split (one warpgroup scores, both multiply by V) is
-TileLang's ``sparse_mla_fwd_pipelined``; FlashMLA's seesaw (both warpgroups score alternate
-tiles and exchange the max) is the known next step. ``CONFIG`` is the launch configuration;
-what its choices were measured at is in bench/RESULTS.md (the Gluon variants table).
+TileLang's ``sparse_mla_fwd_pipelined``: its softmax warpgroup's chain (scores 4.7 MFLOP,
+softmax, P · V_l 2.1 MFLOP a tile) is the critical path while the value warpgroup (2.1) idles.
+
+Seesaw (``CONFIG["schedule"] = "seesaw"``, bf16 rows; ``_sparse_mla_fwd_seesaw_gluon_kernel``,
+FlashMLA's SM90 schedule): both compute warpgroups score, warpgroup 0 the even tiles (stage 0),
+warpgroup 1 the odd ones (stage 1), 216 registers each. The running max is one chain through
+both: warpgroup 0's max after tile ``2r`` goes to warpgroup 1 (``m_ready[0]``), whose max after
+tile ``2r + 1`` comes back (``m_ready[1]``) before warpgroup 0's tile ``2r + 2``; the GEMMs of
+the two overlap, only the row maxima are serial. Each owns half the output columns and adds
+both tiles of a round: its own P from registers (RS wgmma), the peer's P from the stage's RoPE
+block (SS; ``p_ready``), rescaling its accumulator and its partial sum at every step of the
+chain; the two partial sums meet at the end (``fin``). A stage's halves are freed separately
+(0-255 and 256-575), so the gather refills each as soon as its readers are done. Per round each
+warpgroup does 8.9 MFLOP (one scores, two half P · V) against the split's 13.6 on the softmax
+warpgroup. Shared memory as the split's (217 KB).
+
+``CONFIG`` is the launch configuration; what its choices were measured at is in
+bench/RESULTS.md (the Gluon variants table).
 """
 
 from __future__ import annotations
@@ -87,8 +102,16 @@ D_V, D_TAIL = 512, 64
 # needs > 128 registers a thread at 512 threads). Compiled offline for sm_90 (compile_sm90 +
 # ptxas -v): no spills in either form; the FP8 gather spilled 44 bytes at 48 registers.
 # "fp8_stages": the FP8 form's ring depth (32-key tiles; a 4th stage exceeds 227 KB).
+# "schedule": "split" (the softmax and the value warpgroup above) or "seesaw" (FlashMLA's: the
+# two compute warpgroups score alternate tiles, ``_sparse_mla_fwd_seesaw_gluon_kernel``; bf16
+# rows only, always 2 stages, "value_regs" unused); "seesaw_regs" is its odd warpgroup's
+# register budget (the even one, the default partition, gets the rest: FlashMLA's 216 / 216 /
+# 72); "seesaw_early_scores": warpgroup 0 issues its next tile's scores behind its last P · V
+# of a round instead of after it (FlashMLA's order). No L2 evict_last hint (FlashMLA's):
+# Triton 3.6 drops async_copy's eviction_policy on sm_90 (no cache_hint in the PTX).
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
-          "prefetch": 0, "fp8_stages": 3}
+          "prefetch": 0, "fp8_stages": 3, "schedule": "split", "seesaw_regs": 216,
+          "seesaw_early_scores": True}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
 
@@ -677,23 +700,415 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
-def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False):
-    """Compile the kernel (the FP8-row form with ``fp8``) for sm_90 ahead of time, no GPU
-    needed (for offline checks of shared memory, registers and spills: ``ptxas -v`` on
-    ``.asm["ptx"]``). Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's
-    on the GPU. Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the
-    interpreter replaces ``gl`` builtins).
+@gluon.jit
+def _gather_seesaw_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
+                             q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
+                             stride_is, h_groups,
+                             HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
+                             BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+                             WARPS: gl.constexpr, PREFETCH: gl.constexpr,
+                             ROW_BYTES: gl.constexpr):
+    """Q once, then tile ``i``'s rows into stage ``i % 2``: the latent block 0-255 as soon as
+    ``empty[s]`` frees it (``ready[s]``), the block 256-575 as soon as ``empty[2 + s]`` does
+    (``ready[2 + s]``); the two halves of a stage are freed at different times."""
+    HALF: gl.constexpr = D_V // 2
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    rows = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay))
+    c_half = gl.arange(0, HALF, layout=gl.SliceLayout(0, lay))[None, :]
+    c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
+    _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l.index(0), q_r.index(0), q_p.index(0),
+            q_ready, BLOCK_H, D_V, D_TAIL, WARPS)
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    idx_row = idx_ptr + qi * stride_is
+    pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    t_next = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
+    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+        s = i % 2
+        ph = ((i // 2) & 1) ^ 1
+        if PREFETCH > 0:
+            _prefetch_tile(kv_ptr, idx_row, (i + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
+        t = t_next
+        cols = (i + 1) * BLOCK_K + rows
+        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+        ok = ((t >= 0) & (t < s_kv))[:, None]
+        base = kv_ptr + gl.where(ok, t[:, None], 0).to(gl.int64) * stride_kv
+        mbarrier.wait(empty.index(s), ph)
+        async_copy.async_copy_global_to_shared(k_l.index(s), base + c_half, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        mbarrier.wait(empty.index(2 + s), ph)
+        async_copy.async_copy_global_to_shared(k_r.index(s), base + HALF + c_half, mask=ok)
+        async_copy.async_copy_global_to_shared(k_p.index(s), base + D_V + c_rope, mask=ok)
+        async_copy.mbarrier_arrive(ready.index(2 + s), increment_count=False)
+
+
+@gluon.jit
+def _tile_valid(idx_row, tile, key_cols, n_cols, s_kv, BLOCK_K: gl.constexpr):
+    """Which of tile ``tile``'s keys count (index in ``[0, s_kv)``, column ``< n_cols``); loaded
+    just before the tile's scores, whose wgmma hides the latency, so no index stays live
+    across the P · V products."""
+    cols = tile * BLOCK_K + key_cols
+    t = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+    return (t >= 0) & (t < s_kv)
+
+
+@gluon.jit
+def _stage_of(r, s: gl.constexpr):
+    """Stage ``s`` as a value the compiler cannot prove constant across rounds (``s + 0``
+    through inline PTX that reads round ``r``): otherwise the loop-invariant shared memory
+    descriptors of all 36 score wgmma (and the P · V ones) are hoisted out of the loop and
+    spill at 216 registers; recomputed per round they cost a few uniform adds."""
+    return s + gl.inline_asm_elementwise("mov.u32 $0, 0; // $1", "=r,r", [r], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+
+@gluon.jit
+def _chain_max(scores, valid, m_prev, scale_log2, m_slot, m_bar):
+    """The scaled, masked scores and the running max after them, ``max(m_prev, row max)``,
+    published to the peer warpgroup through ``m_slot`` (``m_bar``) before the exponentials."""
+    s = gl.where(valid[None, :], scores * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    m_slot.store(m_new)
+    gl.thread_barrier()  # every thread's part of the max is written before the hand-over
+    mbarrier.arrive(m_bar, count=1)
+    return s, m_new
+
+
+@gluon.jit
+def _shift(m):
+    """A running max as an exponent shift: -inf (no valid key yet) shifts by 0, NaN-free."""
+    return gl.where(m == float("-inf"), 0.0, m)
+
+
+@gluon.jit
+def _publish_p(p, p_slot, p_bar):
+    """P rounded to bf16 (FlashMLA's rounding) into ``p_slot`` for the peer's SS wgmma."""
+    pb = p.to(gl.bfloat16)
+    p_slot.store(pb)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(p_bar, count=1)
+    return pb
+
+
+@gluon.jit
+def _pv_rs(pb, v_s, acc, a_layout: gl.constexpr):
+    """``acc + P · V``, P (bf16 ``[64, 64]``) from registers."""
+    acc = warpgroup_mma(gl.convert_layout(pb, a_layout), v_s, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _pv_ss(p_s, v_s, acc):
+    """``acc + P · V``, the peer's P from shared memory."""
+    acc = warpgroup_mma(p_s, v_s, acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+
+@gluon.jit
+def _peer_pv(p_s, v_s, acc, v_ready, p_bar, ph):
+    """``acc + P' · V`` once the peer's P (``p_bar``) and V's block (``v_ready``) are in."""
+    mbarrier.wait(v_ready, ph)
+    mbarrier.wait(p_bar, ph)
+    fence_async_shared()
+    return _pv_ss(p_s, v_s, acc)
+
+
+@gluon.jit
+def _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, fin, qi, head0,
+                   h_q, stride_os, stride_oh, WG: gl.constexpr, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr, BLOCK_H: gl.constexpr, HALF: gl.constexpr,
+                   HAS_SINK: gl.constexpr):
+    """Both warpgroups end at the same running max ``m_i``; the denominator is the sum of their
+    partial sums (exchanged through ``l_smem``, ``fin``), then warpgroup ``WG`` writes its half
+    of the output (and warpgroup 0 ``max_logits`` and ``lse``)."""
+    LOG2E: gl.constexpr = 1.4426950408889634
+    LN2: gl.constexpr = 0.6931471805599453
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_smem.index(WG).store(l_i)
+    gl.thread_barrier()
+    mbarrier.arrive(fin, count=1)
+    mbarrier.wait(fin, 0)
+    l_sum = l_i + l_smem.index(1 - WG).load(row_s)
+    heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
+    denom = l_sum
+    if HAS_SINK:
+        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - _shift(m_i))
+    denom = gl.where(denom == 0.0, 1.0, denom)  # lonely row, no sink: out = 0 / 1
+    _store_half(out_ptr, acc, gl.convert_layout(denom, row_o), qi, head0, WG * HALF, stride_os,
+                stride_oh, o_layout, BLOCK_H, HALF)
+    if WG == 0:
+        lonely = l_sum == 0.0
+        lse = gl.where(lonely, float("inf"),
+                       (m_i + gl.log2(gl.where(lonely, 1.0, l_sum))) * LN2)
+        gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
+        gl.store(lse_ptr + qi * h_q + heads, lse)
+
+
+@gluon.jit
+def _scores_behind(acc, q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase, free_a,
+                   free_b, layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The next tile's scores issued behind the in-flight P · V ``acc`` (FlashMLA's order, so
+    the tensor cores never wait on this warpgroup's softmax): the first latent block as soon as
+    ``ready_l`` lands, then ``acc``'s wait, which frees its stage's blocks (``free_a``,
+    ``free_b``), then the other blocks after ``ready_r``. Returns ``(acc, scores)``."""
+    s = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
+    mbarrier.wait(ready_l, phase)
+    fence_async_shared()
+    s = warpgroup_mma(q_l, k_l_s.permute((1, 0)), s, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # groups complete in order
+    mbarrier.arrive(free_a, count=1)
+    mbarrier.arrive(free_b, count=1)
+    mbarrier.wait(ready_r, phase)
+    fence_async_shared()
+    s = warpgroup_mma(q_r, k_r_s.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma(q_p, k_p_s.permute((1, 0)), s, is_async=True)
+    return acc, warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
+def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                           q_l, q_r, q_p, k_l, k_r, k_p, m_smem, l_smem,
+                           q_ready, ready, empty, p_ready, m_ready, fin,
+                           s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                           h_groups, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+                           BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                           EARLY: gl.constexpr):
+    """Warpgroup 0 (the default partition), output columns 0-255. Round ``r``: scores of tile
+    ``2r`` (stage 0), the chained max after them to warpgroup 1, P to ``k_p[0]``, ``O_l +=
+    P · V_l[0]`` (P from registers); then, at warpgroup 1's max of tile ``2r + 1``, ``O_l +=
+    P' · V_l[1]`` (its P from ``k_p[1]``). With ``EARLY`` the scores of tile ``2r + 2`` are
+    issued while that last product runs (``_scores_behind``)."""
+    HALF: gl.constexpr = D_V // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_K, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    idx_row = idx_ptr + qi * stride_is
+    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    mbarrier.wait(q_ready, 0)
+    fence_async_shared()
+    if EARLY:  # round 0's scores; each round issues the next round's
+        valid = _tile_valid(idx_row, 0, key_cols, n_cols, s_kv, BLOCK_K)
+        scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout)
+        if n_tiles > 0:
+            scores = _scores(q_l.index(0), q_r.index(0), q_p.index(0), k_l.index(0),
+                             k_r.index(0), k_p.index(0), ready.index(0), 0, ready.index(2), 0,
+                             s_layout, BLOCK_H, BLOCK_K)
+    for r in range(gl.cdiv(n_tiles, 2)):
+        ph = r & 1
+        st0 = _stage_of(r, 0)
+        st1 = _stage_of(r, 1)
+        if not EARLY:
+            valid = _tile_valid(idx_row, 2 * r, key_cols, n_cols, s_kv, BLOCK_K)
+            scores = _scores(q_l.index(st0), q_r.index(st0), q_p.index(st0), k_l.index(st0),
+                             k_r.index(st0), k_p.index(st0), ready.index(0), ph, ready.index(2),
+                             ph, s_layout, BLOCK_H, BLOCK_K)
+        s, m_a = _chain_max(scores, valid, m_i, scale_log2, m_smem.index(0), m_ready.index(0))
+        p = gl.exp2(s - _shift(m_a)[:, None])
+        alpha = gl.exp2(m_i - _shift(m_a))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        pb = _publish_p(p, k_p.index(st0), p_ready.index(0))  # over the RoPE block: scores done
+        acc = _pv_rs(pb, k_l.index(st0), acc * gl.convert_layout(alpha, row_o)[:, None], a_layout)
+        mbarrier.arrive(empty.index(0), count=1)
+        m_i = m_a
+        if 2 * r + 1 < n_tiles:
+            mbarrier.wait(m_ready.index(1), ph)
+            m_b = m_smem.index(1).load(row_s)
+            alpha = gl.exp2(m_a - _shift(m_b))
+            l_i = l_i * alpha
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            mbarrier.wait(ready.index(1), ph)
+            mbarrier.wait(p_ready.index(1), ph)
+            fence_async_shared()
+            if EARLY:
+                if 2 * r + 2 < n_tiles:
+                    acc = warpgroup_mma(k_p.index(st1), k_l.index(st1), acc, is_async=True)
+                    valid = _tile_valid(idx_row, 2 * r + 2, key_cols, n_cols, s_kv, BLOCK_K)
+                    acc, scores = _scores_behind(
+                        acc, q_l.index(st0), q_r.index(st0), q_p.index(st0), k_l.index(st0),
+                        k_r.index(st0), k_p.index(st0), ready.index(0), ready.index(2), ph ^ 1,
+                        empty.index(1), empty.index(3), s_layout, BLOCK_H, BLOCK_K)
+                else:
+                    acc = _pv_ss(k_p.index(st1), k_l.index(st1), acc)
+                    mbarrier.arrive(empty.index(1), count=1)
+                    mbarrier.arrive(empty.index(3), count=1)
+            else:
+                acc = _pv_ss(k_p.index(st1), k_l.index(st1), acc)
+                mbarrier.arrive(empty.index(1), count=1)
+                mbarrier.arrive(empty.index(3), count=1)
+            m_i = m_b
+    _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, fin, qi, head0,
+                   h_q, stride_os, stride_oh, 0, s_layout, o_layout, BLOCK_H, HALF, HAS_SINK)
+
+
+@gluon.jit
+def _seesaw_odd_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                          q_l, q_r, q_p, k_l, k_r, k_p, m_smem, l_smem,
+                          q_ready, ready, empty, p_ready, m_ready, fin,
+                          s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                          h_groups, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+                          BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr):
+    """Warpgroup 1, output columns 256-511. Round ``r``: scores of tile ``2r + 1`` (stage 1),
+    at warpgroup 0's max of tile ``2r`` the chained max after them back to it, P to ``k_p[1]``;
+    then ``O_r += P' · V_r[0]`` (warpgroup 0's P from ``k_p[0]``) and ``O_r += P · V_r[1]``
+    (P from registers). A round without tile ``2r + 1`` (odd tile count) only adds ``P'``."""
+    HALF: gl.constexpr = D_V // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_K, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    idx_row = idx_ptr + qi * stride_is
+    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    mbarrier.wait(q_ready, 0)
+    fence_async_shared()
+    for r in range(gl.cdiv(n_tiles, 2)):
+        ph = r & 1
+        st0 = _stage_of(r, 0)
+        st1 = _stage_of(r, 1)
+        if 2 * r + 1 < n_tiles:
+            valid = _tile_valid(idx_row, 2 * r + 1, key_cols, n_cols, s_kv, BLOCK_K)
+            scores = _scores(q_l.index(st0), q_r.index(st0), q_p.index(st0), k_l.index(st1),
+                             k_r.index(st1), k_p.index(st1), ready.index(1), ph, ready.index(3),
+                             ph, s_layout, BLOCK_H, BLOCK_K)
+            mbarrier.wait(m_ready.index(0), ph)
+            m_a = m_smem.index(0).load(row_s)
+            s, m_b = _chain_max(scores, valid, m_a, scale_log2, m_smem.index(1),
+                                m_ready.index(1))
+            p = gl.exp2(s - _shift(m_b)[:, None])
+            alpha = gl.exp2(m_i - _shift(m_a))
+            alpha_b = gl.exp2(m_a - _shift(m_b))
+            l_i = (l_i * alpha) * alpha_b + gl.sum(p, axis=1)
+            pb = _publish_p(p, k_p.index(st1), p_ready.index(1))  # wanted first by warpgroup 0
+            acc = _peer_pv(k_p.index(st0), k_r.index(st0), acc * gl.convert_layout(
+                alpha, row_o)[:, None], ready.index(2), p_ready.index(0), ph)
+            mbarrier.arrive(empty.index(2), count=1)
+            acc = _pv_rs(pb, k_r.index(st1), acc * gl.convert_layout(alpha_b, row_o)[:, None],
+                         a_layout)
+            mbarrier.arrive(empty.index(3), count=1)
+            m_i = m_b
+        else:
+            mbarrier.wait(m_ready.index(0), ph)
+            m_a = m_smem.index(0).load(row_s)
+            alpha = gl.exp2(m_i - _shift(m_a))
+            l_i = l_i * alpha
+            acc = _peer_pv(k_p.index(st0), k_r.index(st0), acc * gl.convert_layout(
+                alpha, row_o)[:, None], ready.index(2), p_ready.index(0), ph)
+            mbarrier.arrive(empty.index(2), count=1)
+            m_i = m_a
+    _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, fin, qi, head0,
+                   h_q, stride_os, stride_oh, 1, s_layout, o_layout, BLOCK_H, HALF, HAS_SINK)
+
+
+@gluon.jit
+def _sparse_mla_fwd_seesaw_gluon_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
+    s_kv, h_q, topk, scale_log2,
+    stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+    GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr, SEESAW_REGS: gl.constexpr,
+    PREFETCH: gl.constexpr, EARLY_SCORES: gl.constexpr,
+):
+    """FlashMLA's seesaw over bf16 rows: warpgroups 0 and 1 score the even and odd tiles
+    (stages 0 and 1) and chain the running max through ``m_smem``; each owns half the output
+    columns. Barriers: ``ready[s]`` / ``ready[2 + s]`` stage ``s``'s latent 0-255 / 256-575
+    landed; ``empty[s]`` / ``empty[2 + s]`` freed (the first three by one warpgroup, ``empty[3]``
+    by both: P of tile ``2r + 1`` sits in it and both multiply by it); ``m_ready[w]``,
+    ``p_ready[w]`` warpgroup ``w``'s max and P of the round; ``fin`` both partial sums."""
+    HALF: gl.constexpr = D_V // 2
+    h_groups = h_q // BLOCK_H
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    bar: gl.constexpr = mbarrier.MBarrierLayout()
+    # Q as one-stage rings, so that the compute warpgroups index it per round (_stage_of).
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, HALF], swz)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, HALF], swz)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [1, BLOCK_H, D_TAIL], swz)
+    k_l = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, HALF], swz)
+    k_r = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, HALF], swz)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, D_TAIL], swz)
+    m_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], flat)
+    l_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], flat)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
+    fin = gl.allocate_shared_memory(gl.int64, [1], bar)
+    ready = gl.allocate_shared_memory(gl.int64, [4, 1], bar)
+    empty = gl.allocate_shared_memory(gl.int64, [4, 1], bar)
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    m_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
+    mbarrier.init(q_ready, count=GATHER_WARPS * 32)  # a no-increment arrive per gather thread
+    mbarrier.init(fin, count=2)
+    for j in gl.static_range(4):
+        mbarrier.init(ready.index(j), count=GATHER_WARPS * 32)
+        mbarrier.init(empty.index(j), count=2 if j == 3 else 1)
+    for w in gl.static_range(2):
+        mbarrier.init(p_ready.index(w), count=1)
+        mbarrier.init(m_ready.index(w), count=1)
+    gl.warp_specialize([
+        (_seesaw_even_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_l,
+                                  q_r, q_p, k_l, k_r, k_p, m_smem, l_smem, q_ready, ready, empty,
+                                  p_ready, m_ready, fin, s_kv, h_q, topk, scale_log2, stride_is,
+                                  stride_os, stride_oh, h_groups, HAS_SINK, HAS_LEN, BLOCK_H,
+                                  BLOCK_K, D_V, EARLY_SCORES)),
+        (_seesaw_odd_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_l,
+                                 q_r, q_p, k_l, k_r, k_p, m_smem, l_smem, q_ready, ready, empty,
+                                 p_ready, m_ready, fin, s_kv, h_q, topk, scale_log2, stride_is,
+                                 stride_os, stride_oh, h_groups, HAS_SINK, HAS_LEN, BLOCK_H,
+                                 BLOCK_K, D_V)),
+        (_gather_seesaw_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r,
+                                    k_p, q_ready, ready, empty, s_kv, topk, stride_qs,
+                                    stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
+                                    BLOCK_K, D_V, D_TAIL, GATHER_WARPS, PREFETCH,
+                                    (D_V + D_TAIL) * 2)),
+    ], [4, GATHER_WARPS], [SEESAW_REGS, GATHER_REGS])
+
+
+def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
+                 schedule: str | None = None):
+    """Compile the kernel (the FP8-row form with ``fp8``; over bf16 rows the ``schedule``,
+    "split" or "seesaw", ``CONFIG``'s when None) for sm_90 ahead of time, no GPU needed (for
+    offline checks of shared memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``).
+    Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's on the GPU.
+    Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the interpreter
+    replaces ``gl`` builtins).
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    cfg = CONFIG if schedule is None else {**CONFIG, "schedule": schedule}
+    kernel, constexprs = _kernel(cfg, fp8)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
             "out_ptr": "*bf16", "max_ptr": "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "len_ptr": "*i32"}
     strides = ["stride_qs", "stride_qh", "stride_kv", "stride_is", "stride_os", "stride_oh"]
-    consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, **_constexprs(CONFIG, fp8)}
+    consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, **constexprs}
     sig = {**ptrs, "s_kv": "i32", "h_q": "i32", "topk": "i32", "scale_log2": "fp32",
            **{n: "i32" for n in strides}, **{n: "constexpr" for n in consts}}
     order = list(sig)
@@ -708,12 +1123,24 @@ def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False):
                           options={"num_warps": CONFIG["num_warps"]})
 
 
-def _constexprs(cfg: dict, fp8: bool) -> dict:
-    return {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K_FP8 if fp8 else BLOCK_K, "D_V": D_V,
-            "D_TAIL": D_TAIL, "STAGES": cfg["fp8_stages" if fp8 else "stages"],
-            "GATHER_WARPS": cfg["gather_warps"],
-            "GATHER_REGS": cfg["gather_regs"], "VALUE_REGS": cfg["value_regs"],
-            "PREFETCH": cfg["prefetch"]}
+def _kernel(cfg: dict, fp8: bool):
+    """The kernel ``cfg`` selects and its configuration constexprs."""
+    if cfg["schedule"] not in ("split", "seesaw"):
+        raise ValueError(f"schedule must be 'split' or 'seesaw', got {cfg['schedule']!r}")
+    common = {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K_FP8 if fp8 else BLOCK_K, "D_V": D_V,
+              "D_TAIL": D_TAIL}
+    if cfg["schedule"] == "seesaw" and not fp8:
+        if cfg["stages"] != 2:
+            raise ValueError(f"the seesaw schedule has 2 stages (one a warpgroup), got "
+                             f"{cfg['stages']}")
+        return _sparse_mla_fwd_seesaw_gluon_kernel, {
+            **common, "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
+            "SEESAW_REGS": cfg["seesaw_regs"], "PREFETCH": cfg["prefetch"],
+            "EARLY_SCORES": cfg["seesaw_early_scores"]}
+    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    return kernel, {**common, "STAGES": cfg["fp8_stages" if fp8 else "stages"],
+                    "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
+                    "VALUE_REGS": cfg["value_regs"], "PREFETCH": cfg["prefetch"]}
 
 
 def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
@@ -730,20 +1157,20 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     ``[s_q]`` or None; config: entries overriding ``CONFIG`` (for measurements).
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
+    cfg = CONFIG if config is None else {**CONFIG, **config}
+    kernel, constexprs = _kernel(cfg, fp8)
     s_q, h_q, _ = q.shape
     topk = indices.shape[2]
     out, max_logits, lse, sink, lengths, idx = launch_buffers(q, D_V, indices, attn_sink,
                                                               topk_length)
     if s_q == 0:
         return out, max_logits, lse
-    cfg = CONFIG if config is None else {**CONFIG, **config}
-    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
     kernel[(s_q * (h_q // BLOCK_H),)](
         q, kv_rows, idx, out, max_logits, lse,
         sink if sink is not None else max_logits, lengths if lengths is not None else idx,
         s_kv, h_q, topk, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
-        HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **_constexprs(cfg, fp8),
+        HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **constexprs,
         num_warps=cfg["num_warps"],
     )
     return out, max_logits, lse
