@@ -33,9 +33,11 @@ needs_gluon = pytest.mark.skipif(not (SM90 and TESTED),
 _RAN_GLUON = []
 
 
-def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True, max_seqlen_k=0):
+def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True, max_seqlen_k=0,
+                  config=None):
     """``fp8_mqa_logits``'s checks, then the Gluon kernel (the Triton one for shapes it
-    refuses, which the harness may draw)."""
+    refuses, which the harness may draw); ``config``: None (``CONFIG``) or ``"four"``
+    (``FOUR_CONSUMERS``, issue 43's schedule)."""
     from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon, shape_refusal
 
     mqa_logits.check_mqa_logits_call(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
@@ -44,15 +46,25 @@ def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True,
     if shape_refusal(q.shape[1], q.shape[2]) is None:
         launch = launch_mqa_logits_gluon
         _RAN_GLUON.append(q.shape)
+        return launch(q, kv[0], kv[1], weights, cu_seqlen_ks.to(torch.int32),
+                      cu_seqlen_ke.to(torch.int32), clean_logits, max_seqlen_k,
+                      config=_four_consumers() if config == "four" else None)
     return launch(q, kv[0], kv[1], weights, cu_seqlen_ks.to(torch.int32),
                   cu_seqlen_ke.to(torch.int32), clean_logits, max_seqlen_k)
+
+
+def _four_consumers():
+    from glm_dsa.kernels.mqa_logits_gluon import FOUR_CONSUMERS
+
+    return FOUR_CONSUMERS
+
 
 
 _AOT = """
 import json, sys
 from glm_dsa.kernels.mqa_logits_gluon import compile_sm90
 c = compile_sm90(H=int(sys.argv[1]), clean=sys.argv[2] == "1", compressed=sys.argv[3] == "1",
-                 candidates=sys.argv[4] == "1")
+                 candidates=sys.argv[4] == "1", config=json.loads(sys.argv[5]))
 ptx = c.asm["ptx"]
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "tma": ptx.count("cp.async.bulk.tensor"), "atom": ptx.count("atom."),
@@ -61,14 +73,16 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
+@pytest.mark.parametrize("config", [None, "four"])
 @pytest.mark.parametrize("H, clean, compressed, candidates",
                          [(32, True, False, False), (64, False, False, False),
                           (32, False, True, False), (32, False, False, True)])
 def test_gluon_logits_kernel_compiles_for_sm90_within_shared_memory(H, clean, compressed,
-                                                                    candidates):
+                                                                    candidates, config):
     # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(H), str(int(clean)), str(int(compressed)), str(int(candidates))]
+    cfg = _four_consumers() if config == "four" else None
+    args = [str(H), str(int(clean)), str(int(compressed)), str(int(candidates)), json.dumps(cfg)]
     done = subprocess.run([sys.executable, "-c", _AOT, *args], env=env, capture_output=True,
                           text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -111,22 +125,24 @@ def test_gluon_logits_refusals():
     ],
 )
 @pytest.mark.parametrize("mode", ["clean", "unclean", "compressed"])
-def test_gluon_logits_match_oracle(S, H, N, kind, mode):
+@pytest.mark.parametrize("config", [None, "four"])
+def test_gluon_logits_match_oracle(S, H, N, kind, mode, config):
     q, k, k_scale, w = _inputs(S, H, 128, N, seed=S + H)
     ks, ke = _windows(kind, S, N, seed=N)
     if mode == "clean":
         ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
-        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke), ref)
+        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, config=config), ref)
     elif mode == "unclean":
         ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
-        out = _gluon_logits(q, (k, k_scale), w, ks, ke, clean_logits=False)
+        out = _gluon_logits(q, (k, k_scale), w, ks, ke, clean_logits=False, config=config)
         cols = torch.arange(N, device=ks.device)
         inside = (cols >= ks[:, None].long()) & (cols < ke[:, None].long())
         assert oracle.calc_diff(out[inside], ref[inside]) <= 5e-6
     else:
         width = int((ke - ks).max()) + 3
         ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, False, width)
-        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, False, width), ref)
+        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, False, width,
+                                           config=config), ref)
 
 
 @pytest.mark.cuda
