@@ -12,28 +12,47 @@ by default: on one H200 it ran at 0.90–0.97× the Triton kernel and 0.89–0.9
 Schedule: one CTA per (row block, column split), the Triton kernel's grid (row blocks heaviest
 first, columns split only when there are too few row blocks for the SMs) and work skipping:
 only the key tiles that meet the union of the block's windows are read; the other columns of
-the split get ``-inf`` stores. A row block is ``2 · 128 / H`` rows, two halves of ``QN = 128``
-(query, head) pairs, one per consumer warpgroup. Three partitions:
+the split get ``-inf`` stores. A row block is ``ROW_GROUPS · 128 / H`` rows: ``ROW_GROUPS``
+groups of ``QN = 128`` (query, head) pairs. ``CONSUMERS`` warpgroups (2 or 4) each take one
+row group against ``WG_N = BLOCK_N · ROW_GROUPS / CONSUMERS`` keys (64 or 128) of every key
+tile. Three partitions:
 
 - **Loader** (``LOADER_WARPS`` warps, ``LOADER_REGS`` registers). TMA of the block's queries
-  ``[2 · QN, 128]`` once (``q_ready``), then per key tile of ``BLOCK_N`` keys into stage ``t %
-  STAGES`` of a ring (``ready[s]``, expect-tx; keys past the end zero-filled by the TMA unit),
-  once ``empty[s]`` says both consumers are done with the stage.
-- **Two consumer warpgroups** (the default partition and a worker of ``CONSUMER_REGS``).
-  Consumer ``c`` computes ``k_tile [BLOCK_N, 128] @ q_cᵀ [128, QN]`` (fp8 wgmma, keys on the M
-  side as DeepGEMM), waits for it, frees the stage and runs the epilogue in registers: ReLU,
-  gate, head sum (inside a thread and its quad: the ``QN`` columns are ``128 / H`` rows of
-  ``H`` heads), the key scales (loaded from global a tile ahead), then a direct store (the
-  window mask only on tiles that cross a row's window edge) or the candidate filter (one
-  relaxed atomic per kept entry). The two warpgroups share each key tile, so a key is read
-  once per ``2 · 128 / H`` rows (half DeepGEMM's L2 traffic per FLOP), and take turns on the
-  tensor cores: ``turn[c]`` lets consumer ``c`` issue its wgmma once the other has issued its
-  own, so their MMAs queue back to back and each one's epilogue runs during the other's MMA.
+  ``[ROW_GROUPS · QN, 128]`` once (``q_ready``), then per key tile of ``BLOCK_N`` keys into
+  stage ``t % STAGES`` of a ring (``ready[s]``, expect-tx; keys past the end zero-filled by
+  the TMA unit), once ``empty[s]`` says every consumer is done with the stage.
+- **Consumer warpgroups** (the default partition and workers of ``CONSUMER_REGS``). Consumer
+  ``c`` computes its ``k [WG_N, 128] @ q_gᵀ [128, QN]`` (fp8 wgmma, keys on the M side as
+  DeepGEMM), waits for it, frees the stage and runs the epilogue in registers: ReLU, gate,
+  head sum (inside a thread and its quad: the ``QN`` columns are ``128 / H`` rows of ``H``
+  heads), the key scales (loaded from global a tile ahead), then a direct store (the window
+  mask only on tiles that cross a row's window edge) or the candidate filter (one relaxed
+  atomic per kept entry). The row groups share each key tile, so a key is read once per
+  ``ROW_GROUPS · 128 / H`` rows (with 2, half DeepGEMM's L2 traffic per FLOP). With ``TURNS``
+  the consumers issue their wgmmas in a ring (``turn[c]``: consumer ``c`` issues once consumer
+  ``c - 1`` has issued its own), so their MMAs queue back to back and each one's epilogue runs
+  during the others' MMAs. With ``SMEM_GATES`` each consumer keeps its 32 gates a thread in
+  shared memory and reads them back before each epilogue, so they are not live through the
+  loop.
 
-Registers (ptxas -v at sm_90a, every mode): 168 a thread at launch, no spills; setmaxnreg gives
-the worker consumer 216 and the loader 40, the default partition the rest. The accumulator is
-128 float32 a thread (``BLOCK_N`` 128), the gates 32. Shared memory 98,576 bytes (queries
-32 KB, ring 4 × 16 KB, barriers); the candidate form 102,496 (the atomics' scratch).
+``CONFIG`` (two consumers, 128-key tiles, turns) is the schedule measured in issue 43's runs 1
+and 2. ``FOUR_CONSUMERS`` is DeepGEMM's consumer shape on our row sharing: four consumers of
+64 keys × 128 pairs (two row groups × two key halves of a 128-key tile), 64 accumulator
+registers each, gates in shared memory. 640 threads leave 96 registers a thread at launch
+(Triton's budget: 480 a thread-slot of a warpgroup), so the workers get 112 and the default
+partition 120, the loader 24 (DeepGEMM's math warpgroups have 112).
+
+Registers (ptxas -v at sm_90a): ``CONFIG`` 168 a thread at launch; setmaxnreg gives the
+worker consumer 216 and the loader 40, the default partition the rest. ``FOUR_CONSUMERS`` 96
+at launch, the workers 112, the default partition 120, the loader 24. No spills in either at
+H 32, 64 and 128, clean and unclean (issue 43's shapes), nor for H 64 and 128 candidates;
+spills (bytes stored): ``CONFIG`` 12 compressed at H 32, 532 clean at H 8, 116 for H 16
+candidates (0, 448 and 64 before the four-consumer change); ``FOUR_CONSUMERS`` 28 compressed
+and 300 candidates at H 32, 1,384 clean at H 8, 524 for H 16 candidates. The ``-inf`` fill of
+the split's columns outside the windows runs before the loop, with no accumulator live (after
+it, it cost the four consumers spills). Shared memory: ``CONFIG`` 98,576 bytes (queries 32 KB,
+ring 4 × 16 KB, barriers), the candidate form 102,496 (the atomics' scratch);
+``FOUR_CONSUMERS`` 100,664 (the gates' 2 KB).
 
 Measured and dropped (4,096 × 131,072, H 32; bench/RESULTS.md): a 16-byte ``cp.async`` loader
 (with its ``fence.proxy.async`` before each wgmma): 5.35 ms with the turns (run 1), as TMA's
@@ -72,8 +91,8 @@ _COUNTERS = gl.constexpr(COUNTERS)
 CONFIG = {"consumers": 2, "row_groups": 2, "block_n": 128, "stages": 4, "turns": True,
           "smem_gates": False, "loader_warps": 4, "loader_regs": 40, "consumer_regs": 216}
 # Issue 43's four-warpgroup schedule (module docstring), DeepGEMM's consumer tile: each consumer
-# 64 keys of a 128-key tile against one of the two row groups, 120 registers (the default
-# partition 128: 512 less the workers').
+# 64 keys of a 128-key tile against one of the two row groups; 112 registers the workers, the
+# default partition the rest (120).
 FOUR_CONSUMERS = {"consumers": 4, "smem_gates": True, "loader_regs": 24, "consumer_regs": 112}
 
 
@@ -267,7 +286,7 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
     acc_lay: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, _QN, 32])
     key_lay: gl.constexpr = gl.SliceLayout(1, acc_lay)
-    row0, _, _, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, 4)
+    row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, 4)
     row0 += G * ROWS
     # Gates in the accumulator's column layout: column n is row n // H, head n % H.
     n = gl.arange(0, _QN, layout=gl.SliceLayout(0, acc_lay))
@@ -285,6 +304,11 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
     lo_in = gl.max(ks, axis=0)
     hi_in = gl.where(row0 + ROWS <= S, gl.min(ke, axis=0), 0)
     src = (ks_ptr, ke_ptr, thr_ptr, counters_ptr)
+    if CLEAN:
+        # The split's columns outside the block's windows, before the loop (while the first
+        # tiles load, and with no accumulator live).
+        _fill(dst[0], out_stride, row0, S, s0, c0, n_out, BLOCK_N, KEY0, WG_N, ROWS, red_lay)
+        _fill(dst[0], out_stride, row0, S, c1, s1, n_out, BLOCK_N, KEY0, WG_N, ROWS, red_lay)
     q_c = q_smem.index(G).permute((1, 0))  # [D, QN], K-major
     mbarrier.wait(q_ready, 0)
     # With TURNS the consumers issue their wgmmas in a ring (turn[C], see the module
@@ -315,12 +339,6 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
             w = w_smem.index(C).load(gl.SliceLayout(0, acc_lay))
         _epilogue(acc, w, scale, key0, row0, ks, lo_in, hi_in, src, dst, S, n_keys,
                   out_stride, cand, H, WG_N, red_lay, CLEAN, COMPRESSED, CANDIDATES)
-    if CLEAN:
-        # The split's bounds again rather than held in registers through the loop.
-        row0, s0, s1, c0, c1 = _block(ks_ptr, ke_ptr, S, n_keys, BLOCK_M, BLOCK_N, 4)
-        row0 += G * ROWS
-        _fill(dst[0], out_stride, row0, S, s0, c0, n_out, BLOCK_N, KEY0, WG_N, ROWS, red_lay)
-        _fill(dst[0], out_stride, row0, S, c1, s1, n_out, BLOCK_N, KEY0, WG_N, ROWS, red_lay)
 
 
 @gluon.jit
