@@ -110,6 +110,19 @@ def test_gluon_logits_refusals():
         assert gluon_refusal(qc, kc[:, :64]) is not None  # D = 64, and not contiguous
 
 
+@pytest.mark.parametrize("bad", [{"consumers": 3}, {"row_groups": 4}, {"block_n": 512},
+                                 {"consumers": 4, "block_n": 64}, {"gates": True}])
+def test_gluon_logits_refuse_a_schedule_the_kernel_lacks_before_any_compute(bad):
+    from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon
+
+    q = torch.zeros(4, 32, 128, dtype=torch.float8_e4m3fn)
+    k = torch.zeros(16, 128, dtype=torch.float8_e4m3fn)
+    ks = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="config|consumers|block_n"):
+        launch_mqa_logits_gluon(q, k, torch.ones(16), torch.ones(4, 32), ks, ks + 16, True, 0,
+                                config=bad)
+
+
 @pytest.mark.cuda
 @needs_gluon
 @pytest.mark.parametrize(
@@ -167,12 +180,14 @@ def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H):
     _assert_logits_close(out, triton_out)
 
 
-def _gluon_candidates(q, k, k_scale, w, ks, ke, thr, cand):
+def _gluon_candidates(q, k, k_scale, w, ks, ke, thr, cand, config=None):
     from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_candidates_gluon
     from glm_dsa.kernels.topk import COUNTERS
 
     counters = torch.zeros((q.shape[0], COUNTERS), dtype=torch.int32, device="cuda")
-    keys, cols = launch_mqa_candidates_gluon(q, k, k_scale, w, ks, ke, thr, counters, cand)
+    keys, cols = launch_mqa_candidates_gluon(
+        q, k, k_scale, w, ks, ke, thr, counters, cand,
+        config=_four_consumers() if config == "four" else None)
     return keys, cols, counters[:, 0]
 
 
@@ -186,14 +201,16 @@ def _decode(keys):
 @needs_gluon
 @pytest.mark.parametrize("S, H, N, kind", [(37, 32, 3000, "causal"), (50, 64, 1000, "random"),
                                            (9, 16, 200_003, "random")])
-def test_gluon_candidates_at_minus_inf_keep_each_window_entry_with_its_logit(S, H, N, kind):
+@pytest.mark.parametrize("config", [None, "four"])
+def test_gluon_candidates_at_minus_inf_keep_each_window_entry_with_its_logit(S, H, N, kind,
+                                                                            config):
     q, k, k_scale, w = _inputs(S, H, 128, N, seed=S)
     ks, ke = _windows(kind, S, N, seed=N)
     width = max(1, int((ke - ks).max()))
     thr = torch.full((S,), float("-inf"), device="cuda")
-    keys, cols, count = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, width)
+    keys, cols, count = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, width, config)
     assert torch.equal(count, (ke - ks).to(torch.int32))
-    logits = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    logits = _gluon_logits(q, (k, k_scale), w, ks, ke, config=config)
     for m in range(S):
         n = int(ke[m] - ks[m])
         seen = cols[m, :n].long()

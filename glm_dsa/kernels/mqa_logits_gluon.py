@@ -469,13 +469,13 @@ def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
 
 def _launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor,
             ke: Tensor, out: Tensor, n_out: int, clean: bool, compressed: bool,
-            candidates: tuple[Tensor, Tensor, Tensor, Tensor, int] | None, config: dict | None):
-    """The grid and the launch (``candidates``: thresholds, keys, columns, counters, slots)."""
+            candidates: tuple[Tensor, Tensor, Tensor, Tensor, int] | None, cfg: dict):
+    """The grid and the launch (``candidates``: thresholds, keys, columns, counters, slots;
+    ``cfg``: a checked ``_config``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     S, H, D = q_fp8.shape
     n_keys = k_fp8.shape[0]
-    cfg = _config(config)
     row_blocks = triton.cdiv(S, cfg["row_groups"] * QN // H)
     n_tiles = triton.cdiv(n_keys, cfg["block_n"])
     # One CTA a SM (registers): columns are split only when the row blocks do not fill them.
@@ -501,6 +501,7 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
     float32 weights) on the Gluon kernel; ``shape_refusal(H, D)`` must be None and q, k
     contiguous with 16-byte aligned bases. ``config``: entries overriding ``CONFIG`` (for
     measurements)."""
+    cfg = _config(config)
     S = q_fp8.shape[0]
     n_keys = k_fp8.shape[0]
     compressed = max_seqlen_k > 0
@@ -512,7 +513,7 @@ def launch_mqa_logits_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weigh
     if S == 0 or n_out == 0 or n_keys == 0:
         return out
     _launch(q_fp8, k_fp8, k_scale, weights, ks, ke, out, n_out,
-            bool(clean_logits) and not compressed, compressed, None, config)
+            bool(clean_logits) and not compressed, compressed, None, cfg)
     return out
 
 
@@ -524,11 +525,12 @@ def launch_mqa_candidates_gluon(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor,
     the logits not below their row's threshold appended to the row's ``cand`` slots, counted in
     ``counters[:, 0]``; returns ``(keys, columns)``. As ``launch_mqa_logits_gluon`` for
     ``shape_refusal``, alignment and ``config``."""
+    cfg = _config(config)
     S = q_fp8.shape[0]
     keys = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
     cols = torch.empty((S, cand), dtype=torch.int32, device=q_fp8.device)
     if S == 0 or k_fp8.shape[0] == 0:
         return keys, cols
     _launch(q_fp8, k_fp8, k_scale, weights, ks, ke, keys, 0, False, False,
-            (thresholds.contiguous(), keys, cols, counters, cand), config)
+            (thresholds.contiguous(), keys, cols, counters, cand), cfg)
     return keys, cols
