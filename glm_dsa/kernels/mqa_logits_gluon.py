@@ -44,15 +44,16 @@ partition 120, the loader 24 (DeepGEMM's math warpgroups have 112).
 
 Registers (ptxas -v at sm_90a): ``CONFIG`` 168 a thread at launch; setmaxnreg gives the
 worker consumer 216 and the loader 40, the default partition the rest. ``FOUR_CONSUMERS`` 96
-at launch, the workers 112, the default partition 120, the loader 24. No spills in either at
-H 32, 64 and 128, clean and unclean (issue 43's shapes), nor for H 64 and 128 candidates;
-spills (bytes stored): ``CONFIG`` 12 compressed at H 32, 532 clean at H 8, 116 for H 16
-candidates (0, 448 and 64 before the four-consumer change); ``FOUR_CONSUMERS`` 28 compressed
-and 300 candidates at H 32, 1,384 clean at H 8, 524 for H 16 candidates. The ``-inf`` fill of
-the split's columns outside the windows runs before the loop, with no accumulator live (after
-it, it cost the four consumers spills). Shared memory: ``CONFIG`` 98,576 bytes (queries 32 KB,
-ring 4 × 16 KB, barriers), the candidate form 102,496 (the atomics' scratch);
-``FOUR_CONSUMERS`` 100,664 (the gates' 2 KB).
+at launch, the workers 112, the default partition 120, the loader 24. Neither spills at H 32,
+64 and 128 in any mode (clean, unclean, compressed, candidates), except ``FOUR_CONSUMERS``'
+H 32 candidates (16 bytes stored); at H 8 clean ``CONFIG`` spills 532 bytes (448 before the
+four-consumer change, which took H 16 candidates from 64 to none), ``FOUR_CONSUMERS`` 1,384
+(and 52 for H 16 candidates). What keeps the four consumers within 112: the gates in shared
+memory, the rows' windows and thresholds read in the epilogue, int32 offsets from the block's
+first row, and the ``-inf`` fill of the split's columns outside the windows before the loop
+(no accumulator live). Shared memory: ``CONFIG`` 98,576 bytes (queries 32 KB, ring 4 × 16 KB,
+barriers), the candidate form 102,496 (the atomics' scratch); ``FOUR_CONSUMERS`` 100,664 (the
+gates' 2 KB).
 
 Measured and dropped (4,096 × 131,072, H 32; bench/RESULTS.md): a 16-byte ``cp.async`` loader
 (with its ``fence.proxy.async`` before each wgmma): 5.35 ms with the turns (run 1), as TMA's
@@ -200,15 +201,16 @@ def _order_keys(x):
 
 
 @gluon.jit
-def _epilogue(acc, w, scale, key0, row0, ks_rows, lo_in, hi_in, src, dst, S, n_keys, out_stride,
-              cand, H: gl.constexpr, WG_N: gl.constexpr, red_lay: gl.constexpr, CLEAN: gl.constexpr,
-              COMPRESSED: gl.constexpr, CANDIDATES: gl.constexpr):
+def _epilogue(acc, w, scale, key0, row0, ks_rows, ke_rows, lo_in, hi_in, src, dst, S, n_keys,
+              out_stride, cand, H: gl.constexpr, WG_N: gl.constexpr, red_lay: gl.constexpr,
+              CLEAN: gl.constexpr, COMPRESSED: gl.constexpr, CANDIDATES: gl.constexpr):
     """The logits of keys ``[key0, key0 + WG_N)`` from their scores ``acc [WG_N, QN]``: ReLU,
     gate, head sum (in the thread and its quad), key scale; then stored (window-masked), or
     with ``CANDIDATES`` those of the window not below the row's threshold appended to the row's
     candidates.
 
-    Rows ``row0 + [0, 128 / H)`` (``ks_rows`` their window starts, for ``COMPRESSED``); ``src``: ``(ks_ptr, ke_ptr, thr_ptr, counters_ptr)``,
+    Rows ``row0 + [0, 128 / H)`` (``ks_rows``, ``ke_rows``: their windows, for ``COMPRESSED``);
+    ``src``: ``(ks_ptr, ke_ptr, thr_ptr, counters_ptr)``,
     ``dst``: ``(out_ptr, cand_key_ptr, cand_idx_ptr)``. A tile inside every row's window
     (``[lo_in, hi_in)``, nearly every tile of a causal chunk) takes no window masks. The rows'
     windows and thresholds are read here (L1 hits) rather than held across the loop: four
@@ -234,14 +236,16 @@ def _epilogue(acc, w, scale, key0, row0, ks_rows, lo_in, hi_in, src, dst, S, n_k
             take = reach & (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         # One atomic per kept entry, none for the rest.
         one = gl.full([WG_N, ROWS], 1, gl.int32, red_lay)
-        count_ptrs = src[3] + rows * _COUNTERS
+        count_ptrs = src[3] + row0 * _COUNTERS + r * _COUNTERS
         slot = gl.atomic_add(count_ptrs[None, :] + gl.zeros_like(cols)[:, None], one, mask=take,
                              sem="relaxed")
         ok = take & (slot < cand)
-        at = rows.to(gl.int64)[None, :] * cand + slot
+        # Slots from the block's first row fit int32 (128 / H rows of cand < 2³¹ / 16).
+        first = row0.to(gl.int64) * cand
+        at = r[None, :] * cand + slot
         ks = gl.load(src[0] + rows, mask=row_ok, other=0)
-        gl.store(dst[1] + at, _order_keys(logits), mask=ok)
-        gl.store(dst[2] + at, cols[:, None] - ks[None, :], mask=ok)
+        gl.store(dst[1] + first + at, _order_keys(logits), mask=ok)
+        gl.store(dst[2] + first + at, cols[:, None] - ks[None, :], mask=ok)
     else:
         # Offsets from the block's first row fit int32: 128 / H rows of at most 2³¹ / 16.
         base = dst[0] + row0.to(gl.int64) * out_stride
@@ -257,9 +261,10 @@ def _epilogue(acc, w, scale, key0, row0, ks_rows, lo_in, hi_in, src, dst, S, n_k
         else:
             if COMPRESSED:
                 ks_edge = ks
+                ke = ke_rows
             else:
                 ks_edge = gl.load(src[0] + rows, mask=row_ok, other=0)
-            ke = gl.load(src[1] + rows, mask=row_ok, other=0)
+                ke = gl.load(src[1] + rows, mask=row_ok, other=0)
             inside = (cols[:, None] >= ks_edge[None, :]) & (cols[:, None] < ke[None, :])
             if COMPRESSED:
                 gl.store(ptrs, logits, mask=inside & row_ok[None, :])
@@ -337,7 +342,7 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
         mbarrier.arrive(empty.index(s), count=1)
         if SMEM_GATES:
             w = w_smem.index(C).load(gl.SliceLayout(0, acc_lay))
-        _epilogue(acc, w, scale, key0, row0, ks, lo_in, hi_in, src, dst, S, n_keys,
+        _epilogue(acc, w, scale, key0, row0, ks, ke, lo_in, hi_in, src, dst, S, n_keys,
                   out_stride, cand, H, WG_N, red_lay, CLEAN, COMPRESSED, CANDIDATES)
 
 
@@ -348,7 +353,8 @@ def _mqa_gluon_kernel(
     H: gl.constexpr, D: gl.constexpr, CLEAN: gl.constexpr, COMPRESSED: gl.constexpr,
     CANDIDATES: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     CONSUMERS: gl.constexpr, ROW_GROUPS: gl.constexpr, TURNS: gl.constexpr,
-    SMEM_GATES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SMEM_GATES: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """The logits (into ``out``), or with ``CANDIDATES`` the candidates (``launch_mqa_candidates``'
     contract: ``cand_key``, ``cand_idx`` and ``counters``; ``out`` unused)."""
@@ -429,8 +435,9 @@ def _config(config: dict | None) -> dict:
 def _constexprs(cfg: dict) -> dict:
     return {"BLOCK_N": cfg["block_n"], "STAGES": cfg["stages"],
             "CONSUMERS": cfg["consumers"], "ROW_GROUPS": cfg["row_groups"],
-            "TURNS": cfg["turns"], "SMEM_GATES": cfg["smem_gates"], "LOADER_WARPS": cfg["loader_warps"],
-            "LOADER_REGS": cfg["loader_regs"], "CONSUMER_REGS": cfg["consumer_regs"]}
+            "TURNS": cfg["turns"], "SMEM_GATES": cfg["smem_gates"],
+            "LOADER_WARPS": cfg["loader_warps"], "LOADER_REGS": cfg["loader_regs"],
+            "CONSUMER_REGS": cfg["consumer_regs"]}
 
 
 def _smem_layout():
