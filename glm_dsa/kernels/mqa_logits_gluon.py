@@ -214,7 +214,7 @@ def _epilogue(acc, w, scale, key0, row0, ks_rows, ke_rows, lo_in, hi_in, src, ds
     ``dst``: ``(out_ptr, cand_key_ptr, cand_idx_ptr)``. A tile inside every row's window
     (``[lo_in, hi_in)``, nearly every tile of a causal chunk) takes no window masks. The rows'
     windows and thresholds are read here (L1 hits) rather than held across the loop: four
-    consumers have ~120 registers each, 96 of them the accumulator and the gates."""
+    consumers have 112-120 registers each, 96 of them the accumulator and the gates."""
     ROWS: gl.constexpr = _QN // H
     p = gl.maximum(acc, 0.0) * w[None, :]
     logits = gl.sum(gl.reshape(p, [WG_N, ROWS, H]), axis=2)
@@ -341,8 +341,10 @@ def _consumer(k_scale_ptr, w_ptr, ks_ptr, ke_ptr, dst, thr_ptr, counters_ptr, q_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(s), count=1)
         if SMEM_GATES:
-            w = w_smem.index(C).load(gl.SliceLayout(0, acc_lay))
-        _epilogue(acc, w, scale, key0, row0, ks, ke, lo_in, hi_in, src, dst, S, n_keys,
+            gates = w_smem.index(C).load(gl.SliceLayout(0, acc_lay))
+        else:
+            gates = w
+        _epilogue(acc, gates, scale, key0, row0, ks, ke, lo_in, hi_in, src, dst, S, n_keys,
                   out_stride, cand, H, WG_N, red_lay, CLEAN, COMPRESSED, CANDIDATES)
 
 
