@@ -170,11 +170,12 @@ def test_gluon_logits_pass_the_harness_at_glm_shapes():
 @pytest.mark.cuda
 @needs_gluon
 @pytest.mark.parametrize("S, N, H", [(2048, 32768, 32), (1024, 65536, 64)])
-def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H):
+@pytest.mark.parametrize("config", [None, "four"])
+def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H, config):
     q, k, k_scale, w = _inputs(S, H, 128, N, seed=41)
     ks, ke = _causal_chunk(S, N)
     ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
-    out = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    out = _gluon_logits(q, (k, k_scale), w, ks, ke, config=config)
     _assert_logits_close(out, ref)
     triton_out = mqa_logits.launch_mqa_logits(q, k, k_scale, w, ks, ke, True, 0)
     _assert_logits_close(out, triton_out)

@@ -10,5 +10,5 @@ timeout 110 python3 scripts/bench_indexer.py --out "$OUT/bench.json" --parts log
   --logits-shapes 4096x131072x32,32768x131072x32,8192x1048576x32,4096x131072x64 \
   --gluon-configs "$CONFIGS" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"; grep -E "gluon \{|^\| logits" "$OUT/bench.log"
-timeout 100 python3 -m pytest -q -m cuda tests/test_kernels_mqa_logits_gluon.py > "$OUT/pytest.log" 2>&1
+timeout 90 python3 -m pytest -q -m cuda tests/test_kernels_mqa_logits_gluon.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"
