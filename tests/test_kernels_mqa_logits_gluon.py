@@ -33,9 +33,11 @@ needs_gluon = pytest.mark.skipif(not (SM90 and TESTED),
 _RAN_GLUON = []
 
 
-def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True, max_seqlen_k=0):
+def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True, max_seqlen_k=0,
+                  config=None):
     """``fp8_mqa_logits``'s checks, then the Gluon kernel (the Triton one for shapes it
-    refuses, which the harness may draw)."""
+    refuses, which the harness may draw); ``config``: None (``CONFIG``) or ``"four"``
+    (``FOUR_CONSUMERS``, issue 43's schedule)."""
     from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon, shape_refusal
 
     mqa_logits.check_mqa_logits_call(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits,
@@ -44,15 +46,25 @@ def _gluon_logits(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, clean_logits=True,
     if shape_refusal(q.shape[1], q.shape[2]) is None:
         launch = launch_mqa_logits_gluon
         _RAN_GLUON.append(q.shape)
+        return launch(q, kv[0], kv[1], weights, cu_seqlen_ks.to(torch.int32),
+                      cu_seqlen_ke.to(torch.int32), clean_logits, max_seqlen_k,
+                      config=_four_consumers() if config == "four" else None)
     return launch(q, kv[0], kv[1], weights, cu_seqlen_ks.to(torch.int32),
                   cu_seqlen_ke.to(torch.int32), clean_logits, max_seqlen_k)
+
+
+def _four_consumers():
+    from glm_dsa.kernels.mqa_logits_gluon import FOUR_CONSUMERS
+
+    return FOUR_CONSUMERS
+
 
 
 _AOT = """
 import json, sys
 from glm_dsa.kernels.mqa_logits_gluon import compile_sm90
 c = compile_sm90(H=int(sys.argv[1]), clean=sys.argv[2] == "1", compressed=sys.argv[3] == "1",
-                 candidates=sys.argv[4] == "1")
+                 candidates=sys.argv[4] == "1", config=json.loads(sys.argv[5]))
 ptx = c.asm["ptx"]
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "tma": ptx.count("cp.async.bulk.tensor"), "atom": ptx.count("atom."),
@@ -61,14 +73,16 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
+@pytest.mark.parametrize("config", [None, "four"])
 @pytest.mark.parametrize("H, clean, compressed, candidates",
                          [(32, True, False, False), (64, False, False, False),
                           (32, False, True, False), (32, False, False, True)])
 def test_gluon_logits_kernel_compiles_for_sm90_within_shared_memory(H, clean, compressed,
-                                                                    candidates):
+                                                                    candidates, config):
     # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [str(H), str(int(clean)), str(int(compressed)), str(int(candidates))]
+    cfg = _four_consumers() if config == "four" else None
+    args = [str(H), str(int(clean)), str(int(compressed)), str(int(candidates)), json.dumps(cfg)]
     done = subprocess.run([sys.executable, "-c", _AOT, *args], env=env, capture_output=True,
                           text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,6 +110,19 @@ def test_gluon_logits_refusals():
         assert gluon_refusal(qc, kc[:, :64]) is not None  # D = 64, and not contiguous
 
 
+@pytest.mark.parametrize("bad", [{"consumers": 3}, {"row_groups": 4}, {"block_n": 512},
+                                 {"consumers": 4, "block_n": 64}, {"gates": True}])
+def test_gluon_logits_refuse_a_schedule_the_kernel_lacks_before_any_compute(bad):
+    from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_logits_gluon
+
+    q = torch.zeros(4, 32, 128, dtype=torch.float8_e4m3fn)
+    k = torch.zeros(16, 128, dtype=torch.float8_e4m3fn)
+    ks = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="config|consumers|block_n"):
+        launch_mqa_logits_gluon(q, k, torch.ones(16), torch.ones(4, 32), ks, ks + 16, True, 0,
+                                config=bad)
+
+
 @pytest.mark.cuda
 @needs_gluon
 @pytest.mark.parametrize(
@@ -111,22 +138,24 @@ def test_gluon_logits_refusals():
     ],
 )
 @pytest.mark.parametrize("mode", ["clean", "unclean", "compressed"])
-def test_gluon_logits_match_oracle(S, H, N, kind, mode):
+@pytest.mark.parametrize("config", [None, "four"])
+def test_gluon_logits_match_oracle(S, H, N, kind, mode, config):
     q, k, k_scale, w = _inputs(S, H, 128, N, seed=S + H)
     ks, ke = _windows(kind, S, N, seed=N)
     if mode == "clean":
         ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
-        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke), ref)
+        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, config=config), ref)
     elif mode == "unclean":
         ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
-        out = _gluon_logits(q, (k, k_scale), w, ks, ke, clean_logits=False)
+        out = _gluon_logits(q, (k, k_scale), w, ks, ke, clean_logits=False, config=config)
         cols = torch.arange(N, device=ks.device)
         inside = (cols >= ks[:, None].long()) & (cols < ke[:, None].long())
         assert oracle.calc_diff(out[inside], ref[inside]) <= 5e-6
     else:
         width = int((ke - ks).max()) + 3
         ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, False, width)
-        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, False, width), ref)
+        _assert_logits_close(_gluon_logits(q, (k, k_scale), w, ks, ke, False, width,
+                                           config=config), ref)
 
 
 @pytest.mark.cuda
@@ -141,22 +170,25 @@ def test_gluon_logits_pass_the_harness_at_glm_shapes():
 @pytest.mark.cuda
 @needs_gluon
 @pytest.mark.parametrize("S, N, H", [(2048, 32768, 32), (1024, 65536, 64)])
-def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H):
+@pytest.mark.parametrize("config", [None, "four"])
+def test_gluon_logits_at_glm_shapes_match_oracle_and_triton(S, N, H, config):
     q, k, k_scale, w = _inputs(S, H, 128, N, seed=41)
     ks, ke = _causal_chunk(S, N)
     ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
-    out = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    out = _gluon_logits(q, (k, k_scale), w, ks, ke, config=config)
     _assert_logits_close(out, ref)
     triton_out = mqa_logits.launch_mqa_logits(q, k, k_scale, w, ks, ke, True, 0)
     _assert_logits_close(out, triton_out)
 
 
-def _gluon_candidates(q, k, k_scale, w, ks, ke, thr, cand):
+def _gluon_candidates(q, k, k_scale, w, ks, ke, thr, cand, config=None):
     from glm_dsa.kernels.mqa_logits_gluon import launch_mqa_candidates_gluon
     from glm_dsa.kernels.topk import COUNTERS
 
     counters = torch.zeros((q.shape[0], COUNTERS), dtype=torch.int32, device="cuda")
-    keys, cols = launch_mqa_candidates_gluon(q, k, k_scale, w, ks, ke, thr, counters, cand)
+    keys, cols = launch_mqa_candidates_gluon(
+        q, k, k_scale, w, ks, ke, thr, counters, cand,
+        config=_four_consumers() if config == "four" else None)
     return keys, cols, counters[:, 0]
 
 
@@ -170,14 +202,16 @@ def _decode(keys):
 @needs_gluon
 @pytest.mark.parametrize("S, H, N, kind", [(37, 32, 3000, "causal"), (50, 64, 1000, "random"),
                                            (9, 16, 200_003, "random")])
-def test_gluon_candidates_at_minus_inf_keep_each_window_entry_with_its_logit(S, H, N, kind):
+@pytest.mark.parametrize("config", [None, "four"])
+def test_gluon_candidates_at_minus_inf_keep_each_window_entry_with_its_logit(S, H, N, kind,
+                                                                            config):
     q, k, k_scale, w = _inputs(S, H, 128, N, seed=S)
     ks, ke = _windows(kind, S, N, seed=N)
     width = max(1, int((ke - ks).max()))
     thr = torch.full((S,), float("-inf"), device="cuda")
-    keys, cols, count = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, width)
+    keys, cols, count = _gluon_candidates(q, k, k_scale, w, ks, ke, thr, width, config)
     assert torch.equal(count, (ke - ks).to(torch.int32))
-    logits = _gluon_logits(q, (k, k_scale), w, ks, ke)
+    logits = _gluon_logits(q, (k, k_scale), w, ks, ke, config=config)
     for m in range(S):
         n = int(ke[m] - ks[m])
         seen = cols[m, :n].long()
