@@ -238,11 +238,12 @@ def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8, sched
 
 @pytest.mark.cuda
 @needs_gluon
-def test_triton_backend_attends_an_fp8_pool_in_place_with_the_gluon_fp8_kernel(
+def test_triton_backend_attends_an_fp8_pool_with_gluon_over_the_dequantized_context(
         caplog, monkeypatch):
-    """With an FP8 pool the triton backend runs the Gluon FP8-row kernel over the pool in
-    place; it dequantizes bitwise the rows the FP8 Triton kernel does, so the two kernels (same
-    model, same reference top-k) differ only by summation order."""
+    """With an FP8 pool the triton backend dequantizes the layer's context once per step and
+    runs the Gluon bf16 kernel over it; the rows are bitwise those the FP8 Triton kernel
+    dequantizes in place, so the two paths (same model, same reference top-k) differ only by
+    summation order."""
     from glm_dsa.backend import REFERENCE, TritonBackend
     from glm_dsa.config import PRESETS
     from glm_dsa.layer import DSAForCausalLM
@@ -259,8 +260,8 @@ def test_triton_backend_attends_an_fp8_pool_in_place_with_the_gluon_fp8_kernel(
     def hidden(gluon: bool) -> torch.Tensor:
         backend = TritonBackend()
         backend.indexer_topk = REFERENCE.indexer_topk
-        if not gluon:  # the FP8 Triton kernel: the dispatch sees no Gluon-capable device
-            monkeypatch.setattr(sparse_mla, "gluon_unavailable", lambda device: "stood off")
+        if not gluon:
+            monkeypatch.setattr(backend, "_gluon_over_dequantized", lambda attn, proj: False)
         # Eager steps: the reference top-k reads each row chunk's windows on the host, which a
         # captured step cannot.
         eng = PrefillEngine(model, num_pages=8, kv_dtype="fp8", chunked_prefill_size=128,
@@ -270,12 +271,10 @@ def test_triton_backend_attends_an_fp8_pool_in_place_with_the_gluon_fp8_kernel(
         return eng.output_hidden(rid).double()
 
     with caplog.at_level(logging.INFO, logger="glm_dsa.backend"):
-        in_place = hidden(gluon=True)
-        triton_fp8 = hidden(gluon=False)
-    messages = [r.getMessage() for r in caplog.records]
-    assert "FP8 KV attention: pool read in place, Gluon FP8-row kernel" in messages
-    assert "FP8 KV attention: pool read in place, FP8 Triton kernel (stood off)" in messages
-    assert calc_diff(in_place, triton_fp8) <= 1e-4
+        over_dequantized = hidden(gluon=True)
+    assert "FP8 KV attention: context dequantized to bf16 per step, Gluon kernel" in [
+        r.getMessage() for r in caplog.records]
+    assert calc_diff(over_dequantized, hidden(gluon=False)) <= 1e-4
 
 
 def test_one_rule_says_which_calls_the_gluon_kernel_can_take(monkeypatch):
