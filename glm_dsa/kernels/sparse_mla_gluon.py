@@ -373,12 +373,14 @@ def _store_half(out_ptr, acc, denom, qi, head0, col0, stride_os, stride_oh,
 @gluon.jit
 def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                        q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
-                       q_ready, ready, empty, p_ready, done,
+                       q_ready, ready, empty, p_ready, done, work,
                        s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh, h_groups,
                        HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
-                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr):
-    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end
-    (bf16 rows: latent blocks ``k_l[s]``, ``k_r[s]``)."""
+                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, STAGES: gl.constexpr,
+                       KV_FP8: gl.constexpr):
+    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end.
+    bf16 rows: latent blocks ``k_l[s]``, ``k_r[s]``. FP8 rows: ``k_l``, ``k_r`` are the one
+    dequantized working tile, guarded by ``work[0]`` (ready) and ``work[1]`` (free)."""
     LOG2E: gl.constexpr = 1.4426950408889634
     LN2: gl.constexpr = 0.6931471805599453
     HALF: gl.constexpr = D_V // 2
@@ -407,9 +409,15 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         cols = (i + 1) * BLOCK_K + key_cols  # the next tile's, a tile ahead
         t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
         ph = (i // STAGES) & 1
-        scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
-                         ready.index(s), ph, ready.index(STAGES + s), ph, s_layout,
-                         BLOCK_H, BLOCK_K)
+        if KV_FP8:
+            v_l = k_l
+            scores = _scores(q_l, q_r, q_p, k_l, k_r, k_p.index(s), work.index(0), i & 1,
+                             ready.index(STAGES + s), ph, s_layout, BLOCK_H, BLOCK_K)
+        else:
+            v_l = k_l.index(s)
+            scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
+                             ready.index(s), ph, ready.index(STAGES + s), ph, s_layout,
+                             BLOCK_H, BLOCK_K)
         p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
         # P over the stage's RoPE block (read only by the scores, which are done).
         k_p.index(s).store(p.to(gl.bfloat16))
@@ -417,7 +425,9 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         fence_async_shared()
         gl.thread_barrier()  # every thread's P and alpha are written before the hand-over
         mbarrier.arrive(p_ready.index(s), count=1)
-        acc = _pv(k_p.index(s), k_l.index(s), acc, gl.convert_layout(alpha, row_o))
+        acc = _pv(k_p.index(s), v_l, acc, gl.convert_layout(alpha, row_o))
+        if KV_FP8:
+            mbarrier.arrive(work.index(1), count=1)
         mbarrier.arrive(empty.index(s), count=1)
 
     heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
@@ -439,9 +449,9 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
 
 @gluon.jit
 def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
-                     p_ready, done, topk, stride_os, stride_oh, h_groups,
+                     p_ready, done, work, topk, stride_os, stride_oh, h_groups,
                      HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-                     D_V: gl.constexpr, STAGES: gl.constexpr):
+                     D_V: gl.constexpr, STAGES: gl.constexpr, KV_FP8: gl.constexpr):
     """``O_r = alpha · O_r + P · V_r`` per stage; its half of the output at the end (``k_r``
     as in ``_softmax_partition``)."""
     HALF: gl.constexpr = D_V // 2
@@ -456,11 +466,18 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
         ph = (i // STAGES) & 1
-        mbarrier.wait(ready.index(STAGES + s), ph)
+        if KV_FP8:
+            mbarrier.wait(work.index(0), i & 1)
+            v_r = k_r
+        else:
+            mbarrier.wait(ready.index(STAGES + s), ph)
+            v_r = k_r.index(s)
         mbarrier.wait(p_ready.index(s), ph)
         fence_async_shared()
         alpha = alpha_smem.index(s).load(row_o)
-        acc = _pv(k_p.index(s), k_r.index(s), acc, alpha)
+        acc = _pv(k_p.index(s), v_r, acc, alpha)
+        if KV_FP8:
+            mbarrier.arrive(work.index(1), count=1)
         mbarrier.arrive(empty.index(s), count=1)
     mbarrier.wait(done, 0)
     _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
@@ -592,22 +609,26 @@ def _barriers_fp8(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
 
 @gluon.jit
 def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
-    """The bf16 form's mbarriers (see the module docstring), initialised: ``q_ready``,
-    ``done``, ``ready [2 * STAGES]`` (a stage's two parts), ``empty``, ``p_ready``."""
+    """The mbarriers of both forms (see the module docstring), initialised: ``q_ready``,
+    ``done``, ``ready [2 * STAGES]`` (a stage's two parts), ``empty``, ``p_ready``, ``work [2]``
+    (the FP8 form's working tile: written, free)."""
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     done = gl.allocate_shared_memory(gl.int64, [1], bar)
     ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], bar)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
     p_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
+    work = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
     mbarrier.init(q_ready, count=GATHER_WARPS * 32)  # a no-increment arrive per gather thread
     mbarrier.init(done, count=1)
+    mbarrier.init(work.index(0), count=1)
+    mbarrier.init(work.index(1), count=2)  # the softmax and the value warpgroup
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
         mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
         mbarrier.init(empty.index(s), count=2)
         mbarrier.init(p_ready.index(s), count=1)
-    return q_ready, done, ready, empty, p_ready
+    return q_ready, done, ready, empty, p_ready, work
 
 
 @gluon.jit
@@ -632,16 +653,16 @@ def _sparse_mla_fwd_gluon_kernel(
     k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
     denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
-    q_ready, done, ready, empty, p_ready = _barriers(STAGES, GATHER_WARPS)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
     gl.warp_specialize([
         (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                               q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
-                              q_ready, ready, empty, p_ready, done,
+                              q_ready, ready, empty, p_ready, done, work,
                               s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
-                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
         (_value_partition, (len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, empty,
-                            p_ready, done, topk, stride_os, stride_oh, h_groups,
-                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES)),
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
         (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                              q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
                              stride_is, h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL, STAGES,
