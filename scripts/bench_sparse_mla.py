@@ -110,7 +110,7 @@ def main() -> None:
                              "gluon_variants_vs_flashmla)")
     parser.add_argument("--gluon-fp8-variants", nargs="*", default=[], metavar="JSON",
                         help="the same for the Gluon FP8-row kernel (with gluon_fp8 in --forms), "
-                             'e.g. \'{"fp8_stages": 2}\' (recorded as gluon_fp8_variants)')
+                             'e.g. \'{"stages": 3}\' (recorded as gluon_fp8_variants)')
     args = parser.parse_args()
     forms, s_kv = set(args.forms), args.s_kv
 

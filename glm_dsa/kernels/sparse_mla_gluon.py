@@ -36,18 +36,16 @@ gather the same rows, the second mostly from L2), three partitions of one warpgr
   P · V_r`` (columns 256-511; its GEMM overlaps the softmax warpgroup's next scores), arrives
   on ``empty[s]``; after ``done``, writes its half of the output.
 
-FP8 rows (``_sparse_mla_fwd_fp8_gluon_kernel``): tiles of 32 keys (``BLOCK_K_FP8``). The ring
-(3 stages, ``fp8_stages``) holds the raw rows, 20.5 KB a stage: e4m3 bytes, scales tile-major,
-the bf16 RoPE block. The gather warpgroup dequantizes stage ``i % 3`` (``e4m3 · scale`` in
-float32, rounded once to bf16: bitwise ``oracle.dequantize_k_cache``; the RoPE block copied)
-into bf16 working tile ``i % 2`` (``w_l | w_r | w_p``, 36 KB), and refills the stage at once
-with tile ``i + 3``. Both compute warpgroups read a working tile (``work_ready[w]``, 1 arrival)
-and free it after their P·V (``work_free[w]``, 2 arrivals); P and alpha go to their own
-double buffers. With two working tiles the dequantization of tile ``i + 1`` runs during tile
-``i``'s GEMMs, where one 64-key working tile serialised them (1.4-1.6x the bf16 time, issue 42).
+FP8 rows (``_sparse_mla_fwd_fp8_gluon_kernel``): the ring holds the raw rows (e4m3 bytes,
+scales tile-major, and the bf16 RoPE block in ``k_p[s]``, where P later goes), 40 KB a
+stage; the gather warpgroup dequantizes a stage (``e4m3 · scale`` in float32, rounded once to
+bf16: bitwise ``oracle.dequantize_k_cache``) into one bf16 working tile ``w_l | w_r`` that both
+compute warpgroups read, guarded by ``work[0]`` (written, 1 arrival) and ``work[1]`` (free, 2
+arrivals). A stage's bytes are refilled right after their dequantization (``ready[s]``), its
+RoPE block once ``empty[s]`` frees it (``ready[STAGES + s]``, which only the scores wait for).
 
 Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
-217 KB (Q 72 + ring 144 + factors), FP8 215 KB (Q 72 + ring 61.5 + working tiles 72 + P 8),
+217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64),
 of the 227 KB an sm_90 block may take. The split (one warpgroup scores, both multiply by V) is
 TileLang's ``sparse_mla_fwd_pipelined``: its softmax warpgroup's chain (scores 4.7 MFLOP,
 softmax, P · V_l 2.1 MFLOP a tile) is the critical path while the value warpgroup (2.1) idles.
@@ -92,16 +90,12 @@ __all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG"]
 _LOG2E = math.log2(math.e)
 BLOCK_H = 64      # heads per CTA: the wgmma M
 BLOCK_K = 64      # keys per tile
-# Keys per tile of the FP8 form: two dequantized working tiles of 32 keys fit where one of 64
-# did, so a tile's dequantization overlaps the previous tile's GEMMs.
-BLOCK_K_FP8 = 32
 D_V, D_TAIL = 512, 64
 # The launch configuration (see the module docstring). "prefetch": tiles ahead whose rows the
 # gather warpgroup asks L2 for while it waits (0: none). Registers: 4 warps of 72 (gather) and
 # 168 (value) leave the softmax warpgroup 256; 8 gather warps do not fit (the wgmma accumulator
 # needs > 128 registers a thread at 512 threads). Compiled offline for sm_90 (compile_sm90 +
 # ptxas -v): no spills in either form; the FP8 gather spilled 44 bytes at 48 registers.
-# "fp8_stages": the FP8 form's ring depth (32-key tiles; a 4th stage exceeds 227 KB).
 # "schedule": "split" (the softmax and the value warpgroup above) or "seesaw" (FlashMLA's: the
 # two compute warpgroups score alternate tiles, ``_sparse_mla_fwd_seesaw_gluon_kernel``; bf16
 # rows only, always 2 stages, "value_regs" unused); "seesaw_regs" is its odd warpgroup's
@@ -110,7 +104,7 @@ D_V, D_TAIL = 512, 64
 # of a round instead of after it (FlashMLA's order). No L2 evict_last hint (FlashMLA's):
 # Triton 3.6 drops async_copy's eviction_policy on sm_90 (no cache_hint in the PTX).
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
-          "prefetch": 0, "fp8_stages": 3, "schedule": "split", "seesaw_regs": 216,
+          "prefetch": 0, "schedule": "split", "seesaw_regs": 216,
           "seesaw_early_scores": True}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
@@ -245,15 +239,12 @@ def _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p_s, D_V: gl.constexpr,
 
 
 @gluon.jit
-def _dequantize(r8_s, rs_s, rp_s, w_l, w_r, w_p, D_V: gl.constexpr, D_TAIL: gl.constexpr,
-                BLOCK_K: gl.constexpr, WARPS: gl.constexpr):
+def _dequantize(r8_s, rs_s, w_l, w_r, D_V: gl.constexpr, BLOCK_K: gl.constexpr,
+                WARPS: gl.constexpr):
     """``e4m3 * tile scale`` in float32, rounded once to bf16, from ring stage ``r8_s`` (its
-    scales ``rs_s``, tile-major) into the working tile ``w_l | w_r``, 64 columns at a time; the
-    stage's bf16 RoPE block ``rp_s`` copied to ``w_p``, so the stage is free once this returns."""
+    scales ``rs_s``, tile-major) into the working tile ``w_l | w_r``, 64 columns at a time."""
     lay: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
-    lay_p: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     HALF: gl.constexpr = D_V // 2
-    w_p.store(rp_s.load(lay_p))
     for c in gl.static_range(D_V // 64):
         raw = r8_s.slice(c * 64, 64, dim=1).load(lay)
         scale = rs_s.slice(c * 64 // 128 * BLOCK_K, BLOCK_K).load(gl.SliceLayout(1, lay))
@@ -265,27 +256,15 @@ def _dequantize(r8_s, rs_s, rp_s, w_l, w_r, w_p, D_V: gl.constexpr, D_TAIL: gl.c
 
 
 @gluon.jit
-def _gather_fp8_stage(kv_ptr, t8, ts, tr, s_kv, stride_kv, r8_s, rs_s, rp_s, ready_s,
-                      BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
-                      WARPS: gl.constexpr):
-    """cp.async of one tile's raw rows (bytes, scales, RoPE) into a ring stage, completing
-    ``ready_s`` (a no-increment arrive per thread)."""
-    _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8_s, rs_s, BLOCK_K, D_V, WARPS)
-    _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, rp_s, D_V, D_TAIL, WARPS)
-    async_copy.mbarrier_arrive(ready_s, increment_count=False)
-
-
-@gluon.jit
-def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, rp, w_l, w_r,
-                          w_p, q_ready, ready, work_ready, work_free, s_kv, topk, stride_qs,
-                          stride_qh, stride_kv, stride_is, h_groups,
+def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, k_p, w_l, w_r,
+                          q_ready, ready, empty, work, s_kv, topk, stride_qs, stride_qh,
+                          stride_kv, stride_is, h_groups,
                           HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                           D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
                           WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
-    """FP8 rows: Q once; tiles 0 .. STAGES-1 into the ring; then per tile ``i`` the
-    dequantization of stage ``i % STAGES`` into working tile ``i % 2`` (once both compute
-    warpgroups freed it, ``work_free``; then ``work_ready``), and at once the refill of that
-    stage with tile ``i + STAGES`` (the dequantization read all of it)."""
+    """FP8 rows: Q once; per tile the e4m3 bytes and scales into ring stage ``s`` (as soon as
+    the previous use of that stage is dequantized), the RoPE values into ``k_p[s]`` (once both
+    warpgroups freed it), then the dequantization into the working tile when it is free."""
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
@@ -295,31 +274,36 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     idx_row = idx_ptr + qi * stride_is
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-    for j in gl.static_range(STAGES):
-        if j < n_tiles:
-            t8, ts, tr = _fp8_tile_indices(idx_row, j, n_cols, BLOCK_K, D_V, WARPS)
-            _gather_fp8_stage(kv_ptr, t8, ts, tr, s_kv, stride_kv, r8.index(j), rs.index(j),
-                              rp.index(j), ready.index(j), BLOCK_K, D_V, D_TAIL, WARPS)
-    # The refill's indices, loaded an iteration ahead so their latency hides behind the waits.
-    t8, ts, tr = _fp8_tile_indices(idx_row, STAGES, n_cols, BLOCK_K, D_V, WARPS)
+    if n_tiles > 0:
+        t8, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS)
+        _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(0), rs.index(0), BLOCK_K,
+                          D_V, WARPS)
+        async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
+        _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
+        async_copy.mbarrier_arrive(ready.index(STAGES), increment_count=False)
+    # The next tile's indices, loaded an iteration ahead so their latency hides behind waits.
+    t8, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS)
     for i in range(n_tiles):
         s = i % STAGES
-        w = i % 2
+        nxt = (i + 1) % STAGES
         if PREFETCH > 0:
-            _prefetch_tile(kv_ptr, idx_row, (i + STAGES + PREFETCH) * BLOCK_K + pf_rows, n_cols,
-                           s_kv, stride_kv, ROW_BYTES)
-        t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + STAGES + 1, n_cols, BLOCK_K, D_V,
-                                             WARPS)
+            _prefetch_tile(kv_ptr, idx_row, (i + 1 + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
+        if i + 1 < n_tiles:  # stage nxt's bytes were dequantized last iteration
+            _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(nxt), rs.index(nxt),
+                              BLOCK_K, D_V, WARPS)
+            async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
+        t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        mbarrier.wait(work_free.index(w), ((i // 2) & 1) ^ 1)
-        _dequantize(r8.index(s), rs.index(s), rp.index(s), w_l.index(w), w_r.index(w),
-                    w_p.index(w), D_V, D_TAIL, BLOCK_K, WARPS)
+        mbarrier.wait(work.index(1), (i & 1) ^ 1)
+        _dequantize(r8.index(s), rs.index(s), w_l, w_r, D_V, BLOCK_K, WARPS)
         fence_async_shared()
         gl.thread_barrier()  # the whole tile is written (and stage s read) before the hand-over
-        mbarrier.arrive(work_ready.index(w), count=1)
-        if i + STAGES < n_tiles:
-            _gather_fp8_stage(kv_ptr, t8, ts, tr, s_kv, stride_kv, r8.index(s), rs.index(s),
-                              rp.index(s), ready.index(s), BLOCK_K, D_V, D_TAIL, WARPS)
+        mbarrier.arrive(work.index(0), count=1)
+        if i + 1 < n_tiles:
+            mbarrier.wait(empty.index(nxt), (((i + 1) // STAGES) & 1) ^ 1)
+            _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(nxt), D_V, D_TAIL, WARPS)
+            async_copy.mbarrier_arrive(ready.index(STAGES + nxt), increment_count=False)
         t8, ts, tr = t8_2, ts_2, tr_2
 
 
@@ -485,129 +469,6 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
 
 
 @gluon.jit
-def _softmax_fp8_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
-                           q_l, q_r, q_p, w_l, w_r, w_p, p_smem, alpha_smem, denom_smem,
-                           q_ready, work_ready, work_free, p_ready, done,
-                           s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh, h_groups,
-                           HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
-                           BLOCK_K: gl.constexpr, D_V: gl.constexpr):
-    """``_softmax_partition`` over the FP8 form's double-buffered working tile: tile ``i``'s
-    scores read working tile ``i % 2`` once ``work_ready`` says it is written, its P and alpha
-    go to ``p_smem[i % 2]`` / ``alpha_smem[i % 2]`` (``p_ready``), and ``work_free`` is
-    arrived on after ``O_l``'s P·V. The value warpgroup's P·V of tile ``i`` overlaps these
-    scores of tile ``i + 1``, and the gather's dequantization of tile ``i + 1`` both."""
-    LOG2E: gl.constexpr = 1.4426950408889634
-    LN2: gl.constexpr = 0.6931471805599453
-    HALF: gl.constexpr = D_V // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_K, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    pid = gl.program_id(0)
-    qi = (pid // h_groups).to(gl.int64)
-    head0 = (pid % h_groups) * BLOCK_H
-
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
-    idx_row = idx_ptr + qi * stride_is
-    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    mbarrier.wait(q_ready, 0)
-    fence_async_shared()
-    t_next = gl.load(idx_row + key_cols, mask=key_cols < n_cols, other=-1)
-    for i in range(gl.cdiv(n_cols, BLOCK_K)):
-        w = i % 2
-        ph = (i // 2) & 1
-        valid = (t_next >= 0) & (t_next < s_kv)
-        cols = (i + 1) * BLOCK_K + key_cols  # the next tile's, a tile ahead
-        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
-        # One barrier covers the three blocks: the dequantization writes them together.
-        scores = _scores(q_l, q_r, q_p, w_l.index(w), w_r.index(w), w_p.index(w),
-                         work_ready.index(w), ph, work_ready.index(w), ph, s_layout, BLOCK_H,
-                         BLOCK_K)
-        p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
-        p_smem.index(w).store(p.to(gl.bfloat16))
-        alpha_smem.index(w).store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()  # every thread's P and alpha are written before the hand-over
-        mbarrier.arrive(p_ready.index(w), count=1)
-        acc = _pv(p_smem.index(w), w_l.index(w), acc, gl.convert_layout(alpha, row_o))
-        mbarrier.arrive(work_free.index(w), count=1)
-
-    heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
-    m_shift = gl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i
-    if HAS_SINK:
-        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - m_shift)
-    denom = gl.where(denom == 0.0, 1.0, denom)  # lonely row, no sink: out = 0 / 1
-    denom_smem.store(denom)
-    gl.thread_barrier()
-    mbarrier.arrive(done, count=1)
-    _store_half(out_ptr, acc, gl.convert_layout(denom, row_o), qi, head0, 0, stride_os,
-                stride_oh, o_layout, BLOCK_H, HALF)
-    lonely = l_i == 0.0
-    lse = gl.where(lonely, float("inf"), (m_i + gl.log2(gl.where(lonely, 1.0, l_i))) * LN2)
-    gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
-    gl.store(lse_ptr + qi * h_q + heads, lse)
-
-
-@gluon.jit
-def _value_fp8_partition(len_ptr, out_ptr, w_r, p_smem, alpha_smem, denom_smem, work_ready,
-                         work_free, p_ready, done, topk, stride_os, stride_oh, h_groups,
-                         HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-                         D_V: gl.constexpr):
-    """``O_r = alpha · O_r + P · V_r`` per tile over working tile ``i % 2``'s ``w_r``, then
-    ``work_free``; its half of the output at the end."""
-    HALF: gl.constexpr = D_V // 2
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    pid = gl.program_id(0)
-    qi = (pid // h_groups).to(gl.int64)
-    head0 = (pid % h_groups) * BLOCK_H
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    for i in range(gl.cdiv(n_cols, BLOCK_K)):
-        w = i % 2
-        ph = (i // 2) & 1
-        mbarrier.wait(work_ready.index(w), ph)
-        mbarrier.wait(p_ready.index(w), ph)
-        fence_async_shared()
-        alpha = alpha_smem.index(w).load(row_o)
-        acc = _pv(p_smem.index(w), w_r.index(w), acc, alpha)
-        mbarrier.arrive(work_free.index(w), count=1)
-    mbarrier.wait(done, 0)
-    _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
-                o_layout, BLOCK_H, HALF)
-
-
-@gluon.jit
-def _barriers_fp8(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
-    """The FP8 form's mbarriers, initialised: ``q_ready``, ``done``, ``ready [STAGES]`` (a ring
-    stage's raw rows landed), and per working tile (2) ``work_ready`` (dequantized, 1 arrival),
-    ``work_free`` (both P·V GEMMs done, 2 arrivals), ``p_ready`` (P and alpha written)."""
-    bar: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
-    done = gl.allocate_shared_memory(gl.int64, [1], bar)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar)
-    work_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    work_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-    mbarrier.init(q_ready, count=GATHER_WARPS * 32)  # a no-increment arrive per gather thread
-    mbarrier.init(done, count=1)
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
-    for w in gl.static_range(2):
-        mbarrier.init(work_ready.index(w), count=1)
-        mbarrier.init(work_free.index(w), count=2)  # the softmax and the value warpgroup
-        mbarrier.init(p_ready.index(w), count=1)
-    return q_ready, done, ready, work_ready, work_free, p_ready
-
-
-@gluon.jit
 def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
     """The mbarriers of both forms (see the module docstring), initialised: ``q_ready``,
     ``done``, ``ready [2 * STAGES]`` (a stage's two parts), ``empty``, ``p_ready``, ``work [2]``
@@ -680,14 +541,11 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
     VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
-    """The FP8-row form: a ring of raw rows (e4m3 bytes, scales, RoPE) and two dequantized
-    bf16 working tiles of ``BLOCK_K`` keys that both compute warpgroups read
-    (``_gather_fp8_partition``)."""
+    """The FP8-row form: a ring of raw rows (e4m3 bytes, scales, RoPE) and one dequantized
+    bf16 working tile that both compute warpgroups read (``_gather_fp8_partition``)."""
     HALF: gl.constexpr = D_V // 2
     h_groups = h_q // BLOCK_H
     swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    # P [BLOCK_H, BLOCK_K_FP8] bf16: rows of 64 bytes.
-    p_swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     bytes_swz: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8,
                                                        order=[1, 0])
@@ -696,28 +554,26 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
     r8 = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_K, D_V], bytes_swz)
     rs = gl.allocate_shared_memory(gl.float32, [STAGES, (D_V // 128) * BLOCK_K], flat)
-    rp = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
-    w_l = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, HALF], swz)
-    w_r = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, HALF], swz)
-    w_p = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_K, D_TAIL], swz)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_H, BLOCK_K], p_swz)
-    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], flat)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
+    w_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
+    w_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
     denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
-    q_ready, done, ready, work_ready, work_free, p_ready = _barriers_fp8(STAGES, GATHER_WARPS)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
     gl.warp_specialize([
-        (_softmax_fp8_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
-                                  q_l, q_r, q_p, w_l, w_r, w_p, p_smem, alpha_smem, denom_smem,
-                                  q_ready, work_ready, work_free, p_ready, done,
-                                  s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
-                                  h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V)),
-        (_value_fp8_partition, (len_ptr, out_ptr, w_r, p_smem, alpha_smem, denom_smem,
-                                work_ready, work_free, p_ready, done, topk, stride_os, stride_oh,
-                                h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V)),
-        (_gather_fp8_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, rp,
-                                 w_l, w_r, w_p, q_ready, ready, work_ready, work_free, s_kv,
-                                 topk, stride_qs, stride_qh, stride_kv, stride_is, h_groups,
-                                 HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL, STAGES, GATHER_WARPS,
-                                 PREFETCH, D_V + 4 * (D_V // 128) + 2 * D_TAIL)),
+        (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                              q_l, q_r, q_p, w_l, w_r, k_p, alpha_smem, denom_smem,
+                              q_ready, ready, empty, p_ready, done, work,
+                              s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, True)),
+        (_value_partition, (len_ptr, out_ptr, w_r, k_p, alpha_smem, denom_smem, ready, empty,
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, True)),
+        (_gather_fp8_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs, k_p,
+                                 w_l, w_r, q_ready, ready, empty, work, s_kv, topk, stride_qs,
+                                 stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
+                                 BLOCK_K, D_V, D_TAIL, STAGES, GATHER_WARPS, PREFETCH,
+                                 D_V + 4 * (D_V // 128) + 2 * D_TAIL)),
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
@@ -1148,7 +1004,7 @@ def _kernel(cfg: dict, fp8: bool):
     """The kernel ``cfg`` selects and its configuration constexprs."""
     if cfg["schedule"] not in ("split", "seesaw"):
         raise ValueError(f"schedule must be 'split' or 'seesaw', got {cfg['schedule']!r}")
-    common = {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K_FP8 if fp8 else BLOCK_K, "D_V": D_V,
+    common = {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V,
               "D_TAIL": D_TAIL}
     if cfg["schedule"] == "seesaw" and not fp8:
         if cfg["stages"] != 2:
@@ -1159,7 +1015,7 @@ def _kernel(cfg: dict, fp8: bool):
             "SEESAW_REGS": cfg["seesaw_regs"], "PREFETCH": cfg["prefetch"],
             "EARLY_SCORES": cfg["seesaw_early_scores"]}
     kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
-    return kernel, {**common, "STAGES": cfg["fp8_stages" if fp8 else "stages"],
+    return kernel, {**common, "STAGES": cfg["stages"],
                     "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
                     "VALUE_REGS": cfg["value_regs"], "PREFETCH": cfg["prefetch"]}
 
