@@ -17,7 +17,7 @@ import torch
 from glm_dsa import oracle
 from glm_dsa.testing import SHAPES, check_kernel, edge_case_names, make_case
 from glm_dsa.testing.check import run_checks
-from glm_dsa.testing.metrics import TOPK_REL_TOL
+from glm_dsa.testing.metrics import SPARSE_STAT_TOL, TOPK_REL_TOL
 from test_testing_conventions import paged_indexer  # noqa: E402
 
 
@@ -168,12 +168,13 @@ def test_check_runs_a_fused_indexer_at_an_h8_shard_with_top_k_256_to_2048():
 # ------------------------------------------------------------------ FP8-query sparse prefill (Q8KV8)
 def q8kv8_prefill(q, kv, indices, sm_scale, q_scale, kv_scale, d_v=512, attn_sink=None,
                   topk_length=None, *, q_scale_twice=False, kv_scale_twice=False, d_qk_scale=False,
-                  minus_one_is_key_0=False):
+                  minus_one_is_key_0=False, fp8_accumulation=False):
     """SGLang's Q8KV8 kernel as its PR describes it: e4m3 q and kv, one float32 scale each;
     float32 scores of the dequantized values; the softmax weights rounded to e4m3 (their max is
     1) for the second FP8 GEMM, the normaliser summed in float32; bf16 out, float32 max_logits
     and natural-log lse, +inf lse / -inf max / 0 out for a row with no valid index. Keywords
-    plant one bug each."""
+    plant one bug each; ``fp8_accumulation`` adds the scores' products as Hopper's FP8 wgmma
+    does (``_fp8_accumulated``), which is no bug."""
     qs = float(q_scale) ** (2 if q_scale_twice else 1)
     ks = float(kv_scale) ** (2 if kv_scale_twice else 1)
     scale = q.shape[-1] ** -0.5 if d_qk_scale else sm_scale
@@ -191,7 +192,8 @@ def q8kv8_prefill(q, kv, indices, sm_scale, q_scale, kv_scale, d_v=512, attn_sin
         idx = idx[(idx >= 0) & (idx < kv.shape[0])]
         if idx.numel() == 0:
             continue
-        scores = (qv[i] @ kvv[idx].T) * scale  # [h, n]
+        raw = _fp8_accumulated(qv[i], kvv[idx]) if fp8_accumulation else qv[i] @ kvv[idx].T
+        scores = raw * scale  # [h, n]
         m = scores.amax(-1, keepdim=True)
         p = torch.exp(scores - m)
         total = p.sum(-1)
@@ -202,6 +204,35 @@ def q8kv8_prefill(q, kv, indices, sm_scale, q_scale, kv_scale, d_v=512, attn_sin
         m_out[i] = m[:, 0]
         lse[i] = m[:, 0] + torch.log(p.sum(-1))
     return out.to(torch.bfloat16), m_out, lse
+
+
+def _fp8_accumulated(q, k, group=32, bits=14, chain=256):
+    """``q @ k.T`` summed as FP8 wgmma chains on Hopper (DeepSeek-V3 report §3.3.2): each
+    instruction's ``group`` products (exact) join an accumulator that keeps ``bits``
+    significant bits, cut toward zero; every ``chain`` products the accumulator is added to a
+    float32 sum and restarts (the Gluon Q8KV8 kernel's two chains, 256 + 320 products)."""
+    prods = q.double()[:, None, :] * k.double()[None, :, :]  # [h, n, d]
+    total = torch.zeros(prods.shape[:2], dtype=torch.float32)
+    for c0 in range(0, prods.shape[-1], chain):
+        acc = torch.zeros(prods.shape[:2], dtype=torch.float64)
+        for g0 in range(c0, min(c0 + chain, prods.shape[-1]), group):
+            acc = acc + prods[..., g0:g0 + group].sum(-1)
+            mant, exp = torch.frexp(acc)
+            acc = torch.ldexp(torch.trunc(mant * 2.0**bits) / 2.0**bits, exp)
+        total = total + acc.float()
+    return total
+
+
+def test_a_q8kv8_kernel_with_hopper_fp8_accumulation_passes_a_bound_flashmla_s_would_fail():
+    # The max_logits / lse bound is Q8KV8_STAT_TOL, not FlashMLA's: a kernel whose scores
+    # carry the FP8 accumulator's error passes it, and errs past FlashMLA's 1e-6.
+    report = check_kernel("sparse_mla_q8kv8_prefill_fwd",
+                          lambda *a, **k: q8kv8_prefill(*a, **k, fp8_accumulation=True), cases=9)
+    assert report.passed, report.failure
+    case = make_case("sparse_mla_q8kv8_prefill_fwd", 0)
+    got = q8kv8_prefill(*case.args, **case.kwargs, fp8_accumulation=True)[1]
+    want = oracle.sparse_mla_q8kv8_prefill_fwd(*case.args, **case.kwargs)[1]
+    assert not oracle.check_allclose(got, want.float(), **SPARSE_STAT_TOL).passed
 
 
 def test_a_q8kv8_kernel_with_fp8_softmax_weights_passes_within_the_stated_bound():
