@@ -88,6 +88,22 @@ def test_the_interpreter_takes_the_triton_kernel_and_says_so_once(caplog):
     assert said == ["Q8KV8 sparse MLA: Triton kernel (the CPU interpreter)"]
 
 
+@pytest.mark.parametrize("edge", ["unit_scales", "lonely_row", "attn_sink_and_topk_length", "no_rope_512"])
+def test_the_pre_sm89_byte_path_gives_the_same_bits(monkeypatch, edge):
+    """Before sm_89 Triton has no e4m3: the kernel decodes the bytes to fp16 and rounds the
+    softmax weights to e4m3 by hand. Both are exact, so the results are the e4m3 path's, bit for
+    bit (run here in the interpreter, which takes both)."""
+    case = testing.make_case(CONTRACT, edge)
+    args = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in case.args]
+    kwargs = {k: v.to(DEVICE) for k, v in case.kwargs.items()}
+    want = sparse_mla_q8kv8_prefill_fwd(*args, **kwargs)
+    monkeypatch.setattr(sparse_mla_q8kv8, "_fp8_native", lambda device: False)
+    monkeypatch.setattr(sparse_mla_q8kv8, "_gluon_unsuitable", lambda *a: "the byte path")
+    got = sparse_mla_q8kv8_prefill_fwd(*args, **kwargs)
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+
+
 # ------------------------------------------------------------------ the per-tensor quantizers
 def test_per_tensor_quant_matches_the_harness_quantizer():
     """The library's amax × fl(1/448) against the harness's amax / 448 (independent): the scales

@@ -16,8 +16,10 @@ as SGLang's kernel does, and the output is multiplied by ``kv_scale`` at the end
 
 Triton 3.6's interpreter multiplies e4m3 operands exactly (float32 products of the decoded
 values; checked against ``q.float() @ k.float()``), so the CPU interpreter runs the same FP8
-dots; only its default float32 -> e4m3 cast truncates, so the kernel asks for ``rtne``
-explicitly (the GPU's ``cvt.rn`` either way).
+dots; only its float32 -> e4m3 cast misrounds some values (even with ``rtne``), so there the
+softmax weights are rounded on their bits first. GPUs before sm_89 have no e4m3 type and no
+FP8 MMA: there the kernel reads the bytes, decodes them to fp16 (exact) and rounds the weights
+on their bits, for the same products.
 
 On an sm_90 GPU with a Triton in ``sparse_mla.GLUON_TESTED_TRITON``, calls at GLM-5.3's shape
 (``h_q`` a multiple of 64, ``d_qk`` 576, ``d_v`` 512, 16-byte aligned rows) run the Gluon kernel
@@ -70,6 +72,48 @@ _INTERPRET_CONFIGS = [
 ]
 
 
+@triton.jit
+def _operand(x, FP8_NATIVE: tl.constexpr, WIDE: tl.constexpr):
+    """A GEMM operand from loaded e4m3 values: as they are, or (bytes, before sm_89) decoded to
+    ``WIDE`` (fp16, which holds every e4m3 value exactly; NaN codes aside: the quantizers clamp)."""
+    if FP8_NATIVE:
+        y = x
+    else:
+        b = x.to(tl.int32)
+        e = (b >> 3) & 15
+        m = (b & 7).to(tl.float32)
+        # (8 + m) * 2^(e - 10) for normals, the power of two built from its bits; m * 2^-9 below.
+        mag = tl.where(e == 0, m * 0.001953125,
+                       (8.0 + m) * ((e + 117) << 23).to(tl.float32, bitcast=True))
+        y = tl.where((b & 128) != 0, -mag, mag).to(WIDE)
+    return y
+
+
+@triton.jit
+def _e4m3_grid(p):
+    """Float32 ``p`` in [0, 1] rounded to the nearest e4m3 value (ties to even), still float32:
+    3 mantissa bits for normals (>= 2^-6), multiples of 2^-9 below (rounded by adding and
+    removing 1.5 * 2^23)."""
+    bits = p.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    tiny = ((p * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    return tl.where(p < 0.015625, tiny, normal)
+
+
+@triton.jit
+def _round_e4m3(p, FP8_NATIVE: tl.constexpr, WIDE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Softmax weights ``p`` in [0, 1] rounded to e4m3, to nearest even, as a GEMM operand: the
+    GPU's ``cvt.rn``; before sm_89 (no e4m3 type) and in the interpreter (whose float32 -> e4m3
+    cast misrounds some values; it casts e4m3 values exactly) spelled out, ``_e4m3_grid``."""
+    if FP8_NATIVE and not INTERPRET:
+        y = p.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    elif FP8_NATIVE:
+        y = _e4m3_grid(p).to(tl.float8e4nv)
+    else:
+        y = _e4m3_grid(p).to(WIDE)
+    return y
+
+
 def _log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
@@ -95,7 +139,8 @@ def _sparse_mla_q8kv8_kernel(
     stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
     D_V: tl.constexpr, D_TAIL: tl.constexpr, BLOCK_DT: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_LEN: tl.constexpr, STATIC_TOPK: tl.constexpr,
-    PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
+    PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr, FP8_NATIVE: tl.constexpr, WIDE: tl.constexpr,
+    INTERPRET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
@@ -120,10 +165,10 @@ def _sparse_mla_q8kv8_kernel(
         cm = c * D_CHUNK + offs_c < D_V
         q_c = tl.load(q_rows + c * D_CHUNK + offs_c[None, :], mask=h_mask[:, None] & cm[None, :],
                       other=0.0)
-        q_chunks = q_chunks + (q_c,)  # type: ignore[assignment]
+        q_chunks = q_chunks + (_operand(q_c, FP8_NATIVE, WIDE),)  # type: ignore[assignment]
         acc = acc + (tl.zeros([BLOCK_H, D_CHUNK], tl.float32),)  # type: ignore[assignment]
-    q_pe = tl.load(q_rows + D_V + offs_t[None, :], mask=h_mask[:, None] & t_mask[None, :],
-                   other=0.0)
+    q_pe = _operand(tl.load(q_rows + D_V + offs_t[None, :],
+                            mask=h_mask[:, None] & t_mask[None, :], other=0.0), FP8_NATIVE, WIDE)
 
     n_cols = topk
     if HAS_LEN:
@@ -146,14 +191,14 @@ def _sparse_mla_q8kv8_kernel(
         st = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
         for c in tl.static_range(N_CHUNK):
             cm = c * D_CHUNK + offs_c < D_V
-            k_c = tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :],
-                          mask=valid[:, None] & cm[None, :], other=0.0)
+            k_c = _operand(tl.load(rows[:, None] + c * D_CHUNK + offs_c[None, :],
+                                   mask=valid[:, None] & cm[None, :], other=0.0), FP8_NATIVE, WIDE)
             k_chunks = k_chunks + (k_c,)  # type: ignore[assignment]
             st = tl.dot(k_c, tl.trans(q_chunks[c]), st)
         if D_TAIL > 0:
             k_pe = tl.load(rows[:, None] + D_V + offs_t[None, :],
                            mask=valid[:, None] & t_mask[None, :], other=0.0)
-            st = tl.dot(k_pe, tl.trans(q_pe), st)
+            st = tl.dot(_operand(k_pe, FP8_NATIVE, WIDE), tl.trans(q_pe), st)
         st = tl.where(valid[:, None], st * score_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(st, axis=0))
         # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
@@ -162,7 +207,7 @@ def _sparse_mla_q8kv8_kernel(
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(pt, axis=0)
         # Weights in [0, 1] to e4m3 for the second FP8 GEMM (SGLang's kernel does the same).
-        p = tl.trans(pt.to(tl.float8e4nv, fp_downcast_rounding="rtne"))   # [BLOCK_H, BLOCK_K]
+        p = tl.trans(_round_e4m3(pt, FP8_NATIVE, WIDE, INTERPRET))                    # [BLOCK_H, BLOCK_K]
         new_acc = ()
         for c in tl.static_range(N_CHUNK):
             new_acc = new_acc + (tl.dot(p, k_chunks[c], acc[c] * alpha[:, None]),)  # type: ignore[assignment]
@@ -243,6 +288,9 @@ def _launch_triton(q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, 
     if s_q == 0:
         return out, max_logits, lse
     row_bytes = kv.shape[-1]
+    native = _fp8_native(q.device)
+    if not native:  # e4m3 bytes, decoded in the kernel
+        q, kv = q.view(torch.uint8), kv.view(torch.uint8)
     grid = lambda meta: (s_q * triton.cdiv(h_q, meta["BLOCK_H"]),)  # noqa: E731
     _sparse_mla_q8kv8_kernel[grid](
         q, kv, idx, out, max_logits, lse,
@@ -255,10 +303,21 @@ def _launch_triton(q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink, 
         HAS_SINK=sink is not None, HAS_LEN=lengths is not None,
         # Triton 3.6's interpreter cannot take a runtime loop bound under numpy >= 2.4.
         STATIC_TOPK=topk if _INTERPRET else 0,
-        PREFETCH=not _INTERPRET and row_bytes % 16 == 0 and kv.stride(0) % 16 == 0,
-        ROW_BYTES=row_bytes,
+        # The L2 bulk prefetch is sm_90's (16-byte aligned rows of a multiple of 16 bytes).
+        PREFETCH=(not _INTERPRET and row_bytes % 16 == 0 and kv.stride(0) % 16 == 0
+                  and torch.cuda.get_device_capability(q.device) >= (9, 0)),
+        ROW_BYTES=row_bytes, FP8_NATIVE=native,
+        # The byte path's products in fp16 (exact, float32 sums); the interpreter's fp16 dot
+        # sums in fp16, so there (where the byte path is only tested) float32, exact as well.
+        WIDE=tl.float32 if _INTERPRET else tl.float16, INTERPRET=_INTERPRET,
     )
     return out, max_logits, lse
+
+
+def _fp8_native(device: torch.device) -> bool:
+    """Whether Triton takes e4m3 tensors here: sm_89 and later, and the interpreter. Before
+    sm_89 (no e4m3 type, no FP8 MMA) the kernel reads the bytes and multiplies in fp16."""
+    return _INTERPRET or device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def sparse_mla_q8kv8_prefill_fwd(
