@@ -88,8 +88,9 @@ def test_cuda_glm_width_layer_in_fp8_attention(kv_dtype, caplog):
     from glm_dsa.config import keep_layers
     from glm_dsa.kernels import sparse_mla_q8kv8
 
+    # Few, narrow experts and a small vocabulary: attention is what differs between the modes.
     cfg = keep_layers(PRESETS["glm-5.3"], "6:7").replace(
-        n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=2048, vocab_size=4096)
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256, vocab_size=1024)
     model = init_weights(DSAForCausalLM(cfg), seed=0).to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (3000,), generator=torch.Generator().manual_seed(1))
     out = {}
