@@ -239,7 +239,8 @@ def _attend_q8kv8(attn, proj, cache, layer_idx, batch, topk_indices, budget_byte
         rows = mla_kv_load(cache.mla[layer_idx], batch.kv_slots.to(cache.mla[layer_idx].device))
         kv_fp8, kv_scale = mla_kv_per_tensor_fp8(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     else:
-        kv_fp8, kv_scale = per_tensor_quant(cache.read_mla(layer_idx, batch.kv_slots, torch.float32))
+        pool = cache.mla[layer_idx]  # bf16 or fp32 rows, read as stored
+        kv_fp8, kv_scale = per_tensor_quant(cache.read_mla(layer_idx, batch.kv_slots, pool.dtype))
     kv_fp8 = kv_fp8[:, None, :]
 
     def attend_rows(query: Tensor, rows: Tensor) -> Tensor:

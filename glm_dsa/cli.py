@@ -833,7 +833,8 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
         chunked_prefill_size=args.chunk,
         budget_bytes=_budgets(args, device), timing=True, cp_group=cp_group, backend=run.backend,
-        attention_precision=args.attention_precision, layer_outputs=(_layer_set(args.save_layer_outputs, run.first_layer, config.num_hidden_layers)
+        attention_precision=args.attention_precision,
+        layer_outputs=(_layer_set(args.save_layer_outputs, run.first_layer, config.num_hidden_layers)
                        if args.save_layer_outputs else False),
         batch_invariant=args.batch_invariant or None, cuda_graphs=args.cuda_graphs,
         order=args.order, layer_weights=layer_weights, hidden_on_device=args.hidden_on_device)
