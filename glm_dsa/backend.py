@@ -19,6 +19,13 @@ object as well as a name).
   only): a bf16 pool is read in place, and an FP8 pool's context is dequantized to bf16 once
   per layer step (bitwise the rows the FP8 kernel dequantizes; 1152 bytes per context token)
   and attended by it, as the peers backend does for FlashMLA. Elsewhere the Triton kernels run.
+  With ``attention_precision="fp8"`` (off by default) attention runs SGLang's Q8KV8 form
+  (``kernels.sparse_mla_q8kv8``, the Gluon kernel on sm_90): the layer's context as e4m3
+  576-byte rows with one scale per step (a bf16 / fp32 pool quantized, an FP8 pool's rows
+  requantized: ``kv_format.mla_kv_per_tensor_fp8``) and each row chunk's query with one scale
+  (``fp8.per_tensor_quant``), both products in FP8. A scale shared by the step's rows makes a
+  row's result depend on the others: the mode is not batch-invariant and runs eagerly (no CUDA
+  graphs, whose padding rows would enter the scales). The top-k is the indexer's, unchanged.
 * ``peers`` — the production kernels (``glm_dsa.peers``): DeepGEMM ``fp8_mqa_logits`` in the
   same budgeted row chunks with the triton backend's radix select, and FlashMLA's SM90 sparse
   prefill. FlashMLA reads bf16 rows only: a bf16 pool is read in place through slot numbers;
@@ -48,13 +55,17 @@ from torch import Tensor
 from glm_dsa import fused
 from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache
+from glm_dsa.fp8 import per_tensor_quant
 from glm_dsa.indexer import indexer_topk
+from glm_dsa.kv_format import mla_kv_load, mla_kv_per_tensor_fp8
 from glm_dsa.mla import MLA, MLAProjection
 
-__all__ = ["BACKENDS", "Backend", "ReferenceBackend", "TritonBackend", "PeersBackend",
+__all__ = ["BACKENDS", "ATTENTION_PRECISIONS", "Backend", "ReferenceBackend", "TritonBackend", "PeersBackend",
            "REFERENCE", "get_backend", "graph_capturable_names"]
 
 _log = logging.getLogger(__name__)
+# How attention multiplies: bf16 (or the activation dtype) operands, or e4m3 q and kv (Q8KV8).
+ATTENTION_PRECISIONS = ("bf16", "fp8")
 
 
 class Backend:
@@ -70,6 +81,8 @@ class Backend:
             (the mode costs it little: docs/determinism.md).
         activation_dtypes, kv_dtypes: the activation dtypes and cache formats
             (``glm_dsa.cache``'s names) it runs; None for any.
+        attention_precisions: the ``ATTENTION_PRECISIONS`` it attends in.
+        attention_precision: the one this backend object attends in.
         passes: the model's small fused passes under this backend (``glm_dsa.fused``).
     """
 
@@ -79,6 +92,8 @@ class Backend:
     invariant_by_default: bool = False
     activation_dtypes: tuple[torch.dtype, ...] | None = None
     kv_dtypes: tuple[str, ...] | None = None
+    attention_precisions: tuple[str, ...] = ("bf16",)
+    attention_precision: str = "bf16"
     passes: fused.Passes = fused.TRITON_ON_CUDA
 
     @classmethod
@@ -151,6 +166,7 @@ class TritonBackend(Backend):
     batch_invariant = True
     # 1.02-1.03x its time outside the mode from 2K to 1M tokens of a GLM-5.3 layer (H200).
     invariant_by_default = True
+    attention_precisions = ATTENTION_PRECISIONS
 
     @classmethod
     def for_device(cls, device: torch.device) -> Backend:
@@ -162,16 +178,23 @@ class TritonBackend(Backend):
                              "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
         return cls()
 
-    def __init__(self) -> None:
+    def __init__(self, attention_precision: str = "bf16") -> None:
         from glm_dsa import kernels
 
+        _check_precision(attention_precision)
         self._kernels = kernels
         self._logged: set[str] = set()
+        self.attention_precision = attention_precision
+        if attention_precision == "fp8":  # per-step scales: see the module docstring
+            self.batch_invariant = self.invariant_by_default = self.graph_capturable = False
 
     def indexer_topk(self, *args) -> Tensor:
         return self._kernels.indexer_topk(*args)
 
     def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes) -> Tensor:
+        if self.attention_precision == "fp8":
+            return _attend_q8kv8(attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes,
+                                 self._kernels.sparse_mla_q8kv8_prefill_fwd)
         if cache.kv_dtype == "fp8" and self._gluon_over_dequantized(attn, proj):
             return _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices,
                                        budget_bytes, self._kernels.flash_mla_sparse_fwd)
@@ -204,6 +227,28 @@ def _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices, budge
         return sparse_fwd(query, kv, rows[:, None, :], scale, d_v)[0]
 
     return attn.forward_sparse(proj, batch, topk_indices, attend_rows, torch.bfloat16,
+                               budget_bytes)
+
+
+def _attend_q8kv8(attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes,
+                  q8kv8_fwd) -> Tensor:
+    """Absorbed sparse attention in FP8 (``q8kv8_fwd``: the Q8KV8 contract): this layer's context
+    as e4m3 rows ``[S_kv, 1, 576]`` with one scale, each row chunk's query quantized with one."""
+    cfg = attn.config
+    if cache.kv_dtype == "fp8":
+        rows = mla_kv_load(cache.mla[layer_idx], batch.kv_slots.to(cache.mla[layer_idx].device))
+        kv_fp8, kv_scale = mla_kv_per_tensor_fp8(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    else:
+        pool = cache.mla[layer_idx]  # bf16 or fp32 rows, read as stored
+        kv_fp8, kv_scale = per_tensor_quant(cache.read_mla(layer_idx, batch.kv_slots, pool.dtype))
+    kv_fp8 = kv_fp8[:, None, :]
+
+    def attend_rows(query: Tensor, rows: Tensor) -> Tensor:
+        q_fp8, q_scale = per_tensor_quant(query)
+        return q8kv8_fwd(q_fp8, kv_fp8, rows[:, None, :], cfg.softmax_scale, q_scale, kv_scale,
+                         cfg.kv_lora_rank)[0]
+
+    return attn.forward_sparse(proj, batch, topk_indices, attend_rows, proj.q_latent.dtype,
                                budget_bytes)
 
 
@@ -266,27 +311,42 @@ def _auto(device: torch.device) -> str:
 
 
 def get_backend(name: str | Backend, device: torch.device | str, dtype: torch.dtype | None = None,
-                kv_dtype: str | None = None, batch_invariant: bool = False) -> Backend:
+                kv_dtype: str | None = None, batch_invariant: bool = False,
+                attention_precision: str = "bf16") -> Backend:
     """The backend ``name`` (one of ``BACKENDS``, or a ``Backend`` object, returned as it is)
     for models on ``device``, checked to run ``dtype`` activations over a ``kv_dtype`` cache
     (``Backend.require``; skipped when ``dtype`` is None) and, with ``batch_invariant``, to be
-    batch-invariant. Every rule about choosing a backend is here, decided once.
+    batch-invariant, and to attend in ``attention_precision`` (``ATTENTION_PRECISIONS``; "fp8"
+    on the triton backend only, never batch-invariant; a ``Backend`` object must have been
+    built with it). Every rule about choosing a backend is here, decided once.
 
     ``auto`` is ``_auto``'s choice. ``triton`` on the CPU needs ``TRITON_INTERPRET=1`` (Triton's
     interpreter: exact but slow, for tests). ``peers`` needs a CUDA device, Triton, and DeepGEMM
     and FlashMLA's SM90 sparse prefill importable (``glm_dsa.peers``).
     """
     device = torch.device(device)
+    _check_precision(attention_precision)
+    if attention_precision == "fp8" and batch_invariant:
+        raise ValueError("attention_precision='fp8' (--attention-precision fp8) is not batch-invariant "
+                         "(one FP8 scale per step's context): drop --batch-invariant or attend in bf16")
     if isinstance(name, str):
         if name not in BACKENDS:
             raise ValueError(f"backend={name!r}: choose one of {', '.join(BACKENDS)}")
         name = _auto(device) if name == "auto" else name
-        # Refused by the class's attribute, before anything is imported or built for it.
+        # Refused by the class's attributes, before anything is imported or built for it.
         _check_invariance(name, _CLASSES[name].batch_invariant, batch_invariant)
+        _check_precisions(name, _CLASSES[name].attention_precisions, attention_precision)
         backend = _CLASSES[name].for_device(device)
+        if attention_precision != backend.attention_precision:
+            backend = type(backend)(attention_precision)
     else:
         backend = name
         _check_invariance(backend.name, backend.batch_invariant, batch_invariant)
+        if backend.attention_precision != attention_precision:
+            raise ValueError(f"the {backend.name} backend object attends in {backend.attention_precision}, "
+                             f"not attention_precision={attention_precision!r}: build it with "
+                             f"attention_precision={attention_precision!r} or pass "
+                             f"{backend.attention_precision!r}")
     if dtype is not None:
         backend.require(dtype, kv_dtype if kv_dtype is not None else "fp8")
     return backend
@@ -297,3 +357,17 @@ def _check_invariance(name: str, invariant: bool, batch_invariant: bool) -> None
         kept = " or ".join(n for n, c in _CLASSES.items() if c.batch_invariant)
         raise ValueError(f"batch-invariant mode (--batch-invariant, batch_invariant=True) runs the {kept} "
                          f"backend: the {name} kernels are not batch-invariant")
+
+
+def _check_precision(attention_precision: str) -> None:
+    if attention_precision not in ATTENTION_PRECISIONS:
+        raise ValueError(f"attention_precision={attention_precision!r}: choose one of "
+                         f"{', '.join(ATTENTION_PRECISIONS)}")
+
+
+def _check_precisions(name: str, precisions: tuple[str, ...], attention_precision: str) -> None:
+    if attention_precision not in precisions:
+        kept = " or ".join(n for n, c in _CLASSES.items() if attention_precision in c.attention_precisions)
+        raise ValueError(f"attention_precision={attention_precision!r} (--attention-precision) runs on the "
+                         f"{kept} backend; the {name} backend attends in {', '.join(precisions)}: choose "
+                         f"--backend {kept.split()[0]} or --attention-precision {precisions[0]}")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from glm_dsa.backend import BACKENDS, Backend, get_backend
+from glm_dsa.backend import ATTENTION_PRECISIONS, BACKENDS, Backend, get_backend
 from glm_dsa import __version__
 from glm_dsa.batch import COMM_OPS, CP_SPLITS
 from glm_dsa.cache import KV_DTYPES
@@ -196,6 +196,10 @@ def _add_prefill(sub) -> None:
                    help="bitwise the same outputs for a request whatever the chunk size, the requests "
                         "sharing its steps, the budgets and graph replay (always so on the triton backend; "
                         "the reference backend runs 1.4-15x slower with it; README, Chunked prefill)")
+    p.add_argument("--attention-precision", choices=ATTENTION_PRECISIONS, default="bf16",
+                   help="sparse attention's products: bf16 (default), or fp8: SGLang's Q8KV8 form on the triton "
+                        "backend, e4m3 query and context with one scale each per step (not batch-invariant, no "
+                        "CUDA graphs; the top-k is unchanged)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay steps of up to 16,384 tokens from CUDA graphs captured per padded token bucket "
                         "(default: on with the triton backend on CUDA, one rank, no --save-layer-outputs; "
@@ -367,7 +371,8 @@ def _resolve(args, device: torch.device) -> _Resolved:
     from glm_dsa.weights import open_checkpoint
 
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    backend = get_backend(args.backend, device, dtype, args.kv_dtype, args.batch_invariant)
+    backend = get_backend(args.backend, device, dtype, args.kv_dtype, args.batch_invariant,
+                          args.attention_precision)
     if args.weights:
         if not os.path.isdir(args.weights):
             raise ValueError(f"--weights {args.weights} is not a directory (config.json + model.safetensors)")
@@ -828,6 +833,7 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
         model, [p.shape[0] for p in prompts] + shared, kv_dtype=args.kv_dtype,
         chunked_prefill_size=args.chunk,
         budget_bytes=_budgets(args, device), timing=True, cp_group=cp_group, backend=run.backend,
+        attention_precision=args.attention_precision,
         layer_outputs=(_layer_set(args.save_layer_outputs, run.first_layer, config.num_hidden_layers)
                        if args.save_layer_outputs else False),
         batch_invariant=args.batch_invariant or None, cuda_graphs=args.cuda_graphs,
@@ -848,7 +854,8 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
     memory["host_peak_rss_bytes"] = None if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights = args.weights or f"random, seed {args.seed}"
     report = {"schema": PREFILL_SCHEMA, "config": config.name, "weights": weights, "device": str(device),
-              "dtype": run.dtype_name, "kv_dtype": args.kv_dtype, "backend": run.backend.name, "chunk": args.chunk,
+              "dtype": run.dtype_name, "kv_dtype": args.kv_dtype, "backend": run.backend.name,
+              "attention_precision": args.attention_precision, "chunk": args.chunk,
               "order": args.order, "memory": memory,
               **engine.report(rids)}
     for layer in report.get("layers", []):  # the config's numbering, as the outputs name layers
@@ -869,7 +876,8 @@ def _run_prefill(args, inputs: _Prompts | None = None) -> int:
     print(f"prefill: config {config.name}, {len(rids)} request(s) of "
           f"{', '.join(str(r['tokens']) for r in report['requests'])} tokens, chunk {args.chunk}"
           + (f"; prefix cache warmed with {args.prefix} tokens" if warm is not None else ""))
-    print(f"weights {weights}; dtype {run.dtype_name}; KV {args.kv_dtype}; backend {run.backend.name} on {device}")
+    print(f"weights {weights}; dtype {run.dtype_name}; KV {args.kv_dtype}; backend {run.backend.name} on {device}"
+          + ("; attention in FP8 (Q8KV8)" if args.attention_precision == "fp8" else ""))
     print(f"memory: weights {memory['weight_bytes'] / 1e9:.2f} GB"
           + (" (one layer resident at a time)" if args.order == "layer" else "") + (
         f"; peak {memory['weights_peak_bytes'] / 1e9:.2f} GB while building them, "
@@ -1059,7 +1067,7 @@ def _add_fidelity(sub) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw mass kept against position (needs the 'plot' extra)")
     # _preflight_prefill reads these prefill flags: one request, no shared prefix, no saved outputs.
     p.set_defaults(func=_cmd_fidelity, requests=1, prefix=0, save_outputs=None, save_layer_outputs=None, cp=None,
-                   order="chunk",
+                   order="chunk", attention_precision="bf16",
                    batch_invariant=False, cuda_graphs=None)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "raw_scale",
     "act_quant",
     "act_dequant",
+    "per_tensor_quant",
     "ceil_pow2",
     "narrow_cast",
 ]
@@ -148,3 +149,18 @@ def act_dequant(x_fp8: Tensor, scale: Tensor, block_size: int = 128) -> Tensor:
         )
     blocks = x_fp8.to(torch.float32).reshape(*expected, block_size)
     return (blocks * scale.unsqueeze(-1)).reshape(x_fp8.shape)
+
+
+def per_tensor_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """One e4m3 scale for the whole tensor (SGLang's Q8KV8 operands): ``x`` of any shape ->
+    ``(x_fp8`` float8_e4m3fn of ``x``'s shape, ``scale`` float32 ``[1])`` with ``scale =
+    raw_scale(max(amax(|x|), AMAX_FLOOR))`` and ``x ≈ x_fp8 * scale``.
+
+    The scale stays on the device (no host sync; the Q8KV8 kernels read it there). The payload
+    is ``clamp(x / scale, ±448)`` computed in float32 and rounded once (one float32 temporary
+    of ``x``'s size).
+    """
+    amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=x.device)
+    scale = raw_scale(amax.clamp_min(AMAX_FLOOR)).reshape(1)
+    x_fp8 = (x.to(torch.float32) / scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return x_fp8.to(torch.float8_e4m3fn), scale

@@ -58,6 +58,7 @@ __all__ = [
     "mla_kv_unpack_bf16",
     "mla_kv_store",
     "mla_kv_load",
+    "mla_kv_per_tensor_fp8",
 ]
 
 # The main-KV row formats a server stores (byte layouts above); the cache also keeps plain
@@ -288,6 +289,39 @@ def mla_kv_dequantize(rows: Tensor, kv_lora_rank: int = 512, rope_dim: int = 64,
     out[:, :kv_lora_rank] = c.reshape(n, kv_lora_rank)
     out[:, kv_lora_rank:] = k_pe
     return out
+
+
+def mla_kv_per_tensor_fp8(rows: Tensor, kv_lora_rank: int = 512,
+                          rope_dim: int = 64) -> tuple[Tensor, Tensor]:
+    """FP8 rows requantized with one scale for them all (the Q8KV8 kernels' operand):
+    uint8 ``[n, row_bytes]`` -> ``(kv_fp8`` float8_e4m3fn ``[n, R + P]``, ``scale`` float32
+    ``[1])`` with ``kv_fp8 * scale ≈ mla_kv_dequantize(rows)``.
+
+    The scale comes from the stored tile scales and the RoPE amax, without reading the payload:
+    ``ceil_pow2(max(tile scales, raw_scale(amax |k_pe|)))``, which bounds every value by 448.
+    The latent is rounded twice (once into its tile, once here): with power-of-two tile scales
+    (``ue8m0``, the cache's) ``tile_scale / scale`` is a power of two, so a payload moves exactly
+    unless it falls below e4m3's normal range (2^-6), where it loses low mantissa bits (or
+    flushes to 0 below 2^-10) — in tiles whose scale is far below the largest. The bf16 RoPE
+    values are rounded to e4m3 once. Float32 temporaries of ``[n, R + P]``.
+    """
+    _check_rows(rows, mla_kv_row_bytes(kv_lora_rank, rope_dim, "fp8"), "FP8 MLA KV")
+    n = rows.shape[0]
+    tiles = kv_lora_rank // MLA_TILE
+    rows = rows.contiguous()
+    payload = rows[:, :kv_lora_rank].contiguous().view(torch.float8_e4m3fn)
+    scale_end = kv_lora_rank + _SCALE_BYTES * tiles
+    tile_scale = rows[:, kv_lora_rank:scale_end].contiguous().view(torch.float32)  # [n, tiles]
+    k_pe = rows[:, scale_end:].contiguous().view(torch.bfloat16).to(torch.float32)  # [n, P]
+    floor = torch.full((1,), AMAX_FLOOR, dtype=torch.float32, device=rows.device)
+    rope_amax = torch.cat((k_pe.abs().flatten(), floor)).amax()
+    largest_tile = torch.cat((tile_scale.flatten(), raw_scale(floor))).amax()
+    scale = ceil_pow2(torch.maximum(largest_tile, raw_scale(rope_amax))).reshape(1)
+    out = torch.empty((n, kv_lora_rank + rope_dim), dtype=torch.float32, device=rows.device)
+    c = payload.to(torch.float32).reshape(n, tiles, MLA_TILE).mul_((tile_scale / scale)[..., None])
+    out[:, :kv_lora_rank] = c.reshape(n, kv_lora_rank)
+    out[:, kv_lora_rank:] = k_pe / scale
+    return out.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def mla_kv_pack_bf16(c: Tensor, k_pe: Tensor) -> Tensor:

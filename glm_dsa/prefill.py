@@ -245,6 +245,10 @@ class PrefillEngine:
         backend: ``"auto"`` (triton on CUDA when Triton imports, else reference),
             ``"reference"`` (the oracle), ``"triton"`` (``glm_dsa.kernels``), ``"peers"``
             (DeepGEMM and FlashMLA), or a ``Backend`` object; see ``glm_dsa.backend``.
+        attention_precision: ``"bf16"`` (default): attention on the activation dtype's query
+            and the cache's rows; ``"fp8"``: SGLang's Q8KV8 form on the triton backend (e4m3
+            query and context with one scale each, both products in FP8; not batch-invariant,
+            no CUDA graphs); see ``glm_dsa.backend``.
         layer_outputs: keep every layer's output and every full layer's top-k of each request
             (``outputs`` writes them; one rank only); or a set of stack layer indices to keep
             those layers' only.
@@ -289,6 +293,7 @@ class PrefillEngine:
         timing: bool = False,
         cp_group: CPGroup | None = None,
         backend: str | Backend = "auto",
+        attention_precision: str = "bf16",
         layer_outputs: bool | Collection[int] = False,
         batch_invariant: bool | None = None,
         cuda_graphs: bool | None = None,
@@ -319,7 +324,8 @@ class PrefillEngine:
         self.model, self.config = model, cfg
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.backend = get_backend(backend, self.device, self.dtype, kv_dtype, bool(batch_invariant))
+        self.backend = get_backend(backend, self.device, self.dtype, kv_dtype, bool(batch_invariant),
+                                   attention_precision)
         self.batch_invariant = (self.backend.invariant_by_default if batch_invariant is None
                                 else batch_invariant)
         why_not = graphs.unsupported(self.device, self.backend, cp=cp_group is not None,

@@ -51,7 +51,7 @@ from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
            "gluon_unavailable", "gluon_unsuitable", "DeviceFacts", "GluonCall", "device_refusal",
-           "shape_refusal", "rows_refusal", "call_refusal", "launch_flags"]
+           "shape_refusal", "rows_refusal", "call_refusal", "launch_flags", "prefetch_rows"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -223,7 +223,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _prefetch_rows(rows, ROW_BYTES: tl.constexpr):
+def prefetch_rows(rows, ROW_BYTES: tl.constexpr):
     """Ask L2 for the ``ROW_BYTES``-byte rows at ``rows`` (pointers, ``[BLOCK_K]``, 16-byte
     aligned): one bulk prefetch per row, which does not wait for the data."""
     size = tl.full(rows.shape, ROW_BYTES, tl.int32)
@@ -295,7 +295,7 @@ def _sparse_mla_fwd_kernel(
             cols_ahead = start + BLOCK_K + tl.arange(0, BLOCK_K)
             idx_ahead = tl.load(idx_rows + start + BLOCK_K, mask=cols_ahead < n_cols, other=-1)
             ok_ahead = (idx_ahead >= 0) & (idx_ahead < s_kv)
-            _prefetch_rows(kv_ptr + tl.where(ok_ahead, idx_ahead, 0).to(tl.int64) * stride_kv,
+            prefetch_rows(kv_ptr + tl.where(ok_ahead, idx_ahead, 0).to(tl.int64) * stride_kv,
                            ROW_BYTES)
         # Scores transposed, keys on the GEMM's M: s^T = K · q^T, [BLOCK_K, BLOCK_H]. With
         # 128-key tiles each warpgroup scores its own 64 keys for all heads, so no score is
