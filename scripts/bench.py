@@ -185,9 +185,11 @@ def _one_layer_model(**changes) -> torch.nn.Module:
 
 
 def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768,
-                  backend: str = "reference") -> None:
+                  backend: str = "reference", attention_precision: str = "bf16") -> None:
     """Chunked prefill of one ``tokens``-long prompt; fills ``entry`` step by step and calls
-    ``save()`` after each step, so a run stopped by a time limit keeps its finished steps."""
+    ``save()`` after each step, so a run stopped by a time limit keeps its finished steps.
+    ``attention_precision``: the engine's (``PrefillEngine``); "fp8" runs the fast path, not
+    the batch-invariant one (``entry["batch_invariant"]`` records which ran)."""
     model = _one_layer_model()
     cfg = model.config
     # First-call set-up out of the timings: the allocator, and on the triton backend Triton's
@@ -195,18 +197,20 @@ def bench_prefill(ceil: dict, tokens: int, entry: dict, save, chunk: int = 32768
     # prefix), so that backend warms up with a prefill of the same length.
     warm_tokens = tokens if backend == "triton" else 2 * chunk
     warm = PrefillEngine.for_prompts(model, [warm_tokens], kv_dtype="fp8", chunked_prefill_size=chunk,
-                                     compute_logits=False, prefix_caching=False, backend=backend)
+                                     compute_logits=False, prefix_caching=False, backend=backend,
+                                     attention_precision=attention_precision)
     warm.add_request(torch.arange(warm_tokens) % cfg.vocab_size)
     warm.run()
     del warm
     engine = PrefillEngine.for_prompts(model, [tokens], kv_dtype="fp8", chunked_prefill_size=chunk,
                                        prefix_caching=False, compute_logits=False, timing=True,
-                                       backend=backend)
+                                       backend=backend, attention_precision=attention_precision)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     engine.add_request(ids)
     flops = component_flops(cfg, tokens)
     floors = {k: flops[k][0] / ceil["bf16_flops_per_s"] + flops[k][1] / ceil["fp8_flops_per_s"] for k in flops}
-    entry.update(tokens=tokens, chunk=chunk, backend=backend, steps=[], floor_seconds=sum(floors.values()),
+    entry.update(tokens=tokens, chunk=chunk, backend=backend, attention_precision=attention_precision,
+                 batch_invariant=engine.batch_invariant, steps=[], floor_seconds=sum(floors.values()),
                  component_floor_seconds=floors, component_flops=flops)
     sync()
     torch.cuda.reset_peak_memory_stats()
@@ -599,6 +603,9 @@ def main() -> int:
     ap.add_argument("--peer-queries", default="4096,32768", help="query rows of the peers part")
     ap.add_argument("--backend", choices=("reference", "triton"), default="reference",
                     help="the engine's indexer top-k and sparse attention (prefill and hf parts)")
+    ap.add_argument("--attention-precision", choices=("bf16", "fp8"), default="bf16",
+                    help="prefill part: the engine's attention precision (fp8: the FP8-query Q8KV8 "
+                         "kernel, triton backend)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="hf part: glm-dsa's timed runs with the engine's default CUDA graphs (on the triton "
                          "backend); the eager time is measured beside them either way")
@@ -646,7 +653,8 @@ def main() -> int:
         for tokens in map(int, args.prefill_tokens.split(",")):
             entry: dict = {}
             res["prefill"].append(entry)
-            bench_prefill(res["ceilings"], tokens, entry, save, backend=args.backend)
+            bench_prefill(res["ceilings"], tokens, entry, save, backend=args.backend,
+                          attention_precision=args.attention_precision)
             print("prefill", json.dumps({k: v for k, v in entry.items() if k != "steps"}), flush=True)
             save()
             torch.cuda.empty_cache()
