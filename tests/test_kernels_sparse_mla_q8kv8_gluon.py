@@ -28,10 +28,30 @@ TESTED = triton.__version__ in GLUON_TESTED_TRITON
 needs_gluon = pytest.mark.skipif(not (SM90 and TESTED),
                                  reason="needs an sm_90 GPU and a Triton in GLUON_TESTED_TRITON")
 
+# The kernel's schedule forms (CONFIG overrides): the default, FlashAttention-3's look-ahead
+# scores, the value warpgroup transposing V_r itself, both, both over a deeper Vᵀ ring, and a
+# deeper K ring over one Vᵀ stage. Both at once take 8 registers from the gather warpgroup for
+# the value one (at 72 / 168 ptxas spills a few bytes).
+BOTH = {"lookahead": True, "split_transpose": True, "gather_regs": 64, "value_regs": 176}
+FORMS = [{}, {"lookahead": True}, {"split_transpose": True}, BOTH,
+         {**BOTH, "stages": 2, "v_stages": 3}, {"stages": 4, "v_stages": 1}]
+FORM_IDS = ["config", "lookahead", "split", "both", "both-s2v3", "s4v1"]
+
+
+@pytest.fixture(params=FORMS, ids=FORM_IDS)
+def form(request, monkeypatch):
+    """Runs the test with the kernel's CONFIG overridden by one of ``FORMS``."""
+    from glm_dsa.kernels import sparse_mla_q8kv8_gluon as kernel
+
+    for key, value in request.param.items():
+        monkeypatch.setitem(kernel.CONFIG, key, value)
+    return request.param
+
 _AOT = """
 import json, re, sys
 from glm_dsa.kernels.sparse_mla_q8kv8_gluon import compile_sm90
-c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1")
+c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1",
+                 config=json.loads(sys.argv[4]))
 ptx = c.asm["ptx"]
 with open(sys.argv[3], "w") as f:
     f.write(ptx)
@@ -43,14 +63,16 @@ print(json.dumps({"shared": c.metadata.shared, "mma": sorted(set(mma)),
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
+@pytest.mark.parametrize("config", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("has_sink,has_len", [(False, False), (True, True)])
 def test_q8kv8_kernel_compiles_for_sm90_on_fp8_tensor_cores_within_shared_memory(
-        has_sink, has_len, tmp_path):
+        has_sink, has_len, config, tmp_path):
     # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     ptx = tmp_path / "kernel.ptx"
     done = subprocess.run([sys.executable, "-c", _AOT, str(int(has_sink)), str(int(has_len)),
-                           str(ptx)], env=env, capture_output=True, text=True, timeout=300,
+                           str(ptx), json.dumps(config)], env=env, capture_output=True,
+                          text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr[-3000:]
     info = json.loads(done.stdout.strip().splitlines()[-1])
@@ -106,7 +128,7 @@ def _check(q8, kv8, rows, idx, q_scale, kv_scale, sm_scale, attn_sink=None, topk
 @needs_gluon
 @pytest.mark.parametrize("topk", [2048, 640])
 @pytest.mark.parametrize("h_q", [64, 128])
-def test_q8kv8_gluon_matches_the_oracle_with_invalid_indices_and_a_lonely_row(h_q, topk):
+def test_q8kv8_gluon_matches_the_oracle_with_invalid_indices_and_a_lonely_row(h_q, topk, form):
     s_kv = 5000
     q8, kv8, rows, idx, q_scale, kv_scale = _inputs(12, h_q, topk, s_kv, seed=h_q + topk)
     junk = torch.tensor(invalid_indices(s_kv), dtype=torch.int32, device="cuda")
@@ -121,7 +143,7 @@ def test_q8kv8_gluon_matches_the_oracle_with_invalid_indices_and_a_lonely_row(h_
 @pytest.mark.cuda
 @needs_gluon
 @pytest.mark.parametrize("h_q", [64, 128])
-def test_q8kv8_gluon_takes_attn_sink_and_topk_length(h_q):
+def test_q8kv8_gluon_takes_attn_sink_and_topk_length(h_q, form):
     q8, kv8, rows, idx, q_scale, kv_scale = _inputs(10, h_q, 2048, 3000, seed=7 + h_q)
     g = torch.Generator(device="cuda").manual_seed(11)
     sink = torch.randn(h_q, generator=g, device="cuda")
@@ -134,7 +156,7 @@ def test_q8kv8_gluon_takes_attn_sink_and_topk_length(h_q):
 
 @pytest.mark.cuda
 @needs_gluon
-def test_q8kv8_gluon_over_a_wide_index_range_at_a_padded_row_stride():
+def test_q8kv8_gluon_over_a_wide_index_range_at_a_padded_row_stride(form):
     # s_kv ~200k: row offsets past 2**27 bytes; rows 656 bytes apart (a pool-like stride).
     q8, kv8, rows, idx, q_scale, kv_scale = _inputs(6, 64, 2048, 200_000, seed=3,
                                                     row_stride=656)
@@ -145,7 +167,7 @@ def test_q8kv8_gluon_over_a_wide_index_range_at_a_padded_row_stride():
 
 @pytest.mark.cuda
 @needs_gluon
-def test_q8kv8_gluon_with_unit_scales_and_an_e4m3_kv_view():
+def test_q8kv8_gluon_with_unit_scales_and_an_e4m3_kv_view(form):
     # SGLang's serving cast: scale 1, the payload is the value; kv passed as e4m3 rows.
     g = torch.Generator(device="cuda").manual_seed(5)
     q8 = (torch.randn(4, 128, 576, generator=g, device="cuda") / 10).to(torch.float8_e4m3fn)

@@ -44,6 +44,19 @@ ring because a K stage is free after the scores and the transpose, a Vᵀ stage 
 scores' wgmma read Q and K (72 KB), ``P · V`` 40 KB, the gather writes 36 KB, the transpose
 reads and writes 32 KB each at two accesses a wavefront (a 4-byte store of 4 keys cannot reach
 all 32 banks in a 64-byte-row swizzle), 280 KB in all.
+
+Schedule forms (``CONFIG`` keys, off by default until timed; same shared memory):
+
+- ``lookahead`` (FlashAttention-3's intra-warpgroup pipelining): the softmax warpgroup issues
+  tile ``i + 1``'s scores before tile ``i``'s softmax, so the tensor cores work through the
+  softmax math instead of idling; the chains (64 registers in flight beside the accumulator)
+  retire with tile ``i``'s ``P · V_l``. The next tile's indices are loaded after the softmax so
+  that their registers do not add to that peak.
+- ``split_transpose``: the gather warpgroup transposes only ``k_l`` (``Vᵀ`` columns 0-255); the
+  value warpgroup, otherwise idle between its products, transposes ``k_r`` (columns 256-511,
+  the only ones it reads) of tile ``i + 1`` while its ``P · V_r`` of tile ``i`` runs, and frees
+  the K stage with the scores (``empty`` counts 2). Needs ``v_stages >= 2``. With ``lookahead``
+  too, ptxas spills at 72 / 168 registers: ``gather_regs`` 64 / ``value_regs`` 176 do not.
 """
 
 from __future__ import annotations
@@ -68,10 +81,10 @@ _LOG2E = math.log2(math.e)
 BLOCK_H = 64      # heads per CTA: the wgmma M
 BLOCK_K = 64      # keys per tile
 D_V, D_TAIL = 512, 64
-# The launch configuration (see the module docstring): K ring depth, Vᵀ ring depth, warps and
-# the partitions' register budgets.
+# The launch configuration (see the module docstring): K ring depth, Vᵀ ring depth, warps, the
+# partitions' register budgets and the schedule forms.
 CONFIG = {"stages": 3, "v_stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72,
-          "value_regs": 168}
+          "value_regs": 168, "lookahead": False, "split_transpose": False}
 
 
 @gluon.jit
@@ -126,20 +139,17 @@ def _issue_tile(kv_ptr, t_l, t_p, s_kv, stride_kv, k_l_s, k_r_s, k_p_s, ready_l,
 
 
 @gluon.jit
-def _transpose_v(k_l_s, k_r_s, vt_s, D_V: gl.constexpr, WARPS: gl.constexpr):
-    """``Vᵀ`` of a K stage's latent bytes (``[keys, 512]``) into ``vt_s`` (``[512, keys]``),
-    128 columns at a time: each thread reads 4 keys x 16 bytes (16-byte loads) and writes them
-    as 16 columns x 4 keys (4-byte stores). Lanes span 64 keys and two columns 16 apart, warps
-    the columns: of the layouts with these vectors, the fewest bank conflicts found
-    (``gl.bank_conflicts``: one extra access a wavefront, loads and stores)."""
-    HALF: gl.constexpr = D_V // 2
+def _transpose_v(src, vt_cols, COLS: gl.constexpr, WARPS: gl.constexpr):
+    """``Vᵀ`` of ``COLS`` latent columns: ``src`` ``[keys, COLS]`` (a K stage's ``k_l`` or
+    ``k_r``) into ``vt_cols`` (``[COLS, keys]``), 128 columns at a time: each thread reads 4 keys
+    x 16 bytes (16-byte loads) and writes them as 16 columns x 4 keys (4-byte stores). Lanes span
+    64 keys and two columns 16 apart, warps the columns: of the layouts with these vectors, the
+    fewest bank conflicts found (``gl.bank_conflicts``: one extra access a wavefront, loads and
+    stores)."""
     lay: gl.constexpr = gl.BlockedLayout([4, 16], [16, 2], [1, WARPS], [1, 0])
-    for c in gl.static_range(D_V // 128):
-        if c * 128 < HALF:
-            x = k_l_s.slice(c * 128, 128, dim=1).load(lay)
-        else:
-            x = k_r_s.slice(c * 128 - HALF, 128, dim=1).load(lay)
-        vt_s.slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
+    for c in gl.static_range(COLS // 128):
+        x = src.slice(c * 128, 128, dim=1).load(lay)
+        vt_cols.slice(c * 128, 128, dim=0).store(gl.permute(x, (1, 0)))
 
 
 @gluon.jit
@@ -148,10 +158,11 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
                       stride_qh, stride_kv, stride_is, h_groups,
                       HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                       D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
-                      V_STAGES: gl.constexpr, WARPS: gl.constexpr):
+                      V_STAGES: gl.constexpr, SPLIT_T: gl.constexpr, WARPS: gl.constexpr):
     """Q once; each tile into K stage ``i % STAGES``, ``STAGES - 1`` tiles ahead; each landed
-    tile's ``Vᵀ`` into ``vt[i % V_STAGES]``."""
+    tile's ``Vᵀ`` into ``vt[i % V_STAGES]`` (``SPLIT_T``: only its columns 0-255)."""
     LAG: gl.constexpr = STAGES - 1
+    HALF: gl.constexpr = D_V // 2
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
@@ -188,9 +199,12 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
         s = i % STAGES
         v = i % V_STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        mbarrier.wait(ready.index(STAGES + s), (i // STAGES) & 1)
+        if not SPLIT_T:
+            mbarrier.wait(ready.index(STAGES + s), (i // STAGES) & 1)
         mbarrier.wait(vt_empty.index(v), ((i // V_STAGES) & 1) ^ 1)
-        _transpose_v(k_l.index(s), k_r.index(s), vt.index(v), D_V, WARPS)
+        _transpose_v(k_l.index(s), vt.index(v).slice(0, HALF, dim=0), HALF, WARPS)
+        if not SPLIT_T:
+            _transpose_v(k_r.index(s), vt.index(v).slice(HALF, HALF, dim=0), HALF, WARPS)
         fence_async_shared()  # the generic-proxy writes before the wgmma's (async proxy) reads
         # Every gather thread's part is written (and the K stage read, before a later refill).
         gl.thread_barrier()
@@ -198,21 +212,34 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
 
 
 @gluon.jit
-def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase,
-            layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
-    """``Q · Kᵀ`` of one K stage in e4m3 (float32 ``[BLOCK_H, BLOCK_K]``, payload units): the
-    first latent block as soon as ``ready_l`` completes ``phase``, the rest after ``ready_r``.
-    Two accumulator chains (256 and 320 products) summed in float32: Hopper's FP8 accumulation
-    keeps ~14 bits, so partial sums are promoted as DeepGEMM does (``max_num_imprecise_acc``
-    would add them between asynchronous wgmmas without a wait, which ptxas serializes)."""
+def _issue_scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase, landed,
+                  layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Issues ``Q · Kᵀ`` of one K stage in e4m3 (float32 ``[BLOCK_H, BLOCK_K]``, payload units)
+    as two asynchronous accumulator chains (256 and 320 products; ``_scores`` waits and sums
+    them): the first latent block once ``ready_l`` completes ``phase``, the rest after
+    ``ready_r``. Hopper's FP8 accumulation keeps ~14 bits, so partial sums are promoted in
+    float32 as DeepGEMM does (``max_num_imprecise_acc`` would add them between asynchronous
+    wgmmas without a wait, which ptxas serializes). ``landed`` false: the stage is never filled
+    (a look-ahead past the last tile), nothing is awaited and the chains are garbage."""
     zero = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, layout)
-    mbarrier.wait(ready_l, phase)
-    fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
+    if landed:
+        mbarrier.wait(ready_l, phase)
+        fence_async_shared()  # cp.async's writes before the wgmma's (async proxy) reads
     s_l = warpgroup_mma(q_l, k_l_s.permute((1, 0)), zero, is_async=True)
-    mbarrier.wait(ready_r, phase)
-    fence_async_shared()
+    if landed:
+        mbarrier.wait(ready_r, phase)
+        fence_async_shared()
     s_r = warpgroup_mma(q_r, k_r_s.permute((1, 0)), zero, is_async=True)
     s_r = warpgroup_mma(q_p, k_p_s.permute((1, 0)), s_r, is_async=True)
+    return s_l, s_r
+
+
+@gluon.jit
+def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase,
+            layout: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr):
+    """``Q · Kᵀ`` of one K stage (``_issue_scores``), waited and summed."""
+    s_l, s_r = _issue_scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase, True,
+                             layout, BLOCK_H, BLOCK_K)
     s_l, s_r = warpgroup_mma_wait(num_outstanding=0, deps=(s_l, s_r))
     return s_l + s_r
 
@@ -230,11 +257,17 @@ def _online_softmax(s, valid, m_i, l_i, scale_log2):
 
 
 @gluon.jit
-def _pv(p_s, vt_half, acc, alpha):
-    """``alpha · acc + P · V`` in e4m3 (P ``[heads, keys]``, ``vt_half`` ``[cols, keys]``, both
-    with the keys contiguous: K-major, as FP8 wgmma needs)."""
+def _issue_pv(p_s, vt_half, acc, alpha):
+    """Issues ``alpha · acc + P · V`` in e4m3 (P ``[heads, keys]``, ``vt_half`` ``[cols, keys]``,
+    both with the keys contiguous: K-major, as FP8 wgmma needs); asynchronous."""
     acc = acc * alpha[:, None]
-    acc = warpgroup_mma(p_s, vt_half.permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(p_s, vt_half.permute((1, 0)), acc, is_async=True)
+
+
+@gluon.jit
+def _pv(p_s, vt_half, acc, alpha):
+    """``alpha · acc + P · V`` (``_issue_pv``), waited."""
+    acc = _issue_pv(p_s, vt_half, acc, alpha)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
 
@@ -255,8 +288,11 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
                        s_kv, h_q, topk, sm_scale_log2, stride_is, stride_os, stride_oh,
                        h_groups, HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
                        BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
-                       STAGES: gl.constexpr, V_STAGES: gl.constexpr):
-    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end."""
+                       STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr):
+    """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end.
+    ``LOOKAHEAD`` (FlashAttention-3's intra-warpgroup pipelining): tile ``i + 1``'s scores are
+    issued before tile ``i``'s softmax, so the tensor cores work through the softmax math; they
+    complete with tile ``i``'s ``P · V_l`` (one wait for both, wgmma groups retire in order)."""
     LOG2E: gl.constexpr = 1.4426950408889634
     LN2: gl.constexpr = 0.6931471805599453
     HALF: gl.constexpr = D_V // 2
@@ -281,16 +317,30 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
     mbarrier.wait(q_ready, 0)
     fence_async_shared()
     t_next = gl.load(idx_row + key_cols, mask=key_cols < n_cols, other=-1)
-    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    if LOOKAHEAD:
+        scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout)
+        if n_tiles > 0:
+            scores = _scores(q_l, q_r, q_p, k_l.index(0), k_r.index(0), k_p.index(0),
+                             ready.index(0), ready.index(STAGES), 0, s_layout, BLOCK_H, BLOCK_K)
+            mbarrier.arrive(empty.index(0), count=1)
+    for i in range(n_tiles):
         s = i % STAGES
         v = i % V_STAGES
         valid = (t_next >= 0) & (t_next < s_kv)
-        cols = (i + 1) * BLOCK_K + key_cols  # the next tile's, a tile ahead
-        t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
-        scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
-                         ready.index(s), ready.index(STAGES + s), (i // STAGES) & 1, s_layout,
-                         BLOCK_H, BLOCK_K)
-        mbarrier.arrive(empty.index(s), count=1)
+        if LOOKAHEAD:
+            sn = (i + 1) % STAGES
+            s_l, s_r = _issue_scores(q_l, q_r, q_p, k_l.index(sn), k_r.index(sn), k_p.index(sn),
+                                     ready.index(sn), ready.index(STAGES + sn),
+                                     ((i + 1) // STAGES) & 1, i + 1 < n_tiles, s_layout,
+                                     BLOCK_H, BLOCK_K)
+        else:
+            cols = (i + 1) * BLOCK_K + key_cols  # the next tile's, a tile ahead
+            t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
+            scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
+                             ready.index(s), ready.index(STAGES + s), (i // STAGES) & 1,
+                             s_layout, BLOCK_H, BLOCK_K)
+            mbarrier.arrive(empty.index(s), count=1)
         p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
         vph = (i // V_STAGES) & 1
         mbarrier.wait(vt_empty.index(v), vph ^ 1)  # both P · V of this slot's last tile done
@@ -299,9 +349,21 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
         fence_async_shared()
         gl.thread_barrier()  # every thread's P and alpha are written before the hand-over
         mbarrier.arrive(p_ready.index(v), count=1)
+        if LOOKAHEAD:
+            # Loaded after the softmax, not before: its registers are not live through it
+            # beside the next tile's scores.
+            cols = (i + 1) * BLOCK_K + key_cols
+            t_next = gl.load(idx_row + cols, mask=cols < n_cols, other=-1)
         mbarrier.wait(vt_ready.index(v), vph)
-        acc = _pv(p_smem.index(v), vt.index(v).slice(0, HALF, dim=0), acc,
-                  gl.convert_layout(alpha, row_o))
+        acc = _issue_pv(p_smem.index(v), vt.index(v).slice(0, HALF, dim=0), acc,
+                        gl.convert_layout(alpha, row_o))
+        if LOOKAHEAD:
+            acc, s_l, s_r = warpgroup_mma_wait(num_outstanding=0, deps=(acc, s_l, s_r))
+            scores = s_l + s_r
+            if i + 1 < n_tiles:
+                mbarrier.arrive(empty.index(sn), count=1)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(vt_empty.index(v), count=1)
 
     heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
@@ -323,11 +385,27 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
 
 
 @gluon.jit
-def _value_partition(len_ptr, out_ptr, vt, p_smem, alpha_smem, denom_smem, vt_ready, vt_empty,
-                     p_ready, done, topk, stride_os, stride_oh, h_groups,
+def _transpose_own(k_r_s, vt_r, ready_r, empty_s, phase, HALF: gl.constexpr):
+    """The value warpgroup's ``Vᵀ`` of a K stage's ``k_r`` (once ``ready_r`` completes
+    ``phase``) into ``vt_r``; then its arrive on ``empty_s`` (the stage's other reader is the
+    scores)."""
+    mbarrier.wait(ready_r, phase)
+    _transpose_v(k_r_s, vt_r, HALF, 4)
+    fence_async_shared()  # the generic-proxy writes before the wgmma's (async proxy) reads
+    gl.thread_barrier()  # every thread's part is written before this warpgroup's P · V_r
+    mbarrier.arrive(empty_s, count=1)
+
+
+@gluon.jit
+def _value_partition(len_ptr, out_ptr, k_r, vt, p_smem, alpha_smem, denom_smem, ready, empty,
+                     vt_ready, vt_empty, p_ready, done, topk, stride_os, stride_oh, h_groups,
                      HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
-                     D_V: gl.constexpr, V_STAGES: gl.constexpr):
-    """``O_r = alpha · O_r + P · V_r`` per tile; its half of the output at the end."""
+                     D_V: gl.constexpr, STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+                     SPLIT_T: gl.constexpr):
+    """``O_r = alpha · O_r + P · V_r`` per tile; its half of the output at the end. ``SPLIT_T``:
+    this warpgroup transposes ``V_r`` itself (``k_r`` of a K stage into ``vt[v]``'s columns
+    256-511, then its arrive on ``empty``), tile ``i + 1``'s while tile ``i``'s ``P · V_r`` runs
+    (hence ``V_STAGES >= 2``), halving the gather warpgroup's transpose."""
     HALF: gl.constexpr = D_V // 2
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 32])
@@ -336,15 +414,28 @@ def _value_partition(len_ptr, out_ptr, vt, p_smem, alpha_smem, denom_smem, vt_re
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
     n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    for i in range(gl.cdiv(n_cols, BLOCK_K)):
+    if SPLIT_T:
+        if n_tiles > 0:
+            _transpose_own(k_r.index(0), vt.index(0).slice(HALF, HALF, dim=0),
+                           ready.index(STAGES), empty.index(0), 0, HALF)
+    for i in range(n_tiles):
         v = i % V_STAGES
         vph = (i // V_STAGES) & 1
         mbarrier.wait(p_ready.index(v), vph)
-        mbarrier.wait(vt_ready.index(v), vph)
+        if not SPLIT_T:
+            mbarrier.wait(vt_ready.index(v), vph)
         fence_async_shared()
         alpha = alpha_smem.index(v).load(row_o)
-        acc = _pv(p_smem.index(v), vt.index(v).slice(HALF, HALF, dim=0), acc, alpha)
+        acc = _issue_pv(p_smem.index(v), vt.index(v).slice(HALF, HALF, dim=0), acc, alpha)
+        if SPLIT_T:
+            if i + 1 < n_tiles:
+                sn = (i + 1) % STAGES
+                vt_next = vt.index((i + 1) % V_STAGES).slice(HALF, HALF, dim=0)
+                _transpose_own(k_r.index(sn), vt_next, ready.index(STAGES + sn), empty.index(sn),
+                               ((i + 1) // STAGES) & 1, HALF)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(vt_empty.index(v), count=1)
     mbarrier.wait(done, 0)
     _store_half(out_ptr, acc, denom_smem.load(row_o), qi, head0, HALF, stride_os, stride_oh,
@@ -358,8 +449,9 @@ def _sparse_mla_q8kv8_fwd_gluon_kernel(
     stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
-    STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-    GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr, VALUE_REGS: gl.constexpr,
+    STAGES: gl.constexpr, V_STAGES: gl.constexpr, LOOKAHEAD: gl.constexpr,
+    SPLIT_T: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    VALUE_REGS: gl.constexpr,
 ):
     HALF: gl.constexpr = D_V // 2
     h_groups = h_q // BLOCK_H
@@ -392,7 +484,12 @@ def _sparse_mla_q8kv8_fwd_gluon_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
         mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
-        mbarrier.init(empty.index(s), count=1)  # the scores (the transpose precedes the refill)
+        # The scores, and with SPLIT_T the value warpgroup's transpose (the gather's own
+        # transpose precedes its refill).
+        if SPLIT_T:
+            mbarrier.init(empty.index(s), count=2)
+        else:
+            mbarrier.init(empty.index(s), count=1)
     for v in gl.static_range(V_STAGES):
         mbarrier.init(vt_ready.index(v), count=1)
         mbarrier.init(vt_empty.index(v), count=2)  # the softmax and the value warpgroup
@@ -403,20 +500,24 @@ def _sparse_mla_q8kv8_fwd_gluon_kernel(
                               denom_smem, q_ready, ready, empty, vt_ready, vt_empty, p_ready,
                               done, s_kv, h_q, topk, sm_scale_log2, stride_is, stride_os,
                               stride_oh, h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V,
-                              STAGES, V_STAGES)),
-        (_value_partition, (len_ptr, out_ptr, vt, p_smem, alpha_smem, denom_smem, vt_ready,
-                            vt_empty, p_ready, done, topk, stride_os, stride_oh, h_groups,
-                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, V_STAGES)),
+                              STAGES, V_STAGES, LOOKAHEAD)),
+        (_value_partition, (len_ptr, out_ptr, k_r, vt, p_smem, alpha_smem, denom_smem, ready,
+                            empty, vt_ready, vt_empty, p_ready, done, topk, stride_os,
+                            stride_oh, h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES,
+                            V_STAGES, SPLIT_T)),
         (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p, vt,
                              q_ready, ready, empty, vt_ready, vt_empty, s_kv, topk, stride_qs,
                              stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
-                             BLOCK_K, D_V, D_TAIL, STAGES, V_STAGES, GATHER_WARPS)),
+                             BLOCK_K, D_V, D_TAIL, STAGES, V_STAGES, SPLIT_T, GATHER_WARPS)),
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
 def _constexprs(cfg: dict) -> dict:
+    if cfg["split_transpose"] and cfg["v_stages"] < 2:
+        raise ValueError(f"split_transpose needs v_stages >= 2, got {cfg['v_stages']}")
     return {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V, "D_TAIL": D_TAIL,
             "STAGES": cfg["stages"], "V_STAGES": cfg["v_stages"],
+            "LOOKAHEAD": cfg["lookahead"], "SPLIT_T": cfg["split_transpose"],
             "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
             "VALUE_REGS": cfg["value_regs"]}
 
