@@ -175,3 +175,11 @@ def test_q8kv8_gluon_with_unit_scales_and_an_e4m3_kv_view(form):
     idx = torch.randint(0, 700, (4, 1, 256), generator=g, device="cuda", dtype=torch.int32)
     one = torch.ones(1, device="cuda")
     _check(q8, kv8, kv8.view(700, 576), idx, one, one, 1 / math.sqrt(576))
+
+
+def test_q8kv8_split_transpose_refuses_a_single_vt_stage():
+    # The value warpgroup writes tile i + 1's Vᵀ while its P · V of tile i reads the other slot.
+    from glm_dsa.kernels.sparse_mla_q8kv8_gluon import compile_sm90
+
+    with pytest.raises(ValueError, match="split_transpose needs v_stages >= 2"):
+        compile_sm90(False, False, {"split_transpose": True, "v_stages": 1})
