@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD:/tmp/peer/pkg
 L=/tmp/clogs; mkdir -p $L
 s() { echo "== $1 $(date -u +%H:%M:%S)"; }
 s pytest
-timeout 130 python -m pytest -m cuda -q -rf -s -p no:cacheprovider tests/test_kernels_sparse_mla_q8kv8_gluon.py tests/test_attention_precision.py > $OUT/c-pytest.log 2>&1; echo "rc=$?"
+timeout 160 python -m pytest -m cuda -q -rf -s -p no:cacheprovider tests/test_kernels_sparse_mla_q8kv8_gluon.py tests/test_attention_precision.py > $OUT/c-pytest.log 2>&1; echo "rc=$?"
 grep -E "^(FAILED|ERROR)|passed|failed|calc_diff" $OUT/c-pytest.log | cut -c1-240 | tail -10
 F="--queries 16384 --heads 64 128 --forms gluon gluon_fp8 flashmla q8kv8 --reps 3"
 for part in "131k-local0 --local 0" "131k-local05 --local 0.5" "1m-local05 --s-kv 1048576 --local 0.5"; do
