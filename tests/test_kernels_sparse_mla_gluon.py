@@ -93,11 +93,21 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, 
     assert info["spills"] in (None, 0)  # ptxas -v (where ptxas is installed): no local memory
 
 
+def test_by_heads_runs_the_split_at_64_heads_and_the_seesaw_from_128():
+    cfg = {**sparse_mla_gluon.CONFIG, "schedule": "by_heads"}
+    assert sparse_mla_gluon._kernel(cfg, False, 64)[0] is sparse_mla_gluon._sparse_mla_fwd_gluon_kernel
+    for h_q in (128, 192):
+        assert (sparse_mla_gluon._kernel(cfg, False, h_q)[0]
+                is sparse_mla_gluon._sparse_mla_fwd_seesaw_gluon_kernel)
+    # FP8 rows have no seesaw form: the split at every head count.
+    assert sparse_mla_gluon._kernel(cfg, True, 128)[0] is sparse_mla_gluon._sparse_mla_fwd_fp8_gluon_kernel
+
+
 def test_gluon_config_errors_name_the_bad_entry_before_any_launch():
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 576, dtype=torch.bfloat16)
     idx = torch.zeros(1, 1, 64, dtype=torch.int32)
-    with pytest.raises(ValueError, match="schedule must be 'split' or 'seesaw', got 'pingpong'"):
+    with pytest.raises(ValueError, match="schedule must be 'split', 'seesaw' or 'by_heads', got 'pingpong'"):
         sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, kv, 576, 4, idx, 0.1, None, None,
                                                     config={"schedule": "pingpong"})
     with pytest.raises(ValueError, match="the seesaw schedule has 2 stages"):

@@ -28,14 +28,15 @@ TESTED = triton.__version__ in GLUON_TESTED_TRITON
 needs_gluon = pytest.mark.skipif(not (SM90 and TESTED),
                                  reason="needs an sm_90 GPU and a Triton in GLUON_TESTED_TRITON")
 
-# The kernel's schedule forms (CONFIG overrides): the default, FlashAttention-3's look-ahead
-# scores, the value warpgroup transposing V_r itself, both, both over a deeper Vᵀ ring, and a
-# deeper K ring over one Vᵀ stage. Both at once take 8 registers from the gather warpgroup for
-# the value one (at 72 / 168 ptxas spills a few bytes).
+# The kernel's schedule forms, each spelled out over CONFIG (whose default is BOTH): neither
+# form, FlashAttention-3's look-ahead scores, the value warpgroup transposing V_r itself, both,
+# both over a deeper Vᵀ ring, and a deeper K ring over one Vᵀ stage. Both at once take 8
+# registers from the gather warpgroup for the value one (at 72 / 168 ptxas spills a few bytes).
+NEITHER = {"lookahead": False, "split_transpose": False, "gather_regs": 72, "value_regs": 168}
 BOTH = {"lookahead": True, "split_transpose": True, "gather_regs": 64, "value_regs": 176}
-FORMS = [{}, {"lookahead": True}, {"split_transpose": True}, BOTH,
-         {**BOTH, "stages": 2, "v_stages": 3}, {"stages": 4, "v_stages": 1}]
-FORM_IDS = ["config", "lookahead", "split", "both", "both-s2v3", "s4v1"]
+FORMS = [{}, NEITHER, {**NEITHER, "lookahead": True}, {**NEITHER, "split_transpose": True}, BOTH,
+         {**BOTH, "stages": 2, "v_stages": 3}, {**NEITHER, "stages": 4, "v_stages": 1}]
+FORM_IDS = ["config", "neither", "lookahead", "split", "both", "both-s2v3", "s4v1"]
 
 
 @pytest.fixture(params=FORMS, ids=FORM_IDS)

@@ -50,7 +50,7 @@ of the 227 KB an sm_90 block may take. The split (one warpgroup scores, both mul
 TileLang's ``sparse_mla_fwd_pipelined``: its softmax warpgroup's chain (scores 4.7 MFLOP,
 softmax, P · V_l 2.1 MFLOP a tile) is the critical path while the value warpgroup (2.1) idles.
 
-Seesaw (``CONFIG["schedule"] = "seesaw"``, bf16 rows; ``_sparse_mla_fwd_seesaw_gluon_kernel``,
+Seesaw (``CONFIG["schedule"]`` "seesaw", or "by_heads" at h_q 128, bf16 rows; ``_sparse_mla_fwd_seesaw_gluon_kernel``,
 FlashMLA's SM90 schedule): both compute warpgroups score, warpgroup 0 the even tiles (stage 0),
 warpgroup 1 the odd ones (stage 1), 216 registers each. The running max is one chain through
 both: warpgroup 0's max after tile ``2r`` goes to warpgroup 1 (``m_ready[0]``), whose max after
@@ -96,15 +96,18 @@ D_V, D_TAIL = 512, 64
 # 168 (value) leave the softmax warpgroup 256; 8 gather warps do not fit (the wgmma accumulator
 # needs > 128 registers a thread at 512 threads). Compiled offline for sm_90 (compile_sm90 +
 # ptxas -v): no spills in either form; the FP8 gather spilled 44 bytes at 48 registers.
-# "schedule": "split" (the softmax and the value warpgroup above) or "seesaw" (FlashMLA's: the
+# "schedule": "split" (the softmax and the value warpgroup above), "seesaw" (FlashMLA's: the
 # two compute warpgroups score alternate tiles, ``_sparse_mla_fwd_seesaw_gluon_kernel``; bf16
-# rows only, always 2 stages, "value_regs" unused); "seesaw_regs" is its odd warpgroup's
+# rows only, always 2 stages, "value_regs" unused) or "by_heads": the seesaw from 128 heads
+# (two 64-head CTAs a query), the split below — on one H200 (2026-12-04, run C, 16,384 queries,
+# top-2048) the seesaw ran 0.97-0.98x FlashMLA at h_q 128 against the split's 0.85-0.89x, and
+# 0.91-0.94x at h_q 64 against the split's 0.90-0.98x; "seesaw_regs" is its odd warpgroup's
 # register budget (the even one, the default partition, gets the rest: FlashMLA's 216 / 216 /
 # 72); "seesaw_early_scores": warpgroup 0 issues its next tile's scores behind its last P · V
 # of a round instead of after it (FlashMLA's order). No L2 evict_last hint (FlashMLA's):
 # Triton 3.6 drops async_copy's eviction_policy on sm_90 (no cache_hint in the PTX).
 CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
-          "prefetch": 0, "schedule": "split", "seesaw_regs": 216,
+          "prefetch": 0, "schedule": "by_heads", "seesaw_regs": 216,
           "seesaw_early_scores": True}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
@@ -967,9 +970,9 @@ def _sparse_mla_fwd_seesaw_gluon_kernel(
 
 
 def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
-                 schedule: str | None = None):
+                 schedule: str | None = None, h_q: int = 64):
     """Compile the kernel (the FP8-row form with ``fp8``; over bf16 rows the ``schedule``,
-    "split" or "seesaw", ``CONFIG``'s when None) for sm_90 ahead of time, no GPU needed (for
+    "split" or "seesaw", ``CONFIG``'s for ``h_q`` heads when None) for sm_90 ahead of time, no GPU needed (for
     offline checks of shared memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``).
     Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's on the GPU.
     Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the interpreter
@@ -980,7 +983,7 @@ def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = CONFIG if schedule is None else {**CONFIG, "schedule": schedule}
-    kernel, constexprs = _kernel(cfg, fp8)
+    kernel, constexprs = _kernel(cfg, fp8, h_q)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
             "out_ptr": "*bf16", "max_ptr": "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "len_ptr": "*i32"}
@@ -1000,13 +1003,16 @@ def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
                           options={"num_warps": CONFIG["num_warps"]})
 
 
-def _kernel(cfg: dict, fp8: bool):
-    """The kernel ``cfg`` selects and its configuration constexprs."""
-    if cfg["schedule"] not in ("split", "seesaw"):
-        raise ValueError(f"schedule must be 'split' or 'seesaw', got {cfg['schedule']!r}")
+def _kernel(cfg: dict, fp8: bool, h_q: int):
+    """The kernel ``cfg`` selects for ``h_q`` heads and its configuration constexprs."""
+    schedule = cfg["schedule"]
+    if schedule not in ("split", "seesaw", "by_heads"):
+        raise ValueError(f"schedule must be 'split', 'seesaw' or 'by_heads', got {schedule!r}")
+    if schedule == "by_heads":
+        schedule = "seesaw" if h_q >= 2 * BLOCK_H else "split"
     common = {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V,
               "D_TAIL": D_TAIL}
-    if cfg["schedule"] == "seesaw" and not fp8:
+    if schedule == "seesaw" and not fp8:
         if cfg["stages"] != 2:
             raise ValueError(f"the seesaw schedule has 2 stages (one a warpgroup), got "
                              f"{cfg['stages']}")
@@ -1035,8 +1041,8 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     Returns ``(out [s_q, h_q, 512] bf16, max_logits [s_q, h_q], lse [s_q, h_q])``.
     """
     cfg = CONFIG if config is None else {**CONFIG, **config}
-    kernel, constexprs = _kernel(cfg, fp8)
     s_q, h_q, _ = q.shape
+    kernel, constexprs = _kernel(cfg, fp8, h_q)
     topk = indices.shape[2]
     out, max_logits, lse, sink, lengths, idx = launch_buffers(q, D_V, indices, attn_sink,
                                                               topk_length)

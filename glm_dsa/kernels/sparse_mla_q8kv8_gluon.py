@@ -82,9 +82,13 @@ BLOCK_H = 64      # heads per CTA: the wgmma M
 BLOCK_K = 64      # keys per tile
 D_V, D_TAIL = 512, 64
 # The launch configuration (see the module docstring): K ring depth, Vᵀ ring depth, warps, the
-# partitions' register budgets and the schedule forms.
-CONFIG = {"stages": 3, "v_stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72,
-          "value_regs": 168, "lookahead": False, "split_transpose": False}
+# partitions' register budgets and the schedule forms. Chosen on one H200 (2026-12-04, run C,
+# bench/probes/2026-12-04-h200-q8-time.py, 16,384 queries x top-2048 over 131,072 keys): both
+# forms on, 8 registers moved from the gather to the value warpgroup (they spill at 72 / 168):
+# 538 / 542 TFLOP/s at h_q 64 / 128, against 518 / 502 with both off and 511-542 / 511-532 for
+# either alone (with 3 or 2 K stages).
+CONFIG = {"stages": 3, "v_stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 64,
+          "value_regs": 176, "lookahead": True, "split_transpose": True}
 
 
 @gluon.jit
