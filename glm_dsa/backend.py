@@ -97,9 +97,10 @@ class Backend:
     passes: fused.Passes = fused.TRITON_ON_CUDA
 
     @classmethod
-    def for_device(cls, device: torch.device) -> Backend:
-        """A backend of this class for models on ``device``, or the ValueError (one line)
-        saying what it needs there."""
+    def for_device(cls, device: torch.device, attention_precision: str = "bf16") -> Backend:
+        """A backend of this class for models on ``device`` attending in
+        ``attention_precision`` (one of the class's ``attention_precisions``, checked by
+        ``get_backend``), or the ValueError (one line) saying what it needs there."""
         return cls()
 
     def require(self, dtype: torch.dtype, kv_dtype: str) -> None:
@@ -133,7 +134,7 @@ class ReferenceBackend(Backend):
     batch_invariant = True
 
     @classmethod
-    def for_device(cls, device: torch.device) -> Backend:
+    def for_device(cls, device: torch.device, attention_precision: str = "bf16") -> Backend:
         return REFERENCE
 
     def indexer_topk(self, *args) -> Tensor:
@@ -169,14 +170,14 @@ class TritonBackend(Backend):
     attention_precisions = ATTENTION_PRECISIONS
 
     @classmethod
-    def for_device(cls, device: torch.device) -> Backend:
+    def for_device(cls, device: torch.device, attention_precision: str = "bf16") -> Backend:
         if not _triton_importable():
             raise ValueError("the triton backend needs the triton package: pip install triton "
                              "(or choose the reference backend)")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton backend runs on CUDA devices, not {device.type}; on the CPU "
                              "set TRITON_INTERPRET=1 before starting Python (Triton's slow interpreter)")
-        return cls()
+        return cls(attention_precision)
 
     def __init__(self, attention_precision: str = "bf16") -> None:
         from glm_dsa import kernels
@@ -260,7 +261,7 @@ class PeersBackend(Backend):
     kv_dtypes = ("fp8", "bf16")  # FlashMLA reads bf16 rows; FP8 ones are dequantized to them
 
     @classmethod
-    def for_device(cls, device: torch.device) -> Backend:
+    def for_device(cls, device: torch.device, attention_precision: str = "bf16") -> Backend:
         from glm_dsa import peers
 
         missing = peers.missing(device)
@@ -336,9 +337,7 @@ def get_backend(name: str | Backend, device: torch.device | str, dtype: torch.dt
         # Refused by the class's attributes, before anything is imported or built for it.
         _check_invariance(name, _CLASSES[name].batch_invariant, batch_invariant)
         _check_precisions(name, _CLASSES[name].attention_precisions, attention_precision)
-        backend = _CLASSES[name].for_device(device)
-        if attention_precision != backend.attention_precision:
-            backend = type(backend)(attention_precision)
+        backend = _CLASSES[name].for_device(device, attention_precision)
     else:
         backend = name
         _check_invariance(backend.name, backend.batch_invariant, batch_invariant)
