@@ -99,6 +99,9 @@ def unsupported(device: torch.device, backend: Backend, *, cp: bool = False,
     ``batch_invariant``, ``dtype``: the mode and the activations of the steps."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, not {device.type}"
+    if backend.attention_precision != "bf16":
+        return (f"{backend.attention_precision} attention scales each step's context by its own amax, which "
+                "a replayed graph's padded rows would change; CUDA graphs need bf16 attention")
     if not backend.graph_capturable:
         return (f"the {backend.name} backend reads values on the host during a step; CUDA graphs need "
                 f"backend {' or '.join(graph_capturable_names())}")

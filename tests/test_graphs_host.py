@@ -83,6 +83,14 @@ def test_unsupported_reasons_in_order(monkeypatch):
     assert unsupported(CUDA, ok, dtype=torch.float32) is None  # outside the mode: any dtype
 
 
+def test_fp8_attention_is_refused_for_its_per_step_scales_not_as_another_backend():
+    # The fp8 triton backend is the capturable backend's class: the reason must name the
+    # precision, not send the user to "backend triton".
+    why = unsupported(CUDA, TritonBackend("fp8"))
+    assert why is not None and why.startswith("fp8 attention scales each step's context")
+    assert "bf16 attention" in why and "backend triton" not in why
+
+
 # ----------------------------------------------------------------------------- StepGraphs
 def _engine_parts(page=64):
     model = SimpleNamespace(config=SimpleNamespace(page_size=page, hidden_size=4))
