@@ -152,6 +152,9 @@ def test_launch_flags_prefetch_only_16_byte_rows_on_the_gpu(row_bytes, prefetch)
     gpu = launch_flags(False, torch.bfloat16, 2048, 64, row_bytes)
     assert gpu["PREFETCH"] is prefetch and gpu["ROW_BYTES"] == row_bytes
     assert launch_flags(True, torch.bfloat16, 2048, 64, row_bytes)["PREFETCH"] is False
+    # cp.async.bulk.prefetch is sm_90's: never on an sm_80 or sm_89 GPU.
+    for capability in ((8, 0), (8, 9)):
+        assert launch_flags(False, torch.bfloat16, 2048, 64, row_bytes, capability)["PREFETCH"] is False
 
 
 def test_launch_flags_by_place_and_dtype():

@@ -407,16 +407,18 @@ def _launch_triton(q, kv_rows, stride_kv, s_kv, indices, sm_scale, d_v, attn_sin
         s_kv, h_q, topk, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
         D_V=d_v, D_TAIL=d_tail, KV_FP8=fp8, HAS_SINK=sink is not None,
-        HAS_LEN=lengths is not None, **launch_flags(_INTERPRET, q.dtype, topk, d_tail, row_bytes),
+        HAS_LEN=lengths is not None,
+        **launch_flags(_INTERPRET, q.dtype, topk, d_tail, row_bytes,
+                       (9, 0) if _INTERPRET else torch.cuda.get_device_capability(q.device)),
     )
     return out, max_logits, lse
 
 
 def launch_flags(interpret: bool, q_dtype: torch.dtype, topk: int, d_tail: int,
-                 row_bytes: int) -> dict:
+                 row_bytes: int, capability: tuple[int, int] = (9, 0)) -> dict:
     """The Triton kernel's compile-time choices that depend on where it runs: under the
-    interpreter or not, for ``q_dtype`` queries over ``topk`` indices, ``d_tail`` score-only
-    columns and rows of ``row_bytes`` bytes."""
+    interpreter or not, on a GPU of compute ``capability``, for ``q_dtype`` queries over
+    ``topk`` indices, ``d_tail`` score-only columns and rows of ``row_bytes`` bytes."""
     return dict(
         BLOCK_DT=max(16, triton.next_power_of_2(d_tail)),
         # Triton 3.6's interpreter multiplies bf16 as raw integers: there the GEMMs take the
@@ -426,8 +428,10 @@ def launch_flags(interpret: bool, q_dtype: torch.dtype, topk: int, d_tail: int,
         STATIC_TOPK=topk if interpret else 0,
         # The interpreter has no PTX; prefetching changes no value. The bulk prefetch takes
         # 16-byte aligned rows of a multiple of 16 bytes (656-byte FP8 rows are; the 164-byte rows
-        # of a 128 + 16 latent are not, and faulted with a misaligned address on the H200).
-        PREFETCH=not interpret and row_bytes % 16 == 0, ROW_BYTES=row_bytes,
+        # of a 128 + 16 latent are not, and faulted with a misaligned address on the H200). It is
+        # an sm_90 instruction: ptxas refuses it for sm_80.
+        PREFETCH=not interpret and capability >= (9, 0) and row_bytes % 16 == 0,
+        ROW_BYTES=row_bytes,
     )
 
 
