@@ -22,7 +22,8 @@ object as well as a name).
   With ``attention_precision="fp8"`` (off by default) attention runs SGLang's Q8KV8 form
   (``kernels.sparse_mla_q8kv8``, the Gluon kernel on sm_90): the layer's context as e4m3
   576-byte rows with one scale per step (a bf16 / fp32 pool quantized, an FP8 pool's rows
-  requantized: ``kv_format.mla_kv_per_tensor_fp8``) and each row chunk's query with one scale
+  requantized straight from the pool: ``kernels.kv_requant``, bitwise
+  ``kv_format.mla_kv_per_tensor_fp8``) and each row chunk's query with one scale
   (``fp8.per_tensor_quant``), both products in FP8. A scale shared by the step's rows makes a
   row's result depend on the others: the mode is not batch-invariant and runs eagerly (no CUDA
   graphs, whose padding rows would enter the scales). The top-k is the indexer's, unchanged.
@@ -57,7 +58,6 @@ from glm_dsa.batch import ForwardBatch
 from glm_dsa.cache import KVCache
 from glm_dsa.fp8 import per_tensor_quant
 from glm_dsa.indexer import indexer_topk
-from glm_dsa.kv_format import mla_kv_load, mla_kv_per_tensor_fp8
 from glm_dsa.mla import MLA, MLAProjection
 
 __all__ = ["BACKENDS", "ATTENTION_PRECISIONS", "Backend", "ReferenceBackend", "TritonBackend", "PeersBackend",
@@ -195,7 +195,8 @@ class TritonBackend(Backend):
     def attend(self, attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes) -> Tensor:
         if self.attention_precision == "fp8":
             return _attend_q8kv8(attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes,
-                                 self._kernels.sparse_mla_q8kv8_prefill_fwd)
+                                 self._kernels.sparse_mla_q8kv8_prefill_fwd,
+                                 self._kernels.mla_kv_per_tensor_fp8_paged)
         if cache.kv_dtype == "fp8" and self._gluon_over_dequantized(attn, proj):
             return _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices,
                                        budget_bytes, self._kernels.flash_mla_sparse_fwd)
@@ -232,13 +233,16 @@ def _attend_dequantized(attn, proj, cache, layer_idx, batch, topk_indices, budge
 
 
 def _attend_q8kv8(attn, proj, cache, layer_idx, batch, topk_indices, budget_bytes,
-                  q8kv8_fwd) -> Tensor:
+                  q8kv8_fwd, kv_requant) -> Tensor:
     """Absorbed sparse attention in FP8 (``q8kv8_fwd``: the Q8KV8 contract): this layer's context
-    as e4m3 rows ``[S_kv, 1, 576]`` with one scale, each row chunk's query quantized with one."""
+    as e4m3 rows ``[S_kv, 1, 576]`` with one scale, each row chunk's query quantized with one.
+    An FP8 pool's rows are requantized by ``kv_requant`` (the contract of
+    ``mla_kv_per_tensor_fp8(mla_kv_load(pool, slots))``) straight from the pool."""
     cfg = attn.config
     if cache.kv_dtype == "fp8":
-        rows = mla_kv_load(cache.mla[layer_idx], batch.kv_slots.to(cache.mla[layer_idx].device))
-        kv_fp8, kv_scale = mla_kv_per_tensor_fp8(rows, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        pool = cache.mla[layer_idx]
+        kv_fp8, kv_scale = kv_requant(pool, batch.kv_slots.to(pool.device), cfg.kv_lora_rank,
+                                      cfg.qk_rope_head_dim)
     else:
         pool = cache.mla[layer_idx]  # bf16 or fp32 rows, read as stored
         kv_fp8, kv_scale = per_tensor_quant(cache.read_mla(layer_idx, batch.kv_slots, pool.dtype))

@@ -16,3 +16,4 @@ from glm_dsa.kernels.mqa_logits import fp8_mqa_logits, fp8_paged_mqa_logits  # n
 from glm_dsa.kernels.topk import topk_per_row  # noqa: E402, F401
 from glm_dsa.kernels.sparse_mla import flash_mla_sparse_fwd, sparse_mla_fwd_fp8  # noqa: E402, F401
 from glm_dsa.kernels.sparse_mla_q8kv8 import sparse_mla_q8kv8_prefill_fwd  # noqa: E402, F401
+from glm_dsa.kernels.kv_requant import mla_kv_per_tensor_fp8_paged  # noqa: E402, F401
