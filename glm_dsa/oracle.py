@@ -34,6 +34,7 @@ from glm_dsa.validate import (
     check_mqa_logits_mode,
     check_pair,
     check_paged_kv_cache,
+    check_q8kv8_scales,
     check_slots_read,
     need,
     paged_row_ends,
@@ -778,12 +779,7 @@ def sparse_mla_q8kv8_prefill_fwd(
     for name, t in (("q", q), ("kv", kv)):
         need(isinstance(t, Tensor) and t.dtype == torch.float8_e4m3fn and t.dim() == 3,
              f"{name} must be float8_e4m3fn with 3 dims, got {getattr(t, 'dtype', None)} {shape_of(t)}")
-    for name, t in (("q_scale", q_scale), ("kv_scale", kv_scale)):
-        need(isinstance(t, Tensor) and t.numel() == 1 and t.dtype in (torch.float32, torch.float64),
-             f"{name} must be a one-element float32 tensor (one scale per tensor), got "
-             f"{getattr(t, 'dtype', None)} {shape_of(t)}")
-    need((attn_sink is None) == (topk_length is None),
-         "attn_sink and topk_length go together (the kernel's full path takes both): pass both or neither")
+    check_q8kv8_scales(q_scale, kv_scale, attn_sink, topk_length, (torch.float32, torch.float64))
     dtype = torch.float64 if torch.float64 in (q_scale.dtype, kv_scale.dtype) else torch.float32
     q_values = q.to(dtype) * q_scale.to(dtype).reshape(())
     kv_values = kv.to(dtype) * kv_scale.to(dtype).reshape(())

@@ -37,6 +37,7 @@ __all__ = [
     "check_pair",
     "check_sparse_inputs",
     "check_sparse_conventions",
+    "check_q8kv8_scales",
 ]
 
 # Dot products of E4M3 vectors are exact in float64 up to this length (indexer._dot_products).
@@ -323,3 +324,17 @@ def check_sparse_conventions(lse_base, lonely_lse, budget_bytes) -> None:
          f"lonely_lse={lonely_lse!r} must be '+inf' (newest FlashMLA) or '-inf' (Sep 2025)")
     need(budget_bytes is None or (isinstance(budget_bytes, int) and budget_bytes >= 1),
          f"budget_bytes={budget_bytes!r} must be a positive int or None")
+
+
+def check_q8kv8_scales(q_scale, kv_scale, attn_sink, topk_length,
+                       dtypes: tuple[torch.dtype, ...]) -> None:
+    """``sparse_mla_q8kv8_prefill_fwd``'s per-tensor scales, one-element tensors of ``dtypes``
+    (the kernel takes float32, the oracle float64 too), and its full path's rule that
+    ``attn_sink`` and ``topk_length`` come together."""
+    for name, t in (("q_scale", q_scale), ("kv_scale", kv_scale)):
+        need(isinstance(t, Tensor) and t.numel() == 1 and t.dtype in dtypes,
+             f"{name} must be a one-element float32 tensor (one scale per tensor), got "
+             f"{getattr(t, 'dtype', None)} {shape_of(t)}")
+    need((attn_sink is None) == (topk_length is None),
+         "attn_sink and topk_length go together (the kernel's full path takes both): pass both "
+         "or neither")

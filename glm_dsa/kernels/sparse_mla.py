@@ -51,7 +51,9 @@ from glm_dsa.validate import check_sparse_inputs
 
 __all__ = ["flash_mla_sparse_fwd", "sparse_mla_fwd_fp8", "GLUON_TESTED_TRITON",
            "gluon_unavailable", "gluon_unsuitable", "DeviceFacts", "GluonCall", "device_refusal",
-           "shape_refusal", "rows_refusal", "call_refusal", "launch_flags", "prefetch_rows"]
+           "shape_refusal", "rows_refusal", "call_refusal", "launch_flags", "prefetch_rows",
+           "prefetch_ahead", "row_length", "online_softmax_t", "softmax_denominator",
+           "store_max_lse"]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -231,6 +233,65 @@ def prefetch_rows(rows, ROW_BYTES: tl.constexpr):
                               "=r,l,r", [rows, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def prefetch_ahead(kv_ptr, idx_rows, start, n_cols, s_kv, stride_kv, BLOCK_K: tl.constexpr,
+                   ROW_BYTES: tl.constexpr):
+    """The valid rows of the next tile (index columns ``start + BLOCK_K ...``; ``idx_rows`` the
+    row's ``[BLOCK_K]`` index pointers) into L2 while this tile computes (``prefetch_rows``)."""
+    cols_ahead = start + BLOCK_K + tl.arange(0, BLOCK_K)
+    idx_ahead = tl.load(idx_rows + start + BLOCK_K, mask=cols_ahead < n_cols, other=-1)
+    ok_ahead = (idx_ahead >= 0) & (idx_ahead < s_kv)
+    prefetch_rows(kv_ptr + tl.where(ok_ahead, idx_ahead, 0).to(tl.int64) * stride_kv, ROW_BYTES)
+
+
+@triton.jit
+def row_length(len_ptr, qi, topk, HAS_LEN: tl.constexpr):
+    """How many of the row's ``topk`` columns count: ``min(topk_length[qi], topk)``."""
+    n_cols = topk
+    if HAS_LEN:
+        n_cols = tl.minimum(tl.load(len_ptr + qi), topk)
+    return n_cols
+
+
+@triton.jit
+def online_softmax_t(st, valid, m_i, l_i, scale_log2):
+    """One tile's step of the base-2 online softmax on transposed scores ``st`` (``[BLOCK_K,
+    BLOCK_H]``, keys on axis 0; ``valid`` ``[BLOCK_K]``), ``scale_log2`` taking them to base-2
+    logits: ``(pt, alpha, m_new, l_new)``, ``pt`` transposed as ``st``."""
+    st = tl.where(valid[:, None], st * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pt = tl.exp2(st - m_shift[None, :])
+    alpha = tl.exp2(m_i - m_shift)
+    return pt, alpha, m_new, l_i * alpha + tl.sum(pt, axis=0)
+
+
+@triton.jit
+def softmax_denominator(l_i, m_i, sink_ptr, offs_h, h_mask, HAS_SINK: tl.constexpr):
+    """The softmax denominator of heads ``offs_h`` (``[BLOCK_H]``, ``h_mask`` the real ones): the
+    row sum ``l_i`` (base 2, shifted by the running max ``m_i``) plus the sink's
+    ``exp(attn_sink)`` at that shift; 1 for a lonely row without a sink, so that ``out = 0 / 1``."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+    denom = l_i
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
+        denom += tl.exp2(sink * LOG2E - m_shift)
+    return tl.where(denom == 0.0, 1.0, denom)
+
+
+@triton.jit
+def store_max_lse(max_ptr, lse_ptr, qi, h_q, offs_h, h_mask, m_i, l_i):
+    """Natural-log ``max_logits`` and ``lse`` of query ``qi``'s heads ``offs_h`` from the base-2
+    running max ``m_i`` and row sum ``l_i``; a lonely row (``l_i == 0``) gets ``lse = +inf``."""
+    LN2: tl.constexpr = 0.6931471805599453
+    lonely = l_i == 0.0
+    lse = tl.where(lonely, float("inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * LN2)
+    tl.store(max_ptr + qi * h_q + offs_h, m_i * LN2, mask=h_mask)
+    tl.store(lse_ptr + qi * h_q + offs_h, lse, mask=h_mask)
+
+
 # One kernel body of ~120 lines: the loop's phases (gather, scores, online softmax, P·V) share
 # per-chunk tuples of q, keys and accumulators, and read top to bottom as the algorithm does.
 @triton.autotune(
@@ -250,8 +311,6 @@ def _sparse_mla_fwd_kernel(
     PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
-    LN2: tl.constexpr = 0.6931471805599453
     N_CHUNK: tl.constexpr = (D_V + D_CHUNK - 1) // D_CHUNK
     # Head blocks of one query are neighbours in launch order: they gather the same rows.
     num_hb = tl.cdiv(h_q, BLOCK_H)
@@ -278,9 +337,7 @@ def _sparse_mla_fwd_kernel(
     q_pe = tl.load(q_rows + D_V + offs_t[None, :], mask=h_mask[:, None] & t_mask[None, :],
                    other=0.0).to(DOT_DTYPE)
 
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = tl.minimum(tl.load(len_ptr + qi), topk)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of scaled logits, base 2
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -291,12 +348,8 @@ def _sparse_mla_fwd_kernel(
         idx = tl.load(idx_rows + start, mask=start + tl.arange(0, BLOCK_K) < n_cols, other=-1)
         valid = (idx >= 0) & (idx < s_kv)
         rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_kv     # [BLOCK_K]
-        if PREFETCH:  # the next tile's rows into L2 while this tile computes
-            cols_ahead = start + BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_ahead = tl.load(idx_rows + start + BLOCK_K, mask=cols_ahead < n_cols, other=-1)
-            ok_ahead = (idx_ahead >= 0) & (idx_ahead < s_kv)
-            prefetch_rows(kv_ptr + tl.where(ok_ahead, idx_ahead, 0).to(tl.int64) * stride_kv,
-                           ROW_BYTES)
+        if PREFETCH:
+            prefetch_ahead(kv_ptr, idx_rows, start, n_cols, s_kv, stride_kv, BLOCK_K, ROW_BYTES)
         # Scores transposed, keys on the GEMM's M: s^T = K · q^T, [BLOCK_K, BLOCK_H]. With
         # 128-key tiles each warpgroup scores its own 64 keys for all heads, so no score is
         # computed twice (with heads on M, Triton would give both warpgroups the whole tile).
@@ -328,13 +381,7 @@ def _sparse_mla_fwd_kernel(
                            mask=valid[:, None] & t_mask[None, :], other=0.0)
             st = tl.dot(k_pe.to(act_dtype).to(DOT_DTYPE), tl.trans(q_pe), st,
                         input_precision=PRECISION)
-        st = tl.where(valid[:, None], st * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pt = tl.exp2(st - m_shift[None, :])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        pt, alpha, m_new, l_i = online_softmax_t(st, valid, m_i, l_i, scale_log2)
         # P is rounded to the cache dtype for the value GEMM, as FlashMLA does; P·V takes
         # P from shared memory, each warpgroup a half of every value chunk over all keys.
         p = tl.trans(round_rne(pt, act_dtype).to(DOT_DTYPE))  # [BLOCK_H, BLOCK_K]
@@ -345,21 +392,13 @@ def _sparse_mla_fwd_kernel(
         acc = new_acc
         m_i = m_new
 
-    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
-        denom += tl.exp2(sink * LOG2E - m_shift)
-    denom = tl.where(denom == 0.0, 1.0, denom)                # lonely row, no sink: out = 0 / 1
+    denom = softmax_denominator(l_i, m_i, sink_ptr, offs_h, h_mask, HAS_SINK)
     out_rows = out_ptr + qi * stride_os + offs_h[:, None] * stride_oh
     for c in tl.static_range(N_CHUNK):
         cm = c * D_CHUNK + offs_c < D_V
         out = round_rne(acc[c] / denom[:, None], out_ptr.dtype.element_ty)
         tl.store(out_rows + c * D_CHUNK + offs_c[None, :], out, mask=h_mask[:, None] & cm[None, :])
-    lonely = l_i == 0.0
-    lse = tl.where(lonely, float("inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * LN2)
-    tl.store(max_ptr + qi * h_q + offs_h, m_i * LN2, mask=h_mask)
-    tl.store(lse_ptr + qi * h_q + offs_h, lse, mask=h_mask)
+    store_max_lse(max_ptr, lse_ptr, qi, h_q, offs_h, h_mask, m_i, l_i)
 
 
 def _check_kernel_inputs(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float) -> None:

@@ -85,7 +85,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from glm_dsa.kernels.launch import launch_buffers
 
-__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG"]
+__all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG", "row_length", "online_softmax",
+           "softmax_denominator", "store_max_lse"]
 
 _LOG2E = math.log2(math.e)
 BLOCK_H = 64      # heads per CTA: the wgmma M
@@ -126,7 +127,7 @@ def _prefetch_tile(kv_ptr, idx_row, cols, n_cols, s_kv, stride_kv, ROW_BYTES: gl
 
 
 @gluon.jit
-def _row_length(len_ptr, qi, topk, HAS_LEN: gl.constexpr):
+def row_length(len_ptr, qi, topk, HAS_LEN: gl.constexpr):
     """How many of the row's ``topk`` columns count: ``min(topk_length[qi], topk)``."""
     n_cols = topk
     if HAS_LEN:
@@ -170,7 +171,7 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
     _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
             D_TAIL, WARPS)
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     pf_rows = gl.arange(0, BLOCK_K, layout=pf_lay)
@@ -273,7 +274,7 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     head0 = (pid % h_groups) * BLOCK_H
     _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
             D_TAIL, WARPS)
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
@@ -328,7 +329,7 @@ def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, phase_l, ready_r, phase
 
 
 @gluon.jit
-def _online_softmax(s, valid, m_i, l_i, scale_log2):
+def online_softmax(s, valid, m_i, l_i, scale_log2):
     """One tile's step of the base-2 online softmax: ``(p, alpha, m_new, l_new)``."""
     s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -337,6 +338,30 @@ def _online_softmax(s, valid, m_i, l_i, scale_log2):
     p = gl.exp2(s - m_shift[:, None])
     alpha = gl.exp2(m_i - m_shift)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def softmax_denominator(l_i, m_i, sink_ptr, heads, HAS_SINK: gl.constexpr):
+    """The softmax denominator of heads ``heads`` (``[BLOCK_H]``): the row sum ``l_i`` (base 2,
+    shifted by the running max ``m_i``) plus the sink's ``exp(attn_sink)`` at that shift; 1 for
+    a lonely row without a sink, so that ``out = 0 / 1``."""
+    LOG2E: gl.constexpr = 1.4426950408889634
+    m_shift = _shift(m_i)
+    denom = l_i
+    if HAS_SINK:
+        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - m_shift)
+    return gl.where(denom == 0.0, 1.0, denom)
+
+
+@gluon.jit
+def store_max_lse(max_ptr, lse_ptr, qi, h_q, heads, m_i, l_i):
+    """Natural-log ``max_logits`` and ``lse`` of query ``qi``'s heads ``heads`` from the base-2
+    running max ``m_i`` and row sum ``l_i``; a lonely row (``l_i == 0``) gets ``lse = +inf``."""
+    LN2: gl.constexpr = 0.6931471805599453
+    lonely = l_i == 0.0
+    lse = gl.where(lonely, float("inf"), (m_i + gl.log2(gl.where(lonely, 1.0, l_i))) * LN2)
+    gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
+    gl.store(lse_ptr + qi * h_q + heads, lse)
 
 
 @gluon.jit
@@ -368,8 +393,6 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
     """Scores, online softmax, P and alpha for the value warpgroup, ``O_l``; lse at the end.
     bf16 rows: latent blocks ``k_l[s]``, ``k_r[s]``. FP8 rows: ``k_l``, ``k_r`` are the one
     dequantized working tile, guarded by ``work[0]`` (ready) and ``work[1]`` (free)."""
-    LOG2E: gl.constexpr = 1.4426950408889634
-    LN2: gl.constexpr = 0.6931471805599453
     HALF: gl.constexpr = D_V // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_K, 16])
@@ -381,7 +404,7 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
 
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
@@ -405,7 +428,7 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
             scores = _scores(q_l, q_r, q_p, k_l.index(s), k_r.index(s), k_p.index(s),
                              ready.index(s), ph, ready.index(STAGES + s), ph, s_layout,
                              BLOCK_H, BLOCK_K)
-        p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
+        p, alpha, m_i, l_i = online_softmax(scores, valid, m_i, l_i, scale_log2)
         # P over the stage's RoPE block (read only by the scores, which are done).
         k_p.index(s).store(p.to(gl.bfloat16))
         alpha_smem.index(s).store(alpha)
@@ -418,20 +441,13 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
         mbarrier.arrive(empty.index(s), count=1)
 
     heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
-    m_shift = gl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i
-    if HAS_SINK:
-        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - m_shift)
-    denom = gl.where(denom == 0.0, 1.0, denom)  # lonely row, no sink: out = 0 / 1
+    denom = softmax_denominator(l_i, m_i, sink_ptr, heads, HAS_SINK)
     denom_smem.store(denom)
     gl.thread_barrier()
     mbarrier.arrive(done, count=1)
     _store_half(out_ptr, acc, gl.convert_layout(denom, row_o), qi, head0, 0, stride_os,
                 stride_oh, o_layout, BLOCK_H, HALF)
-    lonely = l_i == 0.0
-    lse = gl.where(lonely, float("inf"), (m_i + gl.log2(gl.where(lonely, 1.0, l_i))) * LN2)
-    gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
-    gl.store(lse_ptr + qi * h_q + heads, lse)
+    store_max_lse(max_ptr, lse_ptr, qi, h_q, heads, m_i, l_i)
 
 
 @gluon.jit
@@ -448,7 +464,7 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     for i in range(gl.cdiv(n_cols, BLOCK_K)):
         s = i % STAGES
@@ -601,7 +617,7 @@ def _gather_seesaw_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
     _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l.index(0), q_r.index(0), q_p.index(0),
             q_ready, BLOCK_H, D_V, D_TAIL, WARPS)
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     t_next = gl.load(idx_row + rows, mask=rows < n_cols, other=-1)
@@ -706,7 +722,6 @@ def _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, f
     partial sums (exchanged through ``l_smem``, ``fin``), then warpgroup ``WG`` writes its half
     of the output (and warpgroup 0 ``max_logits`` and ``lse``)."""
     LOG2E: gl.constexpr = 1.4426950408889634
-    LN2: gl.constexpr = 0.6931471805599453
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_smem.index(WG).store(l_i)
@@ -715,6 +730,8 @@ def _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, f
     mbarrier.wait(fin, 0)
     l_sum = l_i + l_smem.index(1 - WG).load(row_s)
     heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
+    # softmax_denominator's sum, spelled out: that helper takes the shift before the sink's load,
+    # which would reorder this kernel's PTX against the code that was timed.
     denom = l_sum
     if HAS_SINK:
         denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - _shift(m_i))
@@ -722,11 +739,7 @@ def _seesaw_finish(out_ptr, max_ptr, lse_ptr, sink_ptr, acc, m_i, l_i, l_smem, f
     _store_half(out_ptr, acc, gl.convert_layout(denom, row_o), qi, head0, WG * HALF, stride_os,
                 stride_oh, o_layout, BLOCK_H, HALF)
     if WG == 0:
-        lonely = l_sum == 0.0
-        lse = gl.where(lonely, float("inf"),
-                       (m_i + gl.log2(gl.where(lonely, 1.0, l_sum))) * LN2)
-        gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
-        gl.store(lse_ptr + qi * h_q + heads, lse)
+        store_max_lse(max_ptr, lse_ptr, qi, h_q, heads, m_i, l_sum)
 
 
 @gluon.jit
@@ -751,6 +764,30 @@ def _scores_behind(acc, q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, ph
 
 
 @gluon.jit
+def _seesaw_start(idx_ptr, len_ptr, q_ready, topk, stride_is, h_groups, s_layout: gl.constexpr,
+                  o_layout: gl.constexpr, HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
+                  BLOCK_K: gl.constexpr, HALF: gl.constexpr):
+    """A seesaw warpgroup's start, once Q has landed (``q_ready``): its query ``qi``, first head
+    ``head0``, the row's column and tile counts, index row and key columns, and the empty
+    softmax state and accumulator. Returns ``(qi, head0, n_cols, n_tiles, idx_row, key_cols,
+    m_i, l_i, acc)``."""
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    idx_row = idx_ptr + qi * stride_is
+    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
+    mbarrier.wait(q_ready, 0)
+    fence_async_shared()
+    return qi, head0, n_cols, n_tiles, idx_row, key_cols, m_i, l_i, acc
+
+
+@gluon.jit
 def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                            q_l, q_r, q_p, k_l, k_r, k_p, m_smem, l_smem,
                            q_ready, ready, empty, p_ready, m_ready, fin,
@@ -771,18 +808,9 @@ def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    pid = gl.program_id(0)
-    qi = (pid // h_groups).to(gl.int64)
-    head0 = (pid % h_groups) * BLOCK_H
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
-    n_tiles = gl.cdiv(n_cols, BLOCK_K)
-    idx_row = idx_ptr + qi * stride_is
-    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    mbarrier.wait(q_ready, 0)
-    fence_async_shared()
+    qi, head0, n_cols, n_tiles, idx_row, key_cols, m_i, l_i, acc = _seesaw_start(
+        idx_ptr, len_ptr, q_ready, topk, stride_is, h_groups, s_layout, o_layout, HAS_LEN,
+        BLOCK_H, BLOCK_K, HALF)
     if EARLY:  # round 0's scores; each round issues the next round's
         valid = _tile_valid(idx_row, 0, key_cols, n_cols, s_kv, BLOCK_K)
         scores = gl.zeros([BLOCK_H, BLOCK_K], gl.float32, s_layout)
@@ -856,18 +884,9 @@ def _seesaw_odd_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    pid = gl.program_id(0)
-    qi = (pid // h_groups).to(gl.int64)
-    head0 = (pid % h_groups) * BLOCK_H
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
-    n_tiles = gl.cdiv(n_cols, BLOCK_K)
-    idx_row = idx_ptr + qi * stride_is
-    key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_H], gl.float32, row_s)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
-    mbarrier.wait(q_ready, 0)
-    fence_async_shared()
+    qi, head0, n_cols, n_tiles, idx_row, key_cols, m_i, l_i, acc = _seesaw_start(
+        idx_ptr, len_ptr, q_ready, topk, stride_is, h_groups, s_layout, o_layout, HAS_LEN,
+        BLOCK_H, BLOCK_K, HALF)
     for r in range(gl.cdiv(n_tiles, 2)):
         ph = r & 1
         st0 = _stage_of(r, 0)

@@ -41,8 +41,16 @@ from torch import Tensor
 
 from glm_dsa.kernels.launch import launch_buffers
 from glm_dsa.kernels.numerics import round_rne
-from glm_dsa.kernels.sparse_mla import DeviceFacts, device_refusal, prefetch_rows
-from glm_dsa.validate import check_sparse_inputs, need, shape_of
+from glm_dsa.kernels.sparse_mla import (
+    DeviceFacts,
+    device_refusal,
+    online_softmax_t,
+    prefetch_ahead,
+    row_length,
+    softmax_denominator,
+    store_max_lse,
+)
+from glm_dsa.validate import check_q8kv8_scales, check_sparse_inputs, need, shape_of
 
 __all__ = ["sparse_mla_q8kv8_prefill_fwd", "q8kv8_shape_refusal"]
 
@@ -143,8 +151,6 @@ def _sparse_mla_q8kv8_kernel(
     INTERPRET: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, D_CHUNK: tl.constexpr,
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
-    LN2: tl.constexpr = 0.6931471805599453
     N_CHUNK: tl.constexpr = (D_V + D_CHUNK - 1) // D_CHUNK
     num_hb = tl.cdiv(h_q, BLOCK_H)
     pid = tl.program_id(0)
@@ -170,9 +176,7 @@ def _sparse_mla_q8kv8_kernel(
     q_pe = _operand(tl.load(q_rows + D_V + offs_t[None, :],
                             mask=h_mask[:, None] & t_mask[None, :], other=0.0), FP8_NATIVE, WIDE)
 
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = tl.minimum(tl.load(len_ptr + qi), topk)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of base-2 logits
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -182,11 +186,7 @@ def _sparse_mla_q8kv8_kernel(
         valid = (idx >= 0) & (idx < s_kv)
         rows = kv_ptr + tl.where(valid, idx, 0).to(tl.int64) * stride_kv     # [BLOCK_K]
         if PREFETCH:
-            cols_ahead = start + BLOCK_K + tl.arange(0, BLOCK_K)
-            idx_ahead = tl.load(idx_rows + start + BLOCK_K, mask=cols_ahead < n_cols, other=-1)
-            ok_ahead = (idx_ahead >= 0) & (idx_ahead < s_kv)
-            prefetch_rows(kv_ptr + tl.where(ok_ahead, idx_ahead, 0).to(tl.int64) * stride_kv,
-                           ROW_BYTES)
+            prefetch_ahead(kv_ptr, idx_rows, start, n_cols, s_kv, stride_kv, BLOCK_K, ROW_BYTES)
         k_chunks = ()
         st = tl.zeros([BLOCK_K, BLOCK_H], tl.float32)
         for c in tl.static_range(N_CHUNK):
@@ -199,13 +199,7 @@ def _sparse_mla_q8kv8_kernel(
             k_pe = tl.load(rows[:, None] + D_V + offs_t[None, :],
                            mask=valid[:, None] & t_mask[None, :], other=0.0)
             st = tl.dot(_operand(k_pe, FP8_NATIVE, WIDE), tl.trans(q_pe), st)
-        st = tl.where(valid[:, None], st * score_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, axis=0))
-        # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pt = tl.exp2(st - m_shift[None, :])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(pt, axis=0)
+        pt, alpha, m_new, l_i = online_softmax_t(st, valid, m_i, l_i, score_scale)
         # Weights in [0, 1] to e4m3 for the second FP8 GEMM (SGLang's kernel does the same).
         p = tl.trans(_round_e4m3(pt, FP8_NATIVE, WIDE, INTERPRET))                    # [BLOCK_H, BLOCK_K]
         new_acc = ()
@@ -214,21 +208,13 @@ def _sparse_mla_q8kv8_kernel(
         acc = new_acc
         m_i = m_new
 
-    m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0)
-        denom += tl.exp2(sink * LOG2E - m_shift)
-    denom = tl.where(denom == 0.0, 1.0, denom)                # lonely row, no sink: out = 0 / 1
+    denom = softmax_denominator(l_i, m_i, sink_ptr, offs_h, h_mask, HAS_SINK)
     out_rows = out_ptr + qi * stride_os + offs_h[:, None] * stride_oh
     for c in tl.static_range(N_CHUNK):
         cm = c * D_CHUNK + offs_c < D_V
         out = round_rne(acc[c] * (kv_scale / denom)[:, None], out_ptr.dtype.element_ty)
         tl.store(out_rows + c * D_CHUNK + offs_c[None, :], out, mask=h_mask[:, None] & cm[None, :])
-    lonely = l_i == 0.0
-    lse = tl.where(lonely, float("inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * LN2)
-    tl.store(max_ptr + qi * h_q + offs_h, m_i * LN2, mask=h_mask)
-    tl.store(lse_ptr + qi * h_q + offs_h, lse, mask=h_mask)
+    store_max_lse(max_ptr, lse_ptr, qi, h_q, offs_h, h_mask, m_i, l_i)
 
 
 def q8kv8_shape_refusal(h_q: int, d_qk: int, d_v: int) -> str | None:
@@ -262,13 +248,7 @@ def _check_inputs(q, kv, indices, sm_scale, q_scale, kv_scale, d_v, attn_sink,
              f"{name} must be float8_e4m3fn (quantize it with glm_dsa.fp8.per_tensor_quant), got "
              f"{getattr(t, 'dtype', None)} {shape_of(t)}")
     check_sparse_inputs(q, kv, indices, d_v, attn_sink, topk_length)
-    for name, t in (("q_scale", q_scale), ("kv_scale", kv_scale)):
-        need(isinstance(t, Tensor) and t.numel() == 1 and t.dtype == torch.float32,
-             f"{name} must be a one-element float32 tensor (one scale per tensor), got "
-             f"{getattr(t, 'dtype', None)} {shape_of(t)}")
-    need((attn_sink is None) == (topk_length is None),
-         "attn_sink and topk_length go together (the kernel's full path takes both): pass both "
-         "or neither")
+    check_q8kv8_scales(q_scale, kv_scale, attn_sink, topk_length, (torch.float32,))
     need(math.isfinite(sm_scale), f"sm_scale={sm_scale} must be finite")
     tensors = [t for t in (kv, indices, q_scale, kv_scale, attn_sink, topk_length) if t is not None]
     need(all(t.device == q.device for t in tensors),

@@ -75,6 +75,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from glm_dsa.kernels.sparse_mla_gluon import (
+    online_softmax,
+    row_length,
+    softmax_denominator,
+    store_max_lse,
+)
+
 __all__ = ["sparse_mla_q8kv8_fwd_gluon", "compile_sm90", "CONFIG"]
 
 _LOG2E = math.log2(math.e)
@@ -89,15 +96,6 @@ D_V, D_TAIL = 512, 64
 # either alone (with 3 or 2 K stages).
 CONFIG = {"stages": 3, "v_stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 64,
           "value_regs": 176, "lookahead": True, "split_transpose": True}
-
-
-@gluon.jit
-def _row_length(len_ptr, qi, topk, HAS_LEN: gl.constexpr):
-    """How many of the row's ``topk`` columns count: ``min(topk_length[qi], topk)``."""
-    n_cols = topk
-    if HAS_LEN:
-        n_cols = gl.minimum(gl.load(len_ptr + qi), topk)
-    return n_cols
 
 
 @gluon.jit
@@ -179,7 +177,7 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
                q_row + h_p.to(gl.int64)[:, None] * stride_qh, None, None, q_l, q_r, q_p,
                q_ready, q_ready, D_V, D_TAIL, WARPS)
 
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     idx_row = idx_ptr + qi * stride_is
     for j in gl.static_range(LAG):
@@ -249,18 +247,6 @@ def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, ready_r, phase,
 
 
 @gluon.jit
-def _online_softmax(s, valid, m_i, l_i, scale_log2):
-    """One tile's step of the base-2 online softmax: ``(p, alpha, m_new, l_new)``."""
-    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
-    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_shift[:, None])
-    alpha = gl.exp2(m_i - m_shift)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
-
-
-@gluon.jit
 def _issue_pv(p_s, vt_half, acc, alpha):
     """Issues ``alpha · acc + P · V`` in e4m3 (P ``[heads, keys]``, ``vt_half`` ``[cols, keys]``,
     both with the keys contiguous: K-major, as FP8 wgmma needs); asynchronous."""
@@ -297,8 +283,6 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
     ``LOOKAHEAD`` (FlashAttention-3's intra-warpgroup pipelining): tile ``i + 1``'s scores are
     issued before tile ``i``'s softmax, so the tensor cores work through the softmax math; they
     complete with tile ``i``'s ``P · V_l`` (one wait for both, wgmma groups retire in order)."""
-    LOG2E: gl.constexpr = 1.4426950408889634
-    LN2: gl.constexpr = 0.6931471805599453
     HALF: gl.constexpr = D_V // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_K, 32])
@@ -312,7 +296,7 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
     kv_scale = gl.load(kv_scale_ptr)
     scale_log2 = gl.load(q_scale_ptr) * kv_scale * sm_scale_log2
 
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     key_cols = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_layout))
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, row_s)
@@ -345,7 +329,7 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
                              ready.index(s), ready.index(STAGES + s), (i // STAGES) & 1,
                              s_layout, BLOCK_H, BLOCK_K)
             mbarrier.arrive(empty.index(s), count=1)
-        p, alpha, m_i, l_i = _online_softmax(scores, valid, m_i, l_i, scale_log2)
+        p, alpha, m_i, l_i = online_softmax(scores, valid, m_i, l_i, scale_log2)
         vph = (i // V_STAGES) & 1
         mbarrier.wait(vt_empty.index(v), vph ^ 1)  # both P · V of this slot's last tile done
         p_smem.index(v).store(p.to(gl.float8e4nv))
@@ -371,21 +355,13 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
         mbarrier.arrive(vt_empty.index(v), count=1)
 
     heads = head0 + gl.arange(0, BLOCK_H, layout=row_s)
-    m_shift = gl.where(m_i == float("-inf"), 0.0, m_i)
-    denom = l_i
-    if HAS_SINK:
-        denom += gl.exp2(gl.load(sink_ptr + heads) * LOG2E - m_shift)
-    denom = gl.where(denom == 0.0, 1.0, denom)  # lonely row, no sink: out = 0 / 1
-    factor = kv_scale / denom  # V was multiplied in payload units
+    factor = kv_scale / softmax_denominator(l_i, m_i, sink_ptr, heads, HAS_SINK)  # V was multiplied in payload units
     denom_smem.store(factor)
     gl.thread_barrier()
     mbarrier.arrive(done, count=1)
     _store_half(out_ptr, acc, gl.convert_layout(factor, row_o), qi, head0, 0, stride_os,
                 stride_oh, o_layout, BLOCK_H, HALF)
-    lonely = l_i == 0.0
-    lse = gl.where(lonely, float("inf"), (m_i + gl.log2(gl.where(lonely, 1.0, l_i))) * LN2)
-    gl.store(max_ptr + qi * h_q + heads, m_i * LN2)
-    gl.store(lse_ptr + qi * h_q + heads, lse)
+    store_max_lse(max_ptr, lse_ptr, qi, h_q, heads, m_i, l_i)
 
 
 @gluon.jit
@@ -417,7 +393,7 @@ def _value_partition(len_ptr, out_ptr, k_r, vt, p_smem, alpha_smem, denom_smem, 
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
-    n_cols = _row_length(len_ptr, qi, topk, HAS_LEN)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     acc = gl.zeros([BLOCK_H, HALF], gl.float32, o_layout)
     if SPLIT_T:
