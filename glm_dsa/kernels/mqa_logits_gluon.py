@@ -76,6 +76,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from glm_dsa.kernels.aot import compile_gluon_sm90
 from glm_dsa.kernels.topk import COUNTERS
 
 __all__ = ["launch_mqa_logits_gluon", "launch_mqa_candidates_gluon", "gluon_refusal",
@@ -451,9 +452,6 @@ def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
     """Compile the kernel for sm_90 ahead of time, no GPU needed (offline checks of shared
     memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``). Pointers marked 16-aligned,
     as the JIT marks GLM-5.3's on the GPU. Must run without ``TRITON_INTERPRET``."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     kernel = _mqa_gluon_kernel
     cfg = _config(config)
     descs = {"q_desc": f"tensordesc<fp8e4nv[{QN}, {HEAD_DIM}],{_smem_layout()!r}>",
@@ -465,15 +463,8 @@ def compile_sm90(H: int = 32, clean: bool = True, compressed: bool = False,
               "COMPRESSED": compressed and not candidates, "CANDIDATES": candidates,
               **_constexprs(cfg)}
     sig = {**descs, **ptrs, "S": "i32", "n_keys": "i32", "n_out": "i32",
-           "out_stride": "i32", "cand": "i32", **{n: "constexpr" for n in consts}}
-    order = list(sig)
-    if order != list(kernel.arg_names):
-        raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
-                           f"{list(kernel.arg_names)}")
-    aligned = [order.index(n) for n in ptrs]
-    src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+           "out_stride": "i32", "cand": "i32"}
+    return compile_gluon_sm90(kernel, sig, consts, list(ptrs), 4)
 
 
 def _launch(q_fp8: Tensor, k_fp8: Tensor, k_scale: Tensor, weights: Tensor, ks: Tensor,

@@ -70,6 +70,7 @@ bench/RESULTS.md (the Gluon variants table).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -83,6 +84,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from glm_dsa.kernels.aot import compile_gluon_sm90
 from glm_dsa.kernels.launch import launch_buffers
 
 __all__ = ["flash_mla_sparse_fwd_gluon", "compile_sm90", "CONFIG", "row_length", "online_softmax",
@@ -107,7 +109,7 @@ D_V, D_TAIL = 512, 64
 # 72); "seesaw_early_scores": warpgroup 0 issues its next tile's scores behind its last P · V
 # of a round instead of after it (FlashMLA's order). No L2 evict_last hint (FlashMLA's):
 # Triton 3.6 drops async_copy's eviction_policy on sm_90 (no cache_hint in the PTX).
-CONFIG = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
+CONFIG: dict[str, Any] = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0, "schedule": "by_heads", "seesaw_regs": 216,
           "seesaw_early_scores": True}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
@@ -997,10 +999,6 @@ def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
     Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the interpreter
     replaces ``gl`` builtins).
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     cfg = CONFIG if schedule is None else {**CONFIG, "schedule": schedule}
     kernel, constexprs = _kernel(cfg, fp8, h_q)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
@@ -1009,17 +1007,9 @@ def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
     strides = ["stride_qs", "stride_qh", "stride_kv", "stride_is", "stride_os", "stride_oh"]
     consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, **constexprs}
     sig = {**ptrs, "s_kv": "i32", "h_q": "i32", "topk": "i32", "scale_log2": "fp32",
-           **{n: "i32" for n in strides}, **{n: "constexpr" for n in consts}}
-    order = list(sig)
-    if order != list(kernel.arg_names):
-        raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
-                           f"{list(kernel.arg_names)}")
+           **{n: "i32" for n in strides}}
     # The FP8 row stride (656 bytes) is a multiple of 16, not of 16 elements of 16 bits.
-    aligned = [order.index(n) for n in [*ptrs, *strides]]
-    src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": CONFIG["num_warps"]})
+    return compile_gluon_sm90(kernel, sig, consts, [*ptrs, *strides], CONFIG["num_warps"])
 
 
 def _kernel(cfg: dict, fp8: bool, h_q: int):

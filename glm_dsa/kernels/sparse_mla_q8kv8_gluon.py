@@ -75,6 +75,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from glm_dsa.kernels.aot import compile_gluon_sm90
 from glm_dsa.kernels.sparse_mla_gluon import (
     online_softmax,
     row_length,
@@ -509,10 +510,6 @@ def compile_sm90(has_sink: bool, has_len: bool, config: dict | None = None):
     GLM-5.3's on the GPU. Returns Triton's compiled kernel. Must run without
     ``TRITON_INTERPRET`` (the interpreter replaces ``gl`` builtins).
     """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     kernel = _sparse_mla_q8kv8_fwd_gluon_kernel
     cfg = CONFIG if config is None else {**CONFIG, **config}
     ptrs = {"q_ptr": "*fp8e4nv", "kv_ptr": "*fp8e4nv", "idx_ptr": "*i32", "out_ptr": "*bf16",
@@ -521,16 +518,8 @@ def compile_sm90(has_sink: bool, has_len: bool, config: dict | None = None):
     strides = ["stride_qs", "stride_qh", "stride_kv", "stride_is", "stride_os", "stride_oh"]
     consts = {"HAS_SINK": has_sink, "HAS_LEN": has_len, **_constexprs(cfg)}
     sig = {**ptrs, "s_kv": "i32", "h_q": "i32", "topk": "i32", "sm_scale_log2": "fp32",
-           **{n: "i32" for n in strides}, **{n: "constexpr" for n in consts}}
-    order = list(sig)
-    if order != list(kernel.arg_names):
-        raise RuntimeError(f"compile_sm90's signature {order} is not the kernel's "
-                           f"{list(kernel.arg_names)}")
-    aligned = [order.index(n) for n in [*ptrs, *strides]]
-    src = GluonASTSource(kernel, sig, {(order.index(n),): v for n, v in consts.items()},
-                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg["num_warps"]})
+           **{n: "i32" for n in strides}}
+    return compile_gluon_sm90(kernel, sig, consts, [*ptrs, *strides], cfg["num_warps"])
 
 
 def sparse_mla_q8kv8_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
