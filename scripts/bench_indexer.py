@@ -350,7 +350,7 @@ def _launch_steps(fast, q, w, k, k_scale, ks, ke, topk: int = TOPK) -> dict:
     lens = (ke - ks).to(torch.int32)
     longest = int(lens.max())
     cand = min(CAND_FACTOR * topk, longest)
-    stride = -(-longest // fast.SAMPLE)
+    stride = fast.sample_stride(longest, topk)
     ev: list = [torch.cuda.Event(enable_timing=True) if q.is_cuda else _HostEvent() for _ in range(4)]
     ev[0].record()
     s_starts = ks.add(stride - 1).floor_divide(stride)

@@ -367,6 +367,68 @@ def _kernel_logits(q, w, k, k_scale, ks, ke):
     return logits
 
 
+def _threshold_between_scores(row):
+    """A threshold keeping about a third of ``row``'s scores, halfway across the widest gap
+    between two of them there, so that the kernel's float32 rounding cannot move an entry
+    across it (below every score for a row of one)."""
+    v = row.sort().values
+    if v.numel() < 3:
+        return v[0] - 1 if v.numel() else row.new_tensor(0.0)
+    lo, hi = v.numel() // 2, max(v.numel() * 5 // 6, v.numel() // 2 + 1)
+    gaps = v[lo + 1 : hi + 1] - v[lo:hi]
+    j = lo + int(gaps.argmax())
+    return (v[j] + v[j + 1]) / 2
+
+
+@pytest.mark.parametrize("splits", [False, True], ids=["one_split", "column_splits"])
+def test_candidates_fill_in_column_order_without_splits_and_count_every_kept_entry(monkeypatch,
+                                                                                  splits):
+    """The candidate kernel's buffers: with one program a row block (a GPU filled by row
+    blocks) every row's candidates are its kept columns in ascending order, counted in the
+    registers; with column splits the same set and count, reserved by atomics a tile. The
+    kept entries are recomputed from the oracle's logits and the threshold."""
+    from glm_dsa.kernels import mqa_logits
+    from glm_dsa.kernels.mqa_logits import launch_mqa_candidates
+
+    pin_logits_configs(monkeypatch)
+    # No splits: one program per row block wanted (the grid's target); splits: 64 programs.
+    monkeypatch.setattr(mqa_logits, "INTERPRET_PROGRAMS", 64 if splits else 1)
+    if not splits:
+        monkeypatch.setattr(mqa_logits, "PROGRAMS_PER_SM", 0)
+    S, H, D, N = 6, 4, 128, 200
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=61)
+    ks = torch.tensor([0, 0, 30, 0, 10, 0], dtype=torch.int32, device=DEV)
+    ke = torch.tensor([200, 150, 180, 0, 11, 199], dtype=torch.int32, device=DEV)
+    ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    thr = torch.stack([_threshold_between_scores(r[torch.isfinite(r)]) for r in ref])
+    cand = N
+    counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device=DEV)
+    keys, cols = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, cand)
+    for m in range(S):
+        s, e = int(ks[m]), int(ke[m])
+        expected = [j - s for j in range(s, e) if float(ref[m, j]) >= float(thr[m])]
+        n = int(counters[m, 0])
+        assert n == len(expected), m
+        got = cols[m, :n].tolist()
+        if not splits:
+            assert got == expected, m
+        else:
+            assert sorted(got) == expected, m
+
+
+def test_sample_stride_expects_sample_hits_above_the_kth_key_up_to_the_sample_size():
+    """``topk / SAMPLE_HITS`` keys apart (16 expected sample points above the k-th key)
+    until the span would need more than ``SAMPLE`` of them: 2048 / 16 = 128 at 131K and at
+    1M keys (1,024 and 8,192 sampled), ⌈4M / 8192⌉ = 512 at 4M."""
+    from glm_dsa.kernels.indexer import sample_stride
+
+    assert sample_stride(131_072, 2048) == 128
+    assert sample_stride(1_048_576, 2048) == 128
+    assert sample_stride(4_194_304, 2048) == 512
+    assert sample_stride(300, 8) == 1
+    assert sample_stride(12_289, 2048) == 128
+
+
 def _assert_exact_topk_of(out, logits, ks, ke, topk):
     """``out`` is a top-k of ``logits``' rows: distinct, inside the window, no unselected
     entry scoring above a selected one, and, among the keys tied at the k-th value, the lowest
@@ -410,9 +472,11 @@ def _tied_keys(N, D, levels, seed):
 
 
 # Module constants indexer_topk reads at each call: the sample threshold with a stride > 1
-# (SAMPLE below the longest window), and a threshold aimed too high (fewer than topk
-# candidates: those rows are redone from their full logits).
-CANDIDATE_PATHS = {"sample_stride": {"SAMPLE": 16}, "too_few_candidates": {"SAMPLE": 16, "TARGET_FACTOR": 0.2}}
+# (SAMPLE below the longest window), a threshold aimed too high (fewer than topk
+# candidates: those rows are redone from their full logits), and a stride set by the sample
+# hits (topk / SAMPLE_HITS = 4 keys) rather than by SAMPLE.
+CANDIDATE_PATHS = {"sample_stride": {"SAMPLE": 16}, "too_few_candidates": {"SAMPLE": 16, "TARGET_FACTOR": 0.2},
+                   "hits_stride": {"SAMPLE_HITS": 2}}
 
 
 @pytest.mark.parametrize("path", list(CANDIDATE_PATHS))

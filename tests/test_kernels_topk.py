@@ -67,9 +67,10 @@ def _rows(kind, R, N, seed):
 
 
 # Module constants the wrapper reads at each call: the default path (candidate buffer), a
-# sample with a stride > 1, and a threshold aimed too high (fewer than k candidates: the select
-# falls back to the whole row).
-PATHS = {"default": {}, "strided_sample": {"SAMPLE": 64}, "fallback": {"TARGET_FACTOR": 0.25}}
+# sample with a stride > 1, a threshold aimed too high (fewer than k candidates: the select
+# falls back to the whole row), and a stride of k / SAMPLE_HITS = 4 keys.
+PATHS = {"default": {}, "strided_sample": {"SAMPLE": 64}, "fallback": {"TARGET_FACTOR": 0.25},
+         "hits_stride": {"SAMPLE_HITS": 4}}
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -8,7 +8,9 @@ append candidates in, so every run, eager or captured, writes the same bits). Th
 logits of a row never reach memory. Per launch:
 
 1. **sample**: the logits kernel on every ``stride``-th key of the launch's column span
-   (the union of its rows' windows; ``stride = ⌈span / SAMPLE⌉``, so at most ``SAMPLE`` keys);
+   (the union of its rows' windows; ``sample_stride``: ``topk / SAMPLE_HITS`` keys, more where
+   that would sample over ``SAMPLE`` keys), so that about ``SAMPLE_HITS`` sampled keys of any
+   row lie above its k-th score (``glm_dsa.kernels.topk``'s analysis);
 2. **thresholds**: for each row whose window has more than ``cand`` keys, the sample's score
    that about ``TARGET_FACTOR · topk`` keys of the window are expected to reach; ``-inf``
    (keep every key) for shorter windows;
@@ -27,7 +29,7 @@ The launches are ``row_chunks.chunked_topk``'s row chunks (of ``candidate_rows``
 syncs are the reference's (the span of each chunk, three numbers), plus one for the redone rows.
 
 Memory: a launch holds its rows' sample logits (4 bytes × ≤ ``SAMPLE``), candidate buffers
-(8 bytes × ``cand``) and 20 bytes of counters, threshold and flags, plus the sampled keys;
+(8 bytes × ``cand``) and 16 bytes of counters, threshold and flags, plus the sampled keys;
 ``candidate_rows`` keeps that within the bytes SGLang's rule lets the chunk's float32 logits
 hold (``4 · max_logit_rows · S_kv``), so the logits budget stays an upper bound on the
 indexer's temporaries. At GLM-5.3's 32,768-token chunk over ~1M keys that is 128 KiB a row,
@@ -55,15 +57,24 @@ from glm_dsa.kernels.topk import (
     launch_select,
     launch_select_candidates,
     launch_thresholds,
+    min_sample_stride,
     raise_on_nan,
 )
 from glm_dsa.row_chunks import RowChunk, chunked_topk
 from glm_dsa.validate import check_indexer_topk_inputs
 
-__all__ = ["indexer_topk", "select_in_chunks", "candidate_rows", "candidate_row_bytes"]
+__all__ = ["indexer_topk", "select_in_chunks", "candidate_rows", "candidate_row_bytes",
+           "sample_stride"]
 
 # Per row beside the sample and the candidates: int32 counters, float32 threshold, int32 flag.
 _ROW_EXTRA_BYTES = 4 * COUNTERS + 4 + 4
+
+
+def sample_stride(span: int, topk: int) -> int:
+    """Keys between two sampled ones over a launch's ``span`` columns: as many as the
+    threshold's quality allows (``min_sample_stride``), more where the sample would exceed
+    ``SAMPLE`` keys."""
+    return max(-(-span // SAMPLE), min_sample_stride(topk))
 
 
 def candidate_row_bytes(num_k: int, topk: int) -> int:
@@ -156,7 +167,7 @@ def _launch(q_fp8: Tensor, weights: Tensor, k_fp8: Tensor, k_scale: Tensor, star
     ends = torch.where(lens > topk, starts + lens, starts)
     cand = min(CAND_FACTOR * topk, span)
     if span > cand:
-        stride = -(-span // SAMPLE)
+        stride = sample_stride(span, topk)
         sampled = k_fp8[::stride].contiguous(), k_scale[::stride].contiguous()
         # Sample j is key j · stride: row windows [⌈start / stride⌉, ⌈end / stride⌉).
         s_starts = starts.add(stride - 1).floor_divide(stride)

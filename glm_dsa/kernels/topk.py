@@ -16,17 +16,20 @@ tied keys' columns finds the highest column taken (the lowest columns win, as in
 stable order); a last pass emits every key above the k-th and the ties up to that column.
 
 Over a long row that select would read the row five times. Instead (about 1.1 reads):
-  1. sample ``SAMPLE`` keys at a fixed stride and radix-select the threshold ``T`` that about
+  1. sample the keys at a fixed stride and radix-select the threshold ``T`` that about
      ``TARGET_FACTOR · k`` keys of the row are expected to reach (a strided sample is unbiased
-     whatever the scores' order along the row);
+     whatever the scores' order along the row). The stride is ``k / SAMPLE_HITS`` keys, or
+     more where that would sample over ``SAMPLE`` keys: the sample is as small as the
+     threshold's quality allows, not a fixed size (at 131K columns 1,024 keys, not 8,192);
   2. one pass appends every key ``≥ T`` and its column to a per-row candidate buffer of
      ``CAND_FACTOR · k`` slots;
   3. if the row had between ``k`` and ``CAND_FACTOR · k`` such keys, the exact select runs on
      the buffer (it holds every key ≥ the k-th best); otherwise (a sample that missed, heavy
      ties) it runs on the row itself — slower, never wrong.
 With a 2.5 k target the sample puts fewer than k keys above ``T`` when at least 2.5 r of its
-r-expected points lie above the true k-th key: Poisson(16) ≥ 40 at k = 2048 over 1M columns
-(8,192 samples), about 1e-7 per row.
+r-expected points lie above the true k-th key, ``r = k / stride``: Poisson(16) ≥ 40 at every row
+length up to ``SAMPLE · k / SAMPLE_HITS`` columns (1M at k = 2048), about 1e-7 per row; longer
+rows sample ``SAMPLE`` keys, with fewer expected hits.
 
 NaN inside a row that is read (``len > k``) is counted by the kernel and raises ValueError
 afterwards, as the oracle does.
@@ -44,19 +47,21 @@ from glm_dsa.validate import check_index_vector, check_ranges, need
 
 __all__ = ["topk_per_row", "select_rows", "launch_select", "launch_thresholds",
            "launch_select_candidates", "order_keys", "key_value", "SAMPLE", "TARGET_FACTOR",
-           "CAND_FACTOR", "BLOCK", "COUNTERS"]
+           "CAND_FACTOR", "BLOCK", "COUNTERS", "SAMPLE_HITS", "min_sample_stride"]
 
-# Strided sample size per row (keys held by one program across its radix rounds).
+# Most keys a row's strided sample takes (held by one program across its radix rounds).
 SAMPLE = 8192
+# Sample points expected above a row's k-th key: the stride is at most k / SAMPLE_HITS.
+SAMPLE_HITS = 16
 # The threshold aims at this many keys per k; the candidate buffer holds CAND_FACTOR · k.
 TARGET_FACTOR = 2.5
 CAND_FACTOR = 6
 # Columns per loop step of a program: 8 warps × 32 threads × 16 float32 (four 16-byte loads).
 BLOCK = 4096
 NUM_WARPS = 8
-# Per-row int32 counters: candidates appended, indices emitted, NaNs read.
-_CANDS, _EMITTED, _NANS = (tl.constexpr(i) for i in range(3))
-COUNTERS = 3
+# Per-row int32 counters: candidates appended, NaNs read.
+_CANDS, _NANS = (tl.constexpr(i) for i in range(2))
+COUNTERS = 2
 _COUNTERS = tl.constexpr(COUNTERS)
 
 
@@ -157,7 +162,7 @@ def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.co
 
 
 @triton.jit
-def _emit(src, idx_src, first, end, ncols, kth, need, ties, counters, out, nans, topk,
+def _emit(src, idx_src, first, end, ncols, kth, need, ties, out, nans, topk,
           FROM_ROW: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr):
     """Write every column whose key is above ``kth``, and the ``need`` lowest of the ``ties``
     columns whose key equals it, in ascending column order (``TOPK``: ``topk`` rounded up to a
@@ -165,22 +170,25 @@ def _emit(src, idx_src, first, end, ncols, kth, need, ties, counters, out, nans,
     last_tie = tl.full((), 0x7FFFFFFF, tl.int32)
     if need < ties:
         last_tie = _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW, BLOCK)
-    zero = tl.zeros([BLOCK], dtype=tl.int32)
+    emitted = tl.zeros((), dtype=tl.int32)
     for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         key, idx, valid, nan = _load_block(src, idx_src, offs, first, end, ncols, 1, FROM_ROW)
         nans += tl.sum(nan.to(tl.int32), 0)
-        take = valid & ((key > kth) | ((key == kth) & (idx <= last_tie)))
-        slot = tl.atomic_add(counters + _EMITTED + zero, 1, mask=take, sem="relaxed")
-        tl.store(out + slot, idx, mask=take)
-    # The slots follow the atomics (and a candidate buffer's order, the logits kernel's), which
-    # differ run to run: sorted, the row is the same bits every run, and so is the attention
-    # summed over it in this order.
+        take = (valid & ((key > kth) | ((key == kth) & (idx <= last_tie)))).to(tl.int32)
+        # Slots by a prefix sum, in the source's order: no atomics on one counter per row.
+        tl.store(out + emitted + tl.cumsum(take, 0) - take, idx, mask=take != 0)
+        emitted += tl.sum(take, 0)
+    # A row or a candidate buffer filled by one program is in ascending column order already;
+    # a buffer filled by column splits is in the order their atomics ran, which differs run to
+    # run: sorted, the row is the same bits every run, and so is the attention summed over it.
     tl.debug_barrier()
     col = tl.arange(0, TOPK)
     picked = tl.load(out + col, mask=col < topk, other=0x7FFFFFFF)
-    tl.debug_barrier()
-    tl.store(out + col, tl.sort(picked), mask=col < topk)
+    before = tl.load(out + col - 1, mask=(col >= 1) & (col < topk), other=-1)
+    if tl.sum((picked < before).to(tl.int32), 0) > 0:
+        tl.debug_barrier()
+        tl.store(out + col, tl.sort(picked), mask=col < topk)
     return nans
 
 
@@ -195,8 +203,8 @@ def _store_prefix(out, n, topk, BLOCK: tl.constexpr):
 @triton.jit
 def _topk_kernel(
     x_ptr, stride_row, ncols, starts_ptr, ends_ptr, out_ptr, cand_key_ptr, cand_idx_ptr,
-    counters_ptr, topk, target, CAND: tl.constexpr, SAMPLE: tl.constexpr, BLOCK: tl.constexpr,
-    TOPK: tl.constexpr,
+    counters_ptr, topk, target, min_stride, CAND: tl.constexpr, SAMPLE: tl.constexpr,
+    BLOCK: tl.constexpr, TOPK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + row).to(tl.int32)
@@ -212,35 +220,35 @@ def _topk_kernel(
     else:
         from_row = n <= CAND
         if not from_row:
-            stride = tl.cdiv(n, SAMPLE)
+            stride = tl.maximum(tl.cdiv(n, SAMPLE), min_stride)
             n_sample = tl.cdiv(n, stride)
             rank = tl.minimum(tl.maximum(tl.cdiv(target * n_sample, n), 1), n_sample)
             threshold, _, _ = _kth_key(x + start, x, 0, n_sample, ncols, stride, rank, True,
                                        BLOCK)
             keys = cand_key_ptr + row * CAND
             cols = cand_idx_ptr + row * CAND
-            zero = tl.zeros([BLOCK], dtype=tl.int32)
+            found = tl.zeros((), dtype=tl.int32)
             for blk in range(start // BLOCK, tl.cdiv(end, BLOCK)):
                 offs = blk * BLOCK + tl.arange(0, BLOCK)
                 key, idx, valid, nan = _load_block(x, x, offs, start, end, ncols, 1, True)
                 nans += tl.sum(nan.to(tl.int32), 0)
-                hit = valid & (key >= threshold)
-                slot = tl.atomic_add(counters + _CANDS + zero, 1, mask=hit, sem="relaxed")
-                hit = hit & (slot < CAND)
-                tl.store(keys + slot, key.to(tl.int32, bitcast=True), mask=hit)
-                tl.store(cols + slot, idx, mask=hit)
+                hit = (valid & (key >= threshold)).to(tl.int32)
+                slot = found + tl.cumsum(hit, 0) - hit
+                keep = (hit != 0) & (slot < CAND)
+                tl.store(keys + slot, key.to(tl.int32, bitcast=True), mask=keep)
+                tl.store(cols + slot, idx, mask=keep)
+                found += tl.sum(hit, 0)
             tl.debug_barrier()  # the buffer is read back by other threads of the program
-            found = tl.atomic_add(counters + _CANDS, 0)
             if (found >= topk) & (found <= CAND):
                 kth, need, ties = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK)
-                nans = _emit(keys, cols, 0, found, CAND, kth, need, ties, counters, out, nans,
-                             topk, False, BLOCK, TOPK)
+                nans = _emit(keys, cols, 0, found, CAND, kth, need, ties, out, nans, topk, False,
+                             BLOCK, TOPK)
             else:
                 from_row = True
         if from_row:
             kth, need, ties = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK)
-            nans = _emit(x, x, start, end, ncols, kth, need, ties, counters, out, nans, topk, True,
-                         BLOCK, TOPK)
+            nans = _emit(x, x, start, end, ncols, kth, need, ties, out, nans, topk, True, BLOCK,
+                         TOPK)
     tl.store(counters + _NANS, nans)
 
 
@@ -289,12 +297,18 @@ def _select_candidates_kernel(
             keys = cand_key_ptr + row * cand
             cols = cand_idx_ptr + row * cand
             kth, need, ties = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK)
-            nans = _emit(keys, cols, 0, found, cand, kth, need, ties, counters, out, nans, topk,
-                         False, BLOCK, TOPK)
+            nans = _emit(keys, cols, 0, found, cand, kth, need, ties, out, nans, topk, False,
+                         BLOCK, TOPK)
         else:
             redo += 1
     tl.store(counters + _NANS, nans)
     tl.store(redo_ptr + row, redo)
+
+
+def min_sample_stride(topk: int) -> int:
+    """The least sample stride (keys) for ``topk``: ``SAMPLE_HITS`` points expected above the
+    k-th key of any row (module docstring)."""
+    return max(topk // SAMPLE_HITS, 1)
 
 
 def launch_thresholds(sample: Tensor, starts: Tensor, ends: Tensor, lens: Tensor, topk: int,
@@ -354,8 +368,8 @@ def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tu
     cand_idx = torch.empty((R, cand), dtype=torch.int32, device=dev)
     _topk_kernel[(R,)](
         logits, logits.stride(0), logits.shape[1], starts, ends, out, cand_key, cand_idx, counters,
-        topk, int(TARGET_FACTOR * topk), CAND=cand, SAMPLE=SAMPLE, BLOCK=BLOCK,
-        TOPK=triton.next_power_of_2(topk), num_warps=NUM_WARPS,
+        topk, int(TARGET_FACTOR * topk), min_sample_stride(topk), CAND=cand, SAMPLE=SAMPLE,
+        BLOCK=BLOCK, TOPK=triton.next_power_of_2(topk), num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, counters[:, _NANS.value]
 
