@@ -286,42 +286,27 @@ def _mqa_candidates_kernel(
 
     Entry ``(i, j)`` of row i's window with ``not (logit < thr[i])`` (NaN included) is appended
     to row i's candidate buffer of ``cand`` slots (its order key as int32 bits and
-    ``j − ks[i]``); ``counters[i, 0]`` ends as the row's count. Entries past ``cand`` are
-    counted but not written, so the count tells the caller the buffer overflowed. Nothing else
-    is stored: the logits never reach memory.
-
-    A tile's entries take slots by a prefix sum down its keys. Without column splits the
-    program owns its rows, keeps their counts in registers and fills each buffer in ascending
-    column order with no atomics (an atomic's round trip per tile stood between the MMAs);
-    with splits each tile reserves its rows' slots by one atomic add a row, and the buffer is
-    in the order those land.
+    ``j − ks[i]``) at a slot taken from ``counters[i, 0]`` by an atomic add. Entries past
+    ``cand`` are counted but not written, so the count tells the caller the buffer overflowed.
+    Nothing else is stored: the logits never reach memory.
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
     rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
         q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     cand_off = rows.to(tl.int64) * cand
-    count_ptrs = counters_ptr + rows * _COUNTERS
-    # A tensor, not the scalar: the interpreter's scalar comparison makes an int32 mask.
-    shared = (tl.zeros([BLOCK_M], dtype=tl.int32) + tl.num_programs(1)) > 1
-    count = tl.zeros([BLOCK_M], dtype=tl.int32)
+    count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * _COUNTERS, (BLOCK_N, BLOCK_M))
     for t in tl.range(c0, c1):
         cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
                                          BLOCK_N)
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
-        take = (inside & ~(logits < thr[None, :])).to(tl.int32)  # [BLOCK_N, BLOCK_M]
-        ahead = tl.cumsum(take, axis=0)  # kept entries of the tile up to each key, inclusive
-        kept = tl.max(ahead, axis=0)  # the last: one scan, not a scan and a sum
-        # Predicated off without splits: no atomic is issued there.
-        first = tl.atomic_add(count_ptrs, kept, mask=shared & row_ok & (kept > 0), sem="relaxed")
-        base = tl.where(shared, first, count)
-        count += kept
-        slot = base[None, :] + ahead - take
-        ok = (take != 0) & (slot < cand)
+        take = inside & ~(logits < thr[None, :])  # [BLOCK_N, BLOCK_M]
+        # One atomic per kept entry, none for the rest: no reduction across warps per tile.
+        slot = tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed")
+        ok = take & (slot < cand)
         at = cand_off[None, :] + slot
         tl.store(cand_key_ptr + at, order_keys(logits).to(tl.int32, bitcast=True), mask=ok)
         tl.store(cand_idx_ptr + at, cols[:, None] - ks[None, :], mask=ok)
-    tl.store(count_ptrs, count, mask=row_ok & ~shared)
 
 
 _KEY = ["HP", "DP", "size_class"]
@@ -435,9 +420,8 @@ def launch_mqa_candidates(
 
     Returns:
         ``(keys, columns)``, int32 ``[S, cand]`` each: the candidates' order keys (as int32 bits,
-        ``glm_dsa.kernels.topk``'s key order) and columns relative to ``ks``, in ascending
-        columns when the launch has no column splits (enough row blocks to fill the GPU), in
-        no set order otherwise; the first ``min(count, cand)`` slots of a row are written.
+        ``glm_dsa.kernels.topk``'s key order) and columns relative to ``ks``, in no set order;
+        the first ``min(count, cand)`` slots of a row are written.
     """
     S, H, D = q_fp8.shape
     n_keys = k_fp8.shape[0]
