@@ -154,6 +154,25 @@ def test_each_gather_hint_compiles_as_its_own_kernel(fp8, h_q):
     assert all(policies[h] == ptx_hints.policy_asm(h) for h in policies)
 
 
+def test_a_hinted_launch_refuses_a_binary_without_the_hint(monkeypatch):
+    """A hinted form whose cached binary lacks the hint (compiled while another hook replaced
+    the pass) raises at its first launch instead of running as if it were hinted."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(sparse_mla_gluon, "_HINT_CHECKED", set())
+    copy = "\tcp.async.cg.shared.global{} [ %r117 + 0 ], [ %rd106 + 0 ], 0x10, %r118{};\n"
+    plain = SimpleNamespace(hash="a", name="k", asm={"ptx": copy.format("", "")})
+    with pytest.raises(ptx_hints.HintError, match="has no hinted cp.async"):
+        sparse_mla_gluon._check_hinted(plain, "evict_last_256b")
+    hinted = SimpleNamespace(hash="b", name="k", asm={"ptx": copy.format(
+        ".L2::cache_hint.L2::256B", ", %rd74")})
+    sparse_mla_gluon._check_hinted(hinted, "evict_last_256b")
+    with pytest.raises(ptx_hints.HintError):  # the 256B prefetch alone is another form
+        sparse_mla_gluon._check_hinted(SimpleNamespace(hash="c", name="k", asm=hinted.asm), "256b")
+    sparse_mla_gluon._check_hinted(SimpleNamespace(hash="d", name="k", asm={}), "256b")  # no PTX
+    assert sparse_mla_gluon._HINT_CHECKED == {"b"}
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's dispatch")
 def test_dispatch_on_the_cpu_runs_the_triton_kernel_and_says_so(caplog):
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)

@@ -1059,9 +1059,11 @@ def _kernel(cfg: dict, fp8: bool, h_q: int):
                     "VALUE_REGS": cfg["value_regs"], "PREFETCH": cfg["prefetch"], **policy}
 
 
-# The kernels whose PTX the gather hint's pass may rewrite (each only with its marker).
-_HINTED_ENTRIES = ("_sparse_mla_fwd_gluon_kernel", "_sparse_mla_fwd_fp8_gluon_kernel",
-                   "_sparse_mla_fwd_seesaw_gluon_kernel")
+# The PTX entries (Triton names them after the function) that the gather hint's pass may
+# rewrite, each only where it carries the marker.
+_HINTED_ENTRIES = tuple(k.__name__ for k in (_sparse_mla_fwd_gluon_kernel,
+                                             _sparse_mla_fwd_fp8_gluon_kernel,
+                                             _sparse_mla_fwd_seesaw_gluon_kernel))
 _HINT_CHECKED: set[str] = set()
 
 
@@ -1073,11 +1075,13 @@ def _install_hint(cfg: dict) -> None:
 
 def _check_hinted(compiled, hint: str) -> None:
     """Raise unless ``compiled`` (a hinted form, once per binary) has hinted copies: a binary
-    cached without the pass (another hook replaced it) must not run as if it were hinted."""
+    cached without the pass (another hook replaced it) must not run as if it were hinted. A
+    cache that keeps binaries only (``TRITON_STORE_BINARY_ONLY``) has no PTX to look at."""
     key = compiled.hash
-    if key in _HINT_CHECKED:
+    ptx = compiled.asm.get("ptx")
+    if key in _HINT_CHECKED or ptx is None:
         return
-    if not ptx_hints.hinted_copies(compiled.asm["ptx"]).get(ptx_hints.HINTS[hint][0]):
+    if not ptx_hints.hinted_copies(ptx).get(ptx_hints.HINTS[hint][0]):
         raise ptx_hints.HintError(f"{compiled.name}: gather_hint {hint!r} asked, but its PTX "
                                   "has no hinted cp.async (compiled without ptx_hints' pass?)")
     _HINT_CHECKED.add(key)
