@@ -36,9 +36,10 @@ __all__ = ["HINTS", "HintError", "policy_asm", "rewrite_ptx", "hinted_copies", "
 _VERSION = 1
 _MARK = "glm_dsa.gather_hint"
 _EVICT_LAST = "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;"  # FlashMLA's policy
-# Hint name -> (the qualifiers after ``cp.async.cg.shared.global``, whether the copy takes the
-# marker's register as its cache-policy operand). PTX ISA: ``cp.async.cg.shared.global
-# {.level::cache_hint}{.level::prefetch_size} [dst], [src], 16{, src-size}{, cache-policy};``.
+# Hint name -> (the qualifiers after ``cp.async.{ca,cg}.shared.global``, whether the copy takes
+# the marker's register as its cache-policy operand). PTX ISA: ``cp.async.cg.shared.global
+# {.level::cache_hint}{.level::prefetch_size} [dst], [src], 16{, src-size}{, cache-policy};``
+# (``.ca`` the same with cp-size 4, 8 or 16).
 # "evict_last_256b" is FlashMLA's form; the other two say which half of it pays.
 HINTS: dict[str, tuple[str, bool]] = {
     "evict_last_256b": (".L2::cache_hint.L2::256B", True),
