@@ -151,8 +151,10 @@ def main() -> None:
     parser.add_argument("--gluon-variants", nargs="*", default=[], metavar="JSON",
                         help="also time the Gluon bf16 kernel with these CONFIG overrides, "
                              'e.g. \'{"schedule": "seesaw"}\' (recorded as gluon_variants: '
-                             "config -> ms, with gluon_variants_check and, where FlashMLA ran, "
-                             "gluon_variants_vs_flashmla)")
+                             "config -> ms, with gluon_variants_check, where FlashMLA ran "
+                             "gluon_variants_vs_flashmla, and with gluon in --forms "
+                             "gluon_variants_bitwise: whether out, max_logits and lse equal "
+                             "CONFIG's bit for bit, as a gather_hint's must)")
     parser.add_argument("--gluon-fp8-variants", nargs="*", default=[], metavar="JSON",
                         help="the same for the Gluon FP8-row kernel (with gluon_fp8 in --forms), "
                              'e.g. \'{"stages": 3}\' (recorded as gluon_fp8_variants)')
@@ -220,6 +222,11 @@ def main() -> None:
             if "triton_fp8" in forms:
                 runs["triton_fp8"] = lambda: sparse_mla._launch_triton(
                     q, fp8_rows, fp8_rows.stride(0), s_kv, idx, SM_SCALE, D_V, None, None, True)
+            # CONFIG's results, for the variants' bitwise comparison (a failure shows in gluon_s).
+            held: dict = {}
+            if "gluon" in runs and args.gluon_variants:
+                _guard(held, "base", runs["gluon"])
+            base = held.get("base") if isinstance(held.get("base"), tuple) else None
             for text in args.gluon_variants if gluon_ok else ():
                 variant = lambda: flash_mla_sparse_fwd_gluon(  # noqa: E731
                     q, kv, kv.stride(0), s_kv, idx, SM_SCALE, None, None, json.loads(text))
@@ -227,6 +234,10 @@ def main() -> None:
                        lambda: time_it(variant) * 1e3)
                 _guard(row.setdefault("gluon_variants_check", {}), text,
                        lambda: _check(variant(), q, kv, idx, rows))
+                if base is not None:
+                    _guard(row.setdefault("gluon_variants_bitwise", {}), text,
+                           lambda: all(torch.equal(a, b) for a, b in zip(variant(), base)))
+            del base, held
             for text in args.gluon_fp8_variants if "gluon_fp8" in runs else ():
                 _guard(row.setdefault("gluon_fp8_variants", {}), text, lambda: time_it(
                     lambda: flash_mla_sparse_fwd_gluon(
@@ -281,6 +292,9 @@ def main() -> None:
                                      for c in check.values()) and "error" not in check
                         shown += (f"  {ratio:.3f}x FlashMLA" if ratio else "") + (
                             "  check passed" if passed else "  CHECK FAILED")
+                        same = row.get("gluon_variants_bitwise", {}).get(cfg)
+                        if isinstance(same, bool):
+                            shown += "  bitwise = CONFIG's" if same else "  NOT bitwise CONFIG's"
                     print(f"    {form[:-9]:10s} {shown}  {cfg}", flush=True)
             for key, val in row.items():
                 if isinstance(val, dict) and "error" in val:

@@ -5,7 +5,9 @@ compile is checked (when the installed Triton is one the kernel was tested with;
 spills where ptxas is installed); the ``cuda`` tests run it on an sm_90 GPU through the harness
 (every contract edge case at GLM-5.3's shapes), and a stress test over random shapes against
 the float64 oracle, judged by FlashMLA's error on the same inputs where the peers import; both
-over each bf16 schedule (``CONFIG["schedule"]``: "split", "seesaw"). The Triton kernel keeps its
+over each bf16 schedule (``CONFIG["schedule"]``: "split", "seesaw"). Each ``gather_hint``: its PTX
+(offline: the row copies hinted, Q's not, ptxas takes it) and its results on the GPU (bitwise the
+unhinted kernel's). The Triton kernel keeps its
 own tests (tests/test_kernels_sparse_mla.py, CPU and GPU); here it is also run on the GPU beside
 Gluon.
 """
@@ -23,7 +25,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from glm_dsa import oracle, peers, testing  # noqa: E402
-from glm_dsa.kernels import sparse_mla, sparse_mla_gluon  # noqa: E402
+from glm_dsa.kernels import ptx_hints, sparse_mla, sparse_mla_gluon  # noqa: E402
 from glm_dsa.kernels.sparse_mla import (  # noqa: E402
     GLUON_TESTED_TRITON,
     flash_mla_sparse_fwd,
@@ -56,9 +58,10 @@ def _triton_only(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=
 
 _AOT = """
 import json, re, shutil, subprocess, sys, tempfile
+from glm_dsa.kernels.ptx_hints import hinted_copies
 from glm_dsa.kernels.sparse_mla_gluon import compile_sm90
 c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1", fp8=sys.argv[3] == "1",
-                 schedule=sys.argv[4])
+                 schedule=sys.argv[4], gather_hint=sys.argv[5])
 ptx = c.asm["ptx"]
 spills = None
 if shutil.which("ptxas"):
@@ -70,8 +73,21 @@ if shutil.which("ptxas"):
     spills = sum(int(n) for n in re.findall(r"(\\d+) bytes spill", err))
 print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
                   "noinc": ptx.count("cp.async.mbarrier.arrive.noinc"),
-                  "setmaxnreg": ptx.count("setmaxnreg"), "spills": spills}))
+                  "setmaxnreg": ptx.count("setmaxnreg"), "spills": spills,
+                  "copies": hinted_copies(ptx), "marker": ptx.count("glm_dsa.gather_hint")}))
 """
+
+
+def _aot(has_sink, has_len, fp8, schedule, gather_hint="none"):
+    """The offline compile's facts (``_AOT``) in a fresh interpreter without TRITON_INTERPRET
+    (conftest sets it on the CPU), no GPU needed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [*(str(int(x)) for x in (has_sink, has_len, fp8)), schedule, gather_hint]
+    done = subprocess.run([sys.executable, "-c", _AOT, *args],
+                          env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
@@ -79,18 +95,27 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
     (False, False, False, "split"), (True, True, False, "split"), (True, True, True, "split"),
     (False, False, False, "seesaw"), (True, True, False, "seesaw")])
 def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, fp8, schedule):
-    # A fresh interpreter without TRITON_INTERPRET (conftest sets it on the CPU), no GPU needed.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [*(str(int(x)) for x in (has_sink, has_len, fp8)), schedule]
-    done = subprocess.run([sys.executable, "-c", _AOT, *args],
-                          env=env, capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    info = json.loads(done.stdout.strip().splitlines()[-1])
+    info = _aot(has_sink, has_len, fp8, schedule)
     assert info["shared"] <= 232_448  # sm_90's per-block opt-in maximum (227 KB)
     assert info["wgmma"] > 0 and info["noinc"] > 0  # tensor cores; cp.async completing mbarriers
     assert info["setmaxnreg"] > 0  # the partitions' register budgets took effect
     assert info["spills"] in (None, 0)  # ptxas -v (where ptxas is installed): no local memory
+    assert info["marker"] == 0 and list(info["copies"]) == [""]  # gather_hint "none": no hint
+
+
+# Per thread: Q [64, 576] bf16 is 36 16-byte copies; a bf16 tile the same 36; an FP8 tile's
+# e4m3 bytes 16 and RoPE 4, issued twice (first tile, loop), and its 4 scale copies (4 bytes).
+@pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
+@pytest.mark.parametrize("hint", ["evict_last_256b", "256b"])
+@pytest.mark.parametrize("fp8,schedule,gather", [(False, "split", 36), (False, "seesaw", 36),
+                                                 (True, "split", 44)],
+                         ids=["split", "seesaw", "fp8"])
+def test_gather_hint_reaches_the_row_copies_and_not_qs(fp8, schedule, gather, hint):
+    info = _aot(True, True, fp8, schedule, hint)
+    qualifiers = ptx_hints.HINTS[hint][0]
+    assert info["copies"] == {"": 36, qualifiers: gather}  # Q's 36 keep no hint
+    assert info["marker"] == 1
+    assert info["spills"] in (None, 0)  # ptxas took the hinted form (check=True), no spills
 
 
 def test_by_heads_runs_the_split_at_64_heads_and_the_seesaw_from_128():
@@ -113,6 +138,39 @@ def test_gluon_config_errors_name_the_bad_entry_before_any_launch():
     with pytest.raises(ValueError, match="the seesaw schedule has 2 stages"):
         sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, kv, 576, 4, idx, 0.1, None, None,
                                                     config={"schedule": "seesaw", "stages": 3})
+    with pytest.raises(ValueError, match="gather_hint must be 'none' or one of"):
+        sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, kv, 576, 4, idx, 0.1, None, None,
+                                                    config={"gather_hint": "evict_first"})
+
+
+@pytest.mark.parametrize("fp8,h_q", [(False, 64), (False, 128), (True, 64)])
+def test_each_gather_hint_compiles_as_its_own_kernel(fp8, h_q):
+    """The hint is a constexpr of every form (the marker asm, "" for none), so Triton keys a
+    hinted and an unhinted compile apart, and a kernel never runs the other's binary."""
+    policies = {h: sparse_mla_gluon._kernel({**sparse_mla_gluon.CONFIG, "gather_hint": h}, fp8,
+                                            h_q)[1]["GATHER_POLICY"]
+                for h in ("none", *ptx_hints.HINTS)}
+    assert policies["none"] == "" and len(set(policies.values())) == len(policies)
+    assert all(policies[h] == ptx_hints.policy_asm(h) for h in policies)
+
+
+def test_a_hinted_launch_refuses_a_binary_without_the_hint(monkeypatch):
+    """A hinted form whose cached binary lacks the hint (compiled while another hook replaced
+    the pass) raises at its first launch instead of running as if it were hinted."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(sparse_mla_gluon, "_HINT_CHECKED", set())
+    copy = "\tcp.async.cg.shared.global{} [ %r117 + 0 ], [ %rd106 + 0 ], 0x10, %r118{};\n"
+    plain = SimpleNamespace(hash="a", name="k", asm={"ptx": copy.format("", "")})
+    with pytest.raises(ptx_hints.HintError, match="has no hinted cp.async"):
+        sparse_mla_gluon._check_hinted(plain, "evict_last_256b")
+    hinted = SimpleNamespace(hash="b", name="k", asm={"ptx": copy.format(
+        ".L2::cache_hint.L2::256B", ", %rd74")})
+    sparse_mla_gluon._check_hinted(hinted, "evict_last_256b")
+    with pytest.raises(ptx_hints.HintError):  # the 256B prefetch alone is another form
+        sparse_mla_gluon._check_hinted(SimpleNamespace(hash="c", name="k", asm=hinted.asm), "256b")
+    sparse_mla_gluon._check_hinted(SimpleNamespace(hash="d", name="k", asm={}), "256b")  # no PTX
+    assert sparse_mla_gluon._HINT_CHECKED == {"b"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter's dispatch")
@@ -244,6 +302,30 @@ def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8, sched
     ours_err, their_err = _errors(got, want, rows), _errors(theirs, want, rows)
     for name, e, t in zip(("out", "max_logits", "lse"), ours_err, their_err):
         assert e <= 2 * t + 1e-6, f"{name}: Gluon error {e:.3g} vs FlashMLA {t:.3g}"
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("fp8,schedule", [(False, "split"), (True, "split"), (False, "seesaw")],
+                         ids=["bf16", "fp8", "bf16-seesaw"])
+@pytest.mark.parametrize("hint", sorted(ptx_hints.HINTS))
+@pytest.mark.parametrize("case", [0, 1])
+def test_a_gather_hint_leaves_every_result_bit_unchanged(case, hint, fp8, schedule, monkeypatch):
+    """A cache hint moves no byte: out, max_logits and lse equal the unhinted kernel's bitwise
+    (invalid indices, topk_length and the sink included)."""
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "schedule", schedule)
+    g = torch.Generator(device="cuda").manual_seed(2000 + case)
+    dq, dkv, didx, dkw = _stress_case(g, case)
+    rows = _fp8_rows(dkv)[0] if fp8 else None
+
+    def run(gather_hint):
+        monkeypatch.setitem(sparse_mla_gluon.CONFIG, "gather_hint", gather_hint)
+        if fp8:
+            return sparse_mla_fwd_fp8(dq, rows, didx, 0.1, 512, **dkw)
+        return _gluon_only(dq, dkv, didx, 0.1, 512, **dkw)
+
+    for name, a, b in zip(("out", "max_logits", "lse"), run("none"), run(hint)):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.cuda

@@ -21,7 +21,9 @@ gather the same rows, the second mostly from L2), three partitions of one warpgr
   s]`` the rest, so the scores start on the first block while the rest lands (FlashMLA's
   half-tile barriers). Before refilling stage ``s`` it waits on ``empty[s]`` (2 arrivals, one
   per compute warpgroup). Indices are loaded a tile ahead, so their latency hides behind
-  that wait.
+  that wait. With a ``CONFIG["gather_hint"]`` the row copies (not Q's) carry an L2 hint
+  (FlashMLA's evict_last policy and 256-byte prefetch, or one of the two), which a PTX pass
+  adds (``ptx_hints``: Triton 3.6 cannot express it).
 - **Softmax warpgroup** (the default partition). ``S = Q · Kᵀ`` of the stage (``[64 heads,
   64 keys]``, one full-width wgmma chain over the three blocks), masked by the indices'
   validity, online softmax in base 2 with ``sm_scale · log2 e`` folded in. A row lives in one
@@ -84,6 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+from glm_dsa.kernels import ptx_hints
 from glm_dsa.kernels.aot import compile_gluon_sm90
 from glm_dsa.kernels.launch import launch_buffers
 
@@ -107,11 +110,14 @@ D_V, D_TAIL = 512, 64
 # 0.91-0.94x at h_q 64 against the split's 0.90-0.98x; "seesaw_regs" is its odd warpgroup's
 # register budget (the even one, the default partition, gets the rest: FlashMLA's 216 / 216 /
 # 72); "seesaw_early_scores": warpgroup 0 issues its next tile's scores behind its last P · V
-# of a round instead of after it (FlashMLA's order). No L2 evict_last hint (FlashMLA's):
-# Triton 3.6 drops async_copy's eviction_policy on sm_90 (no cache_hint in the PTX).
+# of a round instead of after it (FlashMLA's order). "gather_hint": the L2 hint on the K/V
+# row copies (all three forms; ``ptx_hints``: Triton 3.6 drops async_copy's eviction_policy on
+# sm_90, so a PTX pass adds it): "none", "evict_last_256b" (FlashMLA's evict_last policy and
+# 256-byte L2 prefetch), "evict_last" or "256b" (one half of it each); "none" until the
+# hinted forms are timed on the H200 (bench/probes/2026-12-04-h200-hint.py).
 CONFIG: dict[str, Any] = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0, "schedule": "by_heads", "seesaw_regs": 216,
-          "seesaw_early_scores": True}
+          "seesaw_early_scores": True, "gather_hint": "none"}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
 
@@ -126,6 +132,15 @@ def _prefetch_tile(kv_ptr, idx_row, cols, n_cols, s_kv, stride_kv, ROW_BYTES: gl
     size = gl.full(cols.shape, ROW_BYTES, gl.int32, cols.type.layout)
     gl.inline_asm_elementwise("@$3 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0;",
                               "=r,l,r,b", [rows, size, ok], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gather_policy(POLICY: gl.constexpr):
+    """The L2 policy for the gather's row copies: ``POLICY`` (``ptx_hints.policy_asm``) as inline
+    asm, which the PTX pass finds by its marker and hands to the masked cp.async of the
+    kernel; nothing when ``POLICY`` is "" (gather_hint "none")."""
+    if POLICY != "":
+        gl.inline_asm_elementwise(POLICY, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -160,7 +175,8 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
                       stride_is, h_groups,
                       HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                       D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
-                      WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
+                      WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr,
+                      GATHER_POLICY: gl.constexpr):
     """Q once, then each tile's indexed rows into ring stage ``i % STAGES`` (cp.async)."""
     HALF: gl.constexpr = D_V // 2
     pid = gl.program_id(0)
@@ -173,6 +189,7 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
     _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
             D_TAIL, WARPS)
+    _gather_policy(GATHER_POLICY)
     n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     pf_lay: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
@@ -267,7 +284,8 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
                           stride_kv, stride_is, h_groups,
                           HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr,
                           D_V: gl.constexpr, D_TAIL: gl.constexpr, STAGES: gl.constexpr,
-                          WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr):
+                          WARPS: gl.constexpr, PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr,
+                          GATHER_POLICY: gl.constexpr):
     """FP8 rows: Q once; per tile the e4m3 bytes and scales into ring stage ``s`` (as soon as
     the previous use of that stage is dequantized), the RoPE values into ``k_p[s]`` (once both
     warpgroups freed it), then the dequantization into the working tile when it is free."""
@@ -276,6 +294,7 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     head0 = (pid % h_groups) * BLOCK_H
     _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
             D_TAIL, WARPS)
+    _gather_policy(GATHER_POLICY)
     n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
@@ -521,7 +540,7 @@ def _sparse_mla_fwd_gluon_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
     STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
-    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr, GATHER_POLICY: gl.constexpr,
 ):
     HALF: gl.constexpr = D_V // 2
     h_groups = h_q // BLOCK_H
@@ -548,7 +567,7 @@ def _sparse_mla_fwd_gluon_kernel(
         (_gather_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, k_p,
                              q_ready, ready, empty, s_kv, topk, stride_qs, stride_qh, stride_kv,
                              stride_is, h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL, STAGES,
-                             GATHER_WARPS, PREFETCH, (D_V + D_TAIL) * 2)),
+                             GATHER_WARPS, PREFETCH, (D_V + D_TAIL) * 2, GATHER_POLICY)),
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
@@ -560,7 +579,7 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
     STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
-    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr, GATHER_POLICY: gl.constexpr,
 ):
     """The FP8-row form: a ring of raw rows (e4m3 bytes, scales, RoPE) and one dequantized
     bf16 working tile that both compute warpgroups read (``_gather_fp8_partition``)."""
@@ -594,7 +613,7 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
                                  w_l, w_r, q_ready, ready, empty, work, s_kv, topk, stride_qs,
                                  stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
                                  BLOCK_K, D_V, D_TAIL, STAGES, GATHER_WARPS, PREFETCH,
-                                 D_V + 4 * (D_V // 128) + 2 * D_TAIL)),
+                                 D_V + 4 * (D_V // 128) + 2 * D_TAIL, GATHER_POLICY)),
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
@@ -605,7 +624,7 @@ def _gather_seesaw_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l
                              HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
                              BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
                              WARPS: gl.constexpr, PREFETCH: gl.constexpr,
-                             ROW_BYTES: gl.constexpr):
+                             ROW_BYTES: gl.constexpr, GATHER_POLICY: gl.constexpr):
     """Q once, then tile ``i``'s rows into stage ``i % 2``: the latent block 0-255 as soon as
     ``empty[s]`` frees it (``ready[s]``), the block 256-575 as soon as ``empty[2 + s]`` does
     (``ready[2 + s]``); the two halves of a stage are freed at different times."""
@@ -619,6 +638,7 @@ def _gather_seesaw_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l
     c_rope = gl.arange(0, D_TAIL, layout=gl.SliceLayout(0, lay))[None, :]
     _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l.index(0), q_r.index(0), q_p.index(0),
             q_ready, BLOCK_H, D_V, D_TAIL, WARPS)
+    _gather_policy(GATHER_POLICY)
     n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
     idx_row = idx_ptr + qi * stride_is
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
@@ -935,7 +955,7 @@ def _sparse_mla_fwd_seesaw_gluon_kernel(
     HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
     BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
     GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr, SEESAW_REGS: gl.constexpr,
-    PREFETCH: gl.constexpr, EARLY_SCORES: gl.constexpr,
+    PREFETCH: gl.constexpr, EARLY_SCORES: gl.constexpr, GATHER_POLICY: gl.constexpr,
 ):
     """FlashMLA's seesaw over bf16 rows: warpgroups 0 and 1 score the even and odd tiles
     (stages 0 and 1) and chain the running max through ``m_smem``; each owns half the output
@@ -986,21 +1006,24 @@ def _sparse_mla_fwd_seesaw_gluon_kernel(
                                     k_p, q_ready, ready, empty, s_kv, topk, stride_qs,
                                     stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
                                     BLOCK_K, D_V, D_TAIL, GATHER_WARPS, PREFETCH,
-                                    (D_V + D_TAIL) * 2)),
+                                    (D_V + D_TAIL) * 2, GATHER_POLICY)),
     ], [4, GATHER_WARPS], [SEESAW_REGS, GATHER_REGS])
 
 
 def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
-                 schedule: str | None = None, h_q: int = 64):
+                 schedule: str | None = None, h_q: int = 64, gather_hint: str | None = None):
     """Compile the kernel (the FP8-row form with ``fp8``; over bf16 rows the ``schedule``,
-    "split" or "seesaw", ``CONFIG``'s for ``h_q`` heads when None) for sm_90 ahead of time, no GPU needed (for
+    "split" or "seesaw", ``CONFIG``'s for ``h_q`` heads when None; ``gather_hint`` CONFIG's when
+    None) for sm_90 ahead of time, no GPU needed (for
     offline checks of shared memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``).
     Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's on the GPU.
     Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the interpreter
     replaces ``gl`` builtins).
     """
-    cfg = CONFIG if schedule is None else {**CONFIG, "schedule": schedule}
+    cfg = {**CONFIG, **({} if schedule is None else {"schedule": schedule}),
+           **({} if gather_hint is None else {"gather_hint": gather_hint})}
     kernel, constexprs = _kernel(cfg, fp8, h_q)
+    _install_hint(cfg)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
             "out_ptr": "*bf16", "max_ptr": "*fp32", "lse_ptr": "*fp32", "sink_ptr": "*fp32",
             "len_ptr": "*i32"}
@@ -1021,6 +1044,7 @@ def _kernel(cfg: dict, fp8: bool, h_q: int):
         schedule = "seesaw" if h_q >= 2 * BLOCK_H else "split"
     common = {"BLOCK_H": BLOCK_H, "BLOCK_K": BLOCK_K, "D_V": D_V,
               "D_TAIL": D_TAIL}
+    policy = {"GATHER_POLICY": ptx_hints.policy_asm(cfg["gather_hint"])}
     if schedule == "seesaw" and not fp8:
         if cfg["stages"] != 2:
             raise ValueError(f"the seesaw schedule has 2 stages (one a warpgroup), got "
@@ -1028,11 +1052,39 @@ def _kernel(cfg: dict, fp8: bool, h_q: int):
         return _sparse_mla_fwd_seesaw_gluon_kernel, {
             **common, "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
             "SEESAW_REGS": cfg["seesaw_regs"], "PREFETCH": cfg["prefetch"],
-            "EARLY_SCORES": cfg["seesaw_early_scores"]}
+            "EARLY_SCORES": cfg["seesaw_early_scores"], **policy}
     kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
     return kernel, {**common, "STAGES": cfg["stages"],
                     "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
-                    "VALUE_REGS": cfg["value_regs"], "PREFETCH": cfg["prefetch"]}
+                    "VALUE_REGS": cfg["value_regs"], "PREFETCH": cfg["prefetch"], **policy}
+
+
+# The PTX entries (Triton names them after the function) that the gather hint's pass may
+# rewrite, each only where it carries the marker.
+_HINTED_ENTRIES = tuple(k.__name__ for k in (_sparse_mla_fwd_gluon_kernel,
+                                             _sparse_mla_fwd_fp8_gluon_kernel,
+                                             _sparse_mla_fwd_seesaw_gluon_kernel))
+_HINT_CHECKED: set[str] = set()
+
+
+def _install_hint(cfg: dict) -> None:
+    """The PTX pass, before any compile of a hinted form (``ptx_hints.install``, idempotent)."""
+    if cfg["gather_hint"] != "none":
+        ptx_hints.install(_HINTED_ENTRIES)
+
+
+def _check_hinted(compiled, hint: str) -> None:
+    """Raise unless ``compiled`` (a hinted form, once per binary) has hinted copies: a binary
+    cached without the pass (another hook replaced it) must not run as if it were hinted. A
+    cache that keeps binaries only (``TRITON_STORE_BINARY_ONLY``) has no PTX to look at."""
+    key = compiled.hash
+    ptx = compiled.asm.get("ptx")
+    if key in _HINT_CHECKED or ptx is None:
+        return
+    if not ptx_hints.hinted_copies(ptx).get(ptx_hints.HINTS[hint][0]):
+        raise ptx_hints.HintError(f"{compiled.name}: gather_hint {hint!r} asked, but its PTX "
+                                  "has no hinted cp.async (compiled without ptx_hints' pass?)")
+    _HINT_CHECKED.add(key)
 
 
 def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
@@ -1057,7 +1109,8 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
                                                               topk_length)
     if s_q == 0:
         return out, max_logits, lse
-    kernel[(s_q * (h_q // BLOCK_H),)](
+    _install_hint(cfg)
+    compiled = kernel[(s_q * (h_q // BLOCK_H),)](
         q, kv_rows, idx, out, max_logits, lse,
         sink if sink is not None else max_logits, lengths if lengths is not None else idx,
         s_kv, h_q, topk, sm_scale * _LOG2E,
@@ -1065,4 +1118,6 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
         HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **constexprs,
         num_warps=cfg["num_warps"],
     )
+    if cfg["gather_hint"] != "none" and compiled is not None:  # None: compiling elsewhere
+        _check_hinted(compiled, cfg["gather_hint"])
     return out, max_logits, lse
