@@ -27,6 +27,15 @@ KV_COPIES = ["\tcp.async.cg.shared.global [ %r117 + 0 ], [ %rd106 + 0 ], 0x10, %
              "\tcp.async.ca.shared.global [ %r170 + 0 ], [ %rd123 + 0 ], 0x4, %r171;"]
 
 
+# The copies' shared addresses as Triton 3.6 computes them: a stage base (uniform) plus the
+# thread's offset, then constant steps (the seesaw's gather, sparse_mla_gluon.py:658).
+ADDRESSES = ("\tmad.lo.s32 \t%r168, %r164, 32760, %r167;\n"
+             "\tadd.s32 \t%r117, %r168, %r21;\n"
+             "\tadd.s32 \t%r119, %r117, 8192;\n"
+             "\tadd.s32 \t%r170, %r169, %r22;\n")
+OPAQUE = "\tprmt.b32 \t{0}, {0}, {0}, 0x3210; // glm_dsa.gather_hint opaque address"
+
+
 def _asm(line: str) -> str:
     return f"\t// begin inline asm\n{line}\n\t// end inline asm\n"
 
@@ -51,6 +60,7 @@ def _entry(name: str = OURS, marker: str | None = None, copies=KV_COPIES,
     body.append(_asm("\t@%p11 cp.async.bulk.prefetch.L2.global [%rd113], %r114; "
                      "mov.u32 %r113, 0;"))
     body.append("\tselp.b32 \t%r118, 16, 0, %p22;\n")
+    body.append(ADDRESSES)
     body += [_asm(c) for c in copies]
     body.append("\tcp.async.mbarrier.arrive.noinc.shared.b64 \t[%r159+222240];\n\tret;\n}\n"
                 "\t// -- End function\n")
@@ -58,7 +68,9 @@ def _entry(name: str = OURS, marker: str | None = None, copies=KV_COPIES,
 
 
 def _changed(before: str, after: str) -> dict[str, str]:
-    a, b = before.splitlines(), after.splitlines()
+    """The lines ``after`` changed (the opaque-address lines it added left out)."""
+    a = before.splitlines()
+    b = [x for x in after.splitlines() if "glm_dsa.gather_hint opaque address" not in x]
     assert len(a) == len(b)
     return {x: y for x, y in zip(a, b) if x != y}
 
@@ -139,7 +151,7 @@ def test_markers_the_pass_cannot_trust_raise():
         _asm(Q_COPY), _asm(Q_COPY) + _asm(_marker(reg="%rd75")))
     with pytest.raises(HintError, match="2 glm_dsa.gather_hint markers"):
         rewrite_ptx(HEADER + two, [OURS])
-    stale = _marker().replace(" v1", " v0")
+    stale = _marker().replace(f" v{ptx_hints._VERSION}", " v1")
     with pytest.raises(HintError, match="is not one of this rewrite's"):
         rewrite_ptx(HEADER + _entry(marker=stale), [OURS])
     # A masked copy before the policy is set could read an undefined register.
@@ -192,3 +204,68 @@ def test_install_refuses_a_triton_whose_hook_protocol_it_does_not_know(monkeypat
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     with pytest.raises(RuntimeError, match="hooks Triton 3.6's stages"):
         ptx_hints.install([OURS])
+
+
+@pytest.mark.parametrize("hint,opaque", [("evict_last_256b", True), ("evict_last", True),
+                                         ("256b", False)])
+def test_hinted_copies_shared_addresses_are_made_opaque_at_their_roots(hint, opaque):
+    """ptxas 12.8 / 13.0 (sm_90) miscompile a cache-hinted cp.async whose shared address is a
+    uniform base plus a thread's offset (the seesaw's and the FP8 form's stage bases): the
+    LDGSTS reads UR0 / desc[UR1], which nothing writes, and traps. The pass puts an identity
+    prmt after the root of each chain of copy addresses (%r117, whose +8192 step is %r119's
+    address; %r170), so ptxas keeps them in general registers; a copy without a cache-policy
+    operand ("256b") is not affected and keeps its addresses."""
+    ptx = HEADER + _entry(marker=_marker(hint))
+    out = rewrite_ptx(ptx, [OURS])
+    added = [x for x in out.splitlines() if "opaque address" in x]
+    if not opaque:
+        assert added == []
+        return
+    assert added == [OPAQUE.format("%r117"), OPAQUE.format("%r170")]
+    lines = out.splitlines()  # each right after its root's definition, before any copy
+    assert lines[lines.index("\tadd.s32 \t%r117, %r168, %r21;") + 1] == OPAQUE.format("%r117")
+    assert lines[lines.index("\tadd.s32 \t%r170, %r169, %r22;") + 1] == OPAQUE.format("%r170")
+    assert rewrite_ptx(out, [OURS]) == out  # idempotent: no second prmt
+
+
+def test_a_hinted_copy_whose_address_has_no_definition_raises():
+    ptx = HEADER + _entry(marker=_marker()).replace("\tadd.s32 \t%r170, %r169, %r22;\n", "")
+    with pytest.raises(HintError, match="no definition of %r170"):
+        rewrite_ptx(ptx, [OURS])
+
+
+# nvdisasm's text (sm_90, ptxas 12.8) of the seesaw's hinted gather before the fix: the
+# policy pair UR12:UR13 is built, UR12 then overwritten by the stage base, and the LDGSTS
+# encoded with UR0 / desc[UR1], which no instruction writes (the H200's "illegal instruction").
+BAD_SASS = """
+        /*8a80*/                   UMOV UR12, 0xf0 ;
+        /*8ae0*/                   USHF.R.U32 UR12, UR12, 0x4, URZ ;
+        /*8af0*/                   UMOV UR13, 0x140 ;
+        /*8b00*/                   ULOP3.LUT UR13, UR13, 0xf, UR12, 0xf8, !UPT ;
+        /*8b10*/                   USHF.L.U32 UR13, UR13, 0x14, URZ ;
+        /*8b20*/                   UMOV UR12, URZ ;
+        /*8b80*/                   ULDC.64 UR18, c[0x0][0x218] ;
+        /*8dd0*/                   UMOV UR12, UR15 ;
+        /*8f10*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P4, [UR16+0x36560], R24 ;
+        /*90c0*/                   LDGSTS.E.BYPASS.LTC256B.128 [R5+UR0], desc[UR1][R12.64], P0 ;
+        /*9100*/                   LDGSTS.E.BYPASS.LTC256B.128 [R5+UR0+0x2000], desc[UR1][R12.64+0x80], P0 ;
+        /*9250*/                   ARRIVES.LDGSTSBAR.64.ARVCNT [UR16+0x36540] ;
+"""
+# The same gather after the fix (and the unhinted Q copies): the policy pair is the desc.
+GOOD_SASS = """
+        /*0190*/                   ULDC.64 UR38, c[0x0][0x208] ;
+        /*86b0*/                   LDGSTS.E.BYPASS.128 [R21+0x20000], desc[UR38][R12.64] ;
+        /*8a80*/                   UMOV UR12, 0xf0 ;
+        /*8af0*/                   UMOV UR13, 0x140 ;
+        /*8b20*/                   UMOV UR12, URZ ;
+        /*90c0*/                   LDGSTS.E.BYPASS.LTC256B.128 [R5], desc[UR12][R12.64], P0 ;
+        /*9100*/                   LDGSTS.E.BYPASS.LTC256B.128 [R5+0x2000], desc[UR12][R12.64+0x80], P0 ;
+        /*9250*/                   ARRIVES.LDGSTSBAR.64.ARVCNT [UR16+0x36540] ;
+"""
+
+
+def test_undefined_uniform_reads_finds_the_miscompiled_ldgsts():
+    bad = ptx_hints.undefined_uniform_reads(BAD_SASS)
+    assert bad == ["LDGSTS.E.BYPASS.LTC256B.128 [R5+UR0], desc[UR1][R12.64], P0",
+                   "LDGSTS.E.BYPASS.LTC256B.128 [R5+UR0+0x2000], desc[UR1][R12.64+0x80], P0"]
+    assert ptx_hints.undefined_uniform_reads(GOOD_SASS) == []

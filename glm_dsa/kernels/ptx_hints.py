@@ -21,6 +21,19 @@ is the constant ``0x10``), so they keep no hint (FlashMLA loads Q by TMA, also w
 A cache hint changes only which lines L2 keeps and how much it fetches, never the bytes copied,
 so a hinted kernel's results equal the unhinted one's bit for bit.
 
+ptxas (12.8 and 13.0, sm_90) miscompiles a hinted copy whose shared address is a uniform part
+plus a per-thread one (the seesaw's and the FP8 form's stage bases): it picks the
+``LDGSTS [Rx+URy], desc[URz]`` form, whose encoded uniform registers (``UR0``, ``desc[UR1]``) no
+instruction writes, and the hardware traps ("illegal instruction"; the split kernel's addresses
+have no uniform part, so it escaped; IST-DASLab/marlin#44 and triton-lang/triton#11660 report
+the same ptxas bug). So the pass also makes each hinted copy's shared address opaque to that
+split: after each definition of the root of its address chain (the first register of
+``add.s32 %rX, %rY, imm`` chains among the hinted copies' addresses) it puts the identity
+``prmt.b32 %r, %r, %r, 0x3210;`` (a handful a tile, no more SASS otherwise), which ptxas does not
+see through, so the address stays in a general register and the copy takes the policy pair as its
+``desc`` (``undefined_uniform_reads`` checks a binary's SASS for the bug). "256b" alone carries no
+cache-policy operand and is not affected.
+
 Hinted and unhinted compiles do not collide in Triton's cache: the kernel gets the marker
 asm as a constexpr, which is part of the cache key, and the marker holds ``_VERSION``, so a
 change to the rewrite's output (bump it) does not reuse binaries cached by an older one.
@@ -31,9 +44,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-__all__ = ["HINTS", "HintError", "policy_asm", "rewrite_ptx", "hinted_copies", "install"]
+__all__ = ["HINTS", "HintError", "policy_asm", "rewrite_ptx", "hinted_copies", "install",
+           "undefined_uniform_reads"]
 
-_VERSION = 1
+_VERSION = 2  # 2: hinted copies' shared addresses made opaque (the ptxas uniform-address bug)
 _MARK = "glm_dsa.gather_hint"
 _EVICT_LAST = "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;"  # FlashMLA's policy
 # Hint name -> (the qualifiers after ``cp.async.{ca,cg}.shared.global``, whether the copy takes
@@ -57,6 +71,9 @@ _MARKER = re.compile(r"^[ \t]*(?:createpolicy\.fractional\.L2::evict_last\.b64|m
 _COPY = re.compile(r"^(?P<head>[ \t]*cp\.async\.(?:ca|cg)\.shared\.global)(?P<hint>(?:\.L2::\w+)*)"
                    r"(?P<ops>[ \t]+\[[^\]\n]+\],[ \t]*\[[^\]\n]+\],[ \t]*(?:0x[0-9a-fA-F]+|\d+)),"
                    r"[ \t]*(?P<size>%r\d+)(?:,[ \t]*(?P<policy>%rd\d+))?;", re.M)
+_DST = re.compile(r"^\[[ \t]*(%r\d+)[ \t]*\+[ \t]*0[ \t]*\]")
+_ADD_IMM = re.compile(r"^[ \t]*add\.s32[ \t]+(%r\d+),[ \t]*(%r\d+),[ \t]*-?\d+;", re.M)
+_OPAQUE = "prmt.b32 \t{0}, {0}, {0}, 0x3210; // glm_dsa.gather_hint opaque address"
 
 
 class HintError(RuntimeError):
@@ -100,6 +117,7 @@ def _rewrite_entry(name: str, text: str) -> str:
         raise HintError(f"{name} asks for gather_hint {hint} but has no cp.async with a "
                         "register src-size (the masked gather copies) to give it to")
     out, pos = [], 0
+    hinted = []
     for m in copies:
         if m["hint"] == qualifiers and m["policy"] == policy:
             continue  # rewritten before: the pass is idempotent
@@ -109,10 +127,45 @@ def _rewrite_entry(name: str, text: str) -> str:
         if m.start() < mark.start():
             raise HintError(f"{name}: a masked cp.async precedes the {_MARK} marker, so the "
                             f"policy register {reg} may not be set there: {m.group(0).strip()}")
+        hinted.append(m)
         out += [text[pos:m.start()], m["head"], qualifiers, m["ops"], ", ", m["size"]]
         out += [", ", policy, ";"] if policy else [";"]
         pos = m.end()
-    return "".join(out) + text[pos:]
+    text = "".join(out) + text[pos:]
+    return _opaque_addresses(name, text, hinted) if policy and hinted else text
+
+
+def _opaque_addresses(name: str, text: str, copies: list[re.Match]) -> str:
+    """``text`` with the identity ``prmt`` after each definition of the roots of the hinted
+    ``copies``' shared addresses (the module docstring: ptxas's uniform-address bug)."""
+    dsts = []
+    for m in copies:
+        dst = _DST.match(m["ops"].strip())
+        if dst is None:
+            raise HintError(f"{name}: a hinted cp.async's shared address is not a register: "
+                            f"{m.group(0).strip()}")
+        dsts.append(dst.group(1))
+    ours = set(dsts)
+    parent = {x.group(1): x.group(2) for x in _ADD_IMM.finditer(text) if x.group(2) in ours}
+    roots = set()
+    for reg in dsts:
+        seen = set()
+        while reg in parent and reg not in seen:
+            seen.add(reg)
+            reg = parent[reg]
+        roots.add(reg)
+    for r in sorted(roots):
+        line = "\t" + _OPAQUE.format(r) + "\n"
+        defs = [d for d in re.finditer(rf"^[ \t]*(?:@!?%p\d+[ \t]+)?[a-z][\w.:]*[ \t]+"
+                                       rf"{re.escape(r)},[^\n]*\n", text, re.M)
+                if _MARK not in d.group(0)]
+        if not defs:
+            raise HintError(f"{name}: no definition of {r}, the root of hinted cp.async "
+                            "addresses, to make opaque")
+        for d in reversed(defs):
+            if not text.startswith(line, d.end()):  # made opaque by an earlier pass
+                text = text[:d.end()] + line + text[d.end():]
+    return text
 
 
 def rewrite_ptx(ptx: str, entries: Iterable[str]) -> str:
@@ -137,6 +190,25 @@ def hinted_copies(ptx: str) -> dict[str, int]:
                          re.M):
         counts[m.group(1)] = counts.get(m.group(1), 0) + 1
     return counts
+
+
+_SASS_INS = re.compile(r"/\*[0-9a-f]{4,}\*/[ \t]+([^;\n]*);")
+_SASS_DEF = re.compile(r"^(?:@!?U?P\w+[ \t]+)?(?P<op>[A-Z][A-Z0-9_.]*)[ \t]+UR(?P<n>\d+)\b")
+
+
+def undefined_uniform_reads(sass: str) -> list[str]:
+    """The ``LDGSTS`` of ``sass`` (nvdisasm's text of one binary) that read a uniform register no
+    instruction writes: ptxas's miscompile of hinted copies (the module docstring), which traps
+    at run time as an illegal instruction. Empty for a sound binary."""
+    ins = _SASS_INS.findall(sass)
+    written = set()
+    for i in ins:
+        d = _SASS_DEF.match(i.strip())
+        if d and not d["op"].startswith(("LDGSTS", "ST", "RED", "ATOM", "SYNCS", "ARRIVES")):
+            n = int(d["n"])
+            written.update({n, n + 1} if ".64" in d["op"] else {n})
+    return [i.strip() for i in ins if "LDGSTS" in i and not i.strip().startswith("ARRIVES")
+            and any(int(n) not in written for n in re.findall(r"\bUR(\d+)\b", i))]
 
 
 _ENTRY_NAMES: set[str] = set()

@@ -1084,7 +1084,34 @@ def _check_hinted(compiled, hint: str) -> None:
     if not ptx_hints.hinted_copies(ptx).get(ptx_hints.HINTS[hint][0]):
         raise ptx_hints.HintError(f"{compiled.name}: gather_hint {hint!r} asked, but its PTX "
                                   "has no hinted cp.async (compiled without ptx_hints' pass?)")
+    sass = _sass(compiled.asm.get("cubin"))
+    bad = ptx_hints.undefined_uniform_reads(sass) if sass is not None else []
+    if bad:
+        raise ptx_hints.HintError(f"{compiled.name}: gather_hint {hint!r}: ptxas's binary has "
+                                  f"{len(bad)} LDGSTS reading a uniform register nothing "
+                                  f"writes (would trap as an illegal instruction): {bad[0]}")
     _HINT_CHECKED.add(key)
+
+
+def _sass(cubin: bytes | None) -> str | None:
+    """nvdisasm's text of ``cubin`` (Triton's nvdisasm); None without a cubin or nvdisasm."""
+    import os
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    try:
+        tool = knobs.nvidia.nvdisasm.path
+    except Exception:  # noqa: BLE001 - no nvdisasm: the PTX checks stand alone
+        return None
+    if not cubin or not tool or not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run([tool, "-c", f.name], capture_output=True, text=True)
+    return run.stdout if run.returncode == 0 else None
 
 
 def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv: int,
