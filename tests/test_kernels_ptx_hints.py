@@ -33,7 +33,7 @@ ADDRESSES = ("\tmad.lo.s32 \t%r168, %r164, 32760, %r167;\n"
              "\tadd.s32 \t%r117, %r168, %r21;\n"
              "\tadd.s32 \t%r119, %r117, 8192;\n"
              "\tadd.s32 \t%r170, %r169, %r22;\n")
-OPAQUE = "\tprmt.b32 \t{0}, {0}, {0}, 0x3210; // glm_dsa.gather_hint opaque address"
+OPAQUE = "\tprmt.b32 \t{0}, {0}, {0}, 0x3210; // glm_dsa: opaque address"
 
 
 def _asm(line: str) -> str:
@@ -70,7 +70,7 @@ def _entry(name: str = OURS, marker: str | None = None, copies=KV_COPIES,
 def _changed(before: str, after: str) -> dict[str, str]:
     """The lines ``after`` changed (the opaque-address lines it added left out)."""
     a = before.splitlines()
-    b = [x for x in after.splitlines() if "glm_dsa.gather_hint opaque address" not in x]
+    b = [x for x in after.splitlines() if "glm_dsa: opaque address" not in x]
     assert len(a) == len(b)
     return {x: y for x, y in zip(a, b) if x != y}
 

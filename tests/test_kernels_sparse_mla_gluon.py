@@ -388,3 +388,23 @@ def test_one_rule_says_which_calls_the_gluon_kernel_can_take(monkeypatch):
     q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
     rows = torch.zeros(4, 576, dtype=torch.float32)
     assert "float32 rows" in sparse_mla._gluon_unsuitable(q, rows, 576, None, 512, False)
+
+
+def test_a_hinted_launch_refuses_a_binary_ptxas_miscompiled(monkeypatch):
+    """A hinted binary whose LDGSTS read a uniform register nothing writes (ptxas's sm_90
+    miscompile; the seesaw's illegal instruction before the pass made addresses opaque) raises
+    before its first launch (flash_mla_sparse_fwd_gluon checks a hinted form's binary first)."""
+    from types import SimpleNamespace
+
+    import test_kernels_ptx_hints as t
+
+    monkeypatch.setattr(sparse_mla_gluon, "_HINT_CHECKED", set())
+    ptx = {"ptx": "\tcp.async.cg.shared.global.L2::cache_hint.L2::256B [ %r117 + 0 ], "
+                  "[ %rd106 + 0 ], 0x10, %r118, %rd74;\n", "cubin": b"elf"}
+    monkeypatch.setattr(sparse_mla_gluon, "_sass", lambda cubin: t.BAD_SASS)
+    with pytest.raises(ptx_hints.HintError, match="2 LDGSTS reading a uniform register"):
+        sparse_mla_gluon._check_hinted(SimpleNamespace(hash="a", name="k", asm=ptx),
+                                       "evict_last_256b")
+    monkeypatch.setattr(sparse_mla_gluon, "_sass", lambda cubin: t.GOOD_SASS)
+    sparse_mla_gluon._check_hinted(SimpleNamespace(hash="b", name="k", asm=ptx), "evict_last_256b")
+    assert sparse_mla_gluon._HINT_CHECKED == {"b"}

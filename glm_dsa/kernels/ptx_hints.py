@@ -73,7 +73,7 @@ _COPY = re.compile(r"^(?P<head>[ \t]*cp\.async\.(?:ca|cg)\.shared\.global)(?P<hi
                    r"[ \t]*(?P<size>%r\d+)(?:,[ \t]*(?P<policy>%rd\d+))?;", re.M)
 _DST = re.compile(r"^\[[ \t]*(%r\d+)[ \t]*\+[ \t]*0[ \t]*\]")
 _ADD_IMM = re.compile(r"^[ \t]*add\.s32[ \t]+(%r\d+),[ \t]*(%r\d+),[ \t]*-?\d+;", re.M)
-_OPAQUE = "prmt.b32 \t{0}, {0}, {0}, 0x3210; // glm_dsa.gather_hint opaque address"
+_OPAQUE = "prmt.b32 \t{0}, {0}, {0}, 0x3210; // glm_dsa: opaque address"
 
 
 class HintError(RuntimeError):
@@ -158,7 +158,7 @@ def _opaque_addresses(name: str, text: str, copies: list[re.Match]) -> str:
         line = "\t" + _OPAQUE.format(r) + "\n"
         defs = [d for d in re.finditer(rf"^[ \t]*(?:@!?%p\d+[ \t]+)?[a-z][\w.:]*[ \t]+"
                                        rf"{re.escape(r)},[^\n]*\n", text, re.M)
-                if _MARK not in d.group(0)]
+                if "glm_dsa: opaque address" not in d.group(0)]
         if not defs:
             raise HintError(f"{name}: no definition of {r}, the root of hinted cp.async "
                             "addresses, to make opaque")

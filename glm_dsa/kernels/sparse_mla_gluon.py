@@ -1137,14 +1137,16 @@ def flash_mla_sparse_fwd_gluon(q: Tensor, kv_rows: Tensor, stride_kv: int, s_kv:
     if s_q == 0:
         return out, max_logits, lse
     _install_hint(cfg)
-    compiled = kernel[(s_q * (h_q // BLOCK_H),)](
-        q, kv_rows, idx, out, max_logits, lse,
-        sink if sink is not None else max_logits, lengths if lengths is not None else idx,
-        s_kv, h_q, topk, sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1),
-        HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **constexprs,
-        num_warps=cfg["num_warps"],
-    )
-    if cfg["gather_hint"] != "none" and compiled is not None:  # None: compiling elsewhere
-        _check_hinted(compiled, cfg["gather_hint"])
+    grid = (s_q * (h_q // BLOCK_H),)
+    args = (q, kv_rows, idx, out, max_logits, lse,
+            sink if sink is not None else max_logits, lengths if lengths is not None else idx,
+            s_kv, h_q, topk, sm_scale * _LOG2E,
+            q.stride(0), q.stride(1), stride_kv, idx.stride(0), out.stride(0), out.stride(1))
+    kwargs = dict(HAS_SINK=sink is not None, HAS_LEN=lengths is not None, **constexprs,
+                  num_warps=cfg["num_warps"])
+    if cfg["gather_hint"] != "none":  # checked before its first launch: a bad binary traps
+        compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        if compiled is not None:  # None: compiling elsewhere
+            _check_hinted(compiled, cfg["gather_hint"])
+    kernel[grid](*args, **kwargs)
     return out, max_logits, lse
