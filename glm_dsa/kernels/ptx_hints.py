@@ -47,7 +47,7 @@ from collections.abc import Iterable
 __all__ = ["HINTS", "HintError", "policy_asm", "rewrite_ptx", "hinted_copies", "install",
            "undefined_uniform_reads"]
 
-_VERSION = 3  # 3 (2 was a draft): hinted copies' shared addresses made opaque (the ptxas uniform-address bug)
+_VERSION = 3  # 3: hinted copies' shared addresses opaque (ptxas's uniform-address bug)
 _MARK = "glm_dsa.gather_hint"
 _EVICT_LAST = "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;"  # FlashMLA's policy
 # Hint name -> (the qualifiers after ``cp.async.{ca,cg}.shared.global``, whether the copy takes
