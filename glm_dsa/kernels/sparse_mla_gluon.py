@@ -113,8 +113,9 @@ D_V, D_TAIL = 512, 64
 # of a round instead of after it (FlashMLA's order). "gather_hint": the L2 hint on the K/V
 # row copies (all three forms; ``ptx_hints``: Triton 3.6 drops async_copy's eviction_policy on
 # sm_90, so a PTX pass adds it): "none", "evict_last_256b" (FlashMLA's evict_last policy and
-# 256-byte L2 prefetch), "evict_last" or "256b" (one half of it each); "none" until the
-# hinted forms are timed on the H200 (bench/probes/2026-12-04-h200-hint.py).
+# 256-byte L2 prefetch), "evict_last" or "256b" (one half of it each). Timed on one H200
+# (2026-12-04, runs H and I, bench/probes/2026-12-04-h200-hint.py): within 1.3 % of "none" at
+# h_q 128, +0-12 % with "evict_last_256b" at h_q 64, still 0.90-0.95x FlashMLA, so "none".
 CONFIG: dict[str, Any] = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0, "schedule": "by_heads", "seesaw_regs": 216,
           "seesaw_early_scores": True, "gather_hint": "none"}
