@@ -28,7 +28,7 @@ Over a long row that select would read the row five times. Instead (about 1.1 re
      ties) it runs on the row itself — slower, never wrong.
 With a 2.5 k target the sample puts fewer than k keys above ``T`` when at least 2.5 r of its
 r-expected points lie above the true k-th key, ``r = k / stride``: Poisson(16) ≥ 40 at every row
-length up to ``SAMPLE · k / SAMPLE_HITS`` columns (1M at k = 2048), about 1e-7 per row; longer
+length up to ``SAMPLE · k / SAMPLE_HITS`` columns (1M at k = 2048), 3.3e-7 per row; longer
 rows sample ``SAMPLE`` keys, with fewer expected hits.
 
 NaN inside a row that is read (``len > k``) is counted by the kernel and raises ValueError
