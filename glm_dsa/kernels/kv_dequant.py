@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
-from glm_dsa.validate import need
+from glm_dsa.kernels.kv_requant import check_paged_rows
+from glm_dsa.kv_format import MLA_TILE
 
 __all__ = ["mla_kv_dequantize_paged"]
 
@@ -82,16 +82,7 @@ def mla_kv_dequantize_paged(pool: Tensor, slots: Tensor, kv_lora_rank: int = 512
     stride), ``slots`` int64 ``[n]`` in ``[0, num_pages * page_size)`` (not checked: the batch's
     own slot mapping) -> bf16 ``[n, R + P]``, bitwise
     ``mla_kv_dequantize(mla_kv_load(pool, slots), R, P, torch.bfloat16)``."""
-    row_bytes = mla_kv_row_bytes(kv_lora_rank, rope_dim, "fp8")
-    need(pool.dtype == torch.uint8 and pool.dim() == 3 and pool.shape[2] == row_bytes,
-         f"pool must be uint8 [num_pages, page_size, {row_bytes}], got {pool.dtype} of shape "
-         f"{tuple(pool.shape)}")
-    need(pool.stride(2) == 1 and pool.stride(1) % 4 == 0 and pool.stride(0) % 4 == 0
-         and pool.data_ptr() % 4 == 0,
-         f"pool rows must be contiguous bytes at 4-byte aligned addresses, got {pool.stride()}")
-    need(slots.dim() == 1 and slots.dtype == torch.int64,
-         f"slots must be 1-D int64, got {slots.dtype} of shape {tuple(slots.shape)}")
-    need(slots.device == pool.device, f"slots on {slots.device}, pool on {pool.device}")
+    check_paged_rows(pool, slots, kv_lora_rank, rope_dim)
     n = slots.shape[0]
     out = torch.empty((n, kv_lora_rank + rope_dim), dtype=torch.bfloat16, device=pool.device)
     if n:
