@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from glm_dsa import syncfree
-from glm_dsa.kv_format import index_k_page_bytes
+from glm_dsa.kv_format import index_k_page_bytes, mla_kv_row_bytes
 
 __all__ = [
     "MAX_EXACT_DIM",
@@ -38,6 +38,7 @@ __all__ = [
     "check_sparse_inputs",
     "check_sparse_conventions",
     "check_q8kv8_scales",
+    "check_fp8_pool_rows",
 ]
 
 # Dot products of E4M3 vectors are exact in float64 up to this length (indexer._dot_products).
@@ -338,3 +339,19 @@ def check_q8kv8_scales(q_scale, kv_scale, attn_sink, topk_length,
     need((attn_sink is None) == (topk_length is None),
          "attn_sink and topk_length go together (the kernel's full path takes both): pass both "
          "or neither")
+
+
+def check_fp8_pool_rows(pool: Tensor, slots: Tensor, kv_lora_rank: int, rope_dim: int) -> None:
+    """What the paged FP8-row kernels (``kernels.kv_requant``'s, ``kernels.kv_dequant``'s) read:
+    ``pool`` uint8 ``[num_pages, page_size, row_bytes]`` of contiguous rows at 4-byte aligned addresses (their
+    float32 tile scales), ``slots`` 1-D int64 on the pool's device."""
+    row_bytes = mla_kv_row_bytes(kv_lora_rank, rope_dim, "fp8")
+    need(pool.dtype == torch.uint8 and pool.dim() == 3 and pool.shape[2] == row_bytes,
+         f"pool must be uint8 [num_pages, page_size, {row_bytes}], got {pool.dtype} of shape "
+         f"{tuple(pool.shape)}")
+    need(pool.stride(2) == 1 and pool.stride(1) % 4 == 0 and pool.stride(0) % 4 == 0
+         and pool.data_ptr() % 4 == 0,
+         f"pool rows must be contiguous bytes at 4-byte aligned addresses, got {pool.stride()}")
+    need(slots.dim() == 1 and slots.dtype == torch.int64,
+         f"slots must be 1-D int64, got {slots.dtype} of shape {tuple(slots.shape)}")
+    need(slots.device == pool.device, f"slots on {slots.device}, pool on {pool.device}")

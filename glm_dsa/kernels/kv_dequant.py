@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from glm_dsa.kernels.kv_requant import check_paged_rows
 from glm_dsa.kv_format import MLA_TILE
+from glm_dsa.validate import check_fp8_pool_rows
 
 __all__ = ["mla_kv_dequantize_paged"]
 
@@ -82,7 +82,7 @@ def mla_kv_dequantize_paged(pool: Tensor, slots: Tensor, kv_lora_rank: int = 512
     stride), ``slots`` int64 ``[n]`` in ``[0, num_pages * page_size)`` (not checked: the batch's
     own slot mapping) -> bf16 ``[n, R + P]``, bitwise
     ``mla_kv_dequantize(mla_kv_load(pool, slots), R, P, torch.bfloat16)``."""
-    check_paged_rows(pool, slots, kv_lora_rank, rope_dim)
+    check_fp8_pool_rows(pool, slots, kv_lora_rank, rope_dim)
     n = slots.shape[0]
     out = torch.empty((n, kv_lora_rank + rope_dim), dtype=torch.bfloat16, device=pool.device)
     if n:

@@ -29,10 +29,10 @@ import triton.language as tl
 from torch import Tensor
 
 from glm_dsa.fp8 import AMAX_FLOOR, FP8_E4M3_MAX, raw_scale
-from glm_dsa.kv_format import MLA_TILE, mla_kv_row_bytes
-from glm_dsa.validate import need
+from glm_dsa.kv_format import MLA_TILE
+from glm_dsa.validate import check_fp8_pool_rows
 
-__all__ = ["mla_kv_per_tensor_fp8_paged", "check_paged_rows"]
+__all__ = ["mla_kv_per_tensor_fp8_paged"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SCALE_ROWS = 128  # rows per program of the scale reduction: one atomic per 18 KB read
@@ -123,22 +123,6 @@ def _requant_kernel(pool_ptr, slots_ptr, amax_ptr, out_ptr, scale_ptr, n, page_s
     tl.store(out_row + R + p, _to_e4m3(k_pe, INTERPRET), mask=in_p)
 
 
-def check_paged_rows(pool: Tensor, slots: Tensor, kv_lora_rank: int, rope_dim: int) -> None:
-    """What the paged FP8-row kernels (this module's, ``kv_dequant``'s) read: ``pool`` uint8
-    ``[num_pages, page_size, row_bytes]`` of contiguous rows at 4-byte aligned addresses (their
-    float32 tile scales), ``slots`` 1-D int64 on the pool's device."""
-    row_bytes = mla_kv_row_bytes(kv_lora_rank, rope_dim, "fp8")
-    need(pool.dtype == torch.uint8 and pool.dim() == 3 and pool.shape[2] == row_bytes,
-         f"pool must be uint8 [num_pages, page_size, {row_bytes}], got {pool.dtype} of shape "
-         f"{tuple(pool.shape)}")
-    need(pool.stride(2) == 1 and pool.stride(1) % 4 == 0 and pool.stride(0) % 4 == 0
-         and pool.data_ptr() % 4 == 0,
-         f"pool rows must be contiguous bytes at 4-byte aligned addresses, got {pool.stride()}")
-    need(slots.dim() == 1 and slots.dtype == torch.int64,
-         f"slots must be 1-D int64, got {slots.dtype} of shape {tuple(slots.shape)}")
-    need(slots.device == pool.device, f"slots on {slots.device}, pool on {pool.device}")
-
-
 def mla_kv_per_tensor_fp8_paged(pool: Tensor, slots: Tensor, kv_lora_rank: int = 512,
                                 rope_dim: int = 64) -> tuple[Tensor, Tensor]:
     """The rows of ``slots`` in an FP8 pool requantized with one scale, straight from the pool:
@@ -146,7 +130,7 @@ def mla_kv_per_tensor_fp8_paged(pool: Tensor, slots: Tensor, kv_lora_rank: int =
     P=64; unit byte stride), ``slots`` int64 ``[n]`` in ``[0, num_pages * page_size)`` (not
     checked: the batch's own slot mapping) -> ``(kv_fp8`` float8_e4m3fn ``[n, R + P]``,
     ``scale`` float32 ``[1])``, bitwise ``mla_kv_per_tensor_fp8(mla_kv_load(pool, slots))``."""
-    check_paged_rows(pool, slots, kv_lora_rank, rope_dim)
+    check_fp8_pool_rows(pool, slots, kv_lora_rank, rope_dim)
     n, page_size = slots.shape[0], pool.shape[1]
     tiles = kv_lora_rank // MLA_TILE
     floor = torch.full((1,), AMAX_FLOOR, dtype=torch.float32, device=pool.device)
