@@ -343,8 +343,8 @@ def check_q8kv8_scales(q_scale, kv_scale, attn_sink, topk_length,
 
 def check_fp8_pool_rows(pool: Tensor, slots: Tensor, kv_lora_rank: int, rope_dim: int) -> None:
     """What the paged FP8-row kernels (``kernels.kv_requant``'s, ``kernels.kv_dequant``'s) read:
-    ``pool`` uint8 ``[num_pages, page_size, row_bytes]`` of contiguous rows at 4-byte aligned addresses (their
-    float32 tile scales), ``slots`` 1-D int64 on the pool's device."""
+    ``pool`` uint8 ``[num_pages, page_size, row_bytes]`` of contiguous rows at 4-byte aligned
+    addresses (their float32 tile scales), ``slots`` 1-D int64 on the pool's device."""
     row_bytes = mla_kv_row_bytes(kv_lora_rank, rope_dim, "fp8")
     need(pool.dtype == torch.uint8 and pool.dim() == 3 and pool.shape[2] == row_bytes,
          f"pool must be uint8 [num_pages, page_size, {row_bytes}], got {pool.dtype} of shape "
