@@ -116,6 +116,16 @@ def _best_config(kernel) -> str:
     return str(best) if best is not None else "n/a"
 
 
+def _candidate_tuning() -> dict:
+    """The candidate kernel's config and, where this process tuned it, each config's time
+    (ms, Triton's autotuner): every ``CANDIDATE_CONFIGS`` entry, ``STORE_LAG`` 0 and 1."""
+    from glm_dsa.kernels import mqa_logits
+
+    timings = getattr(mqa_logits._mqa_candidates_tuned, "configs_timings", None) or {}
+    return {"candidate_config": _best_config(mqa_logits._mqa_candidates_tuned),
+            "candidate_config_ms": {str(c): t for c, t in timings.items()}}
+
+
 def part_ceiling() -> dict:
     n = 8192
     a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
@@ -266,7 +276,6 @@ def part_indexer(deep_gemm) -> dict:
     implementation (those logits, then the radix select per slice)."""
     from glm_dsa import budget as budgets, oracle
     from glm_dsa.kernels import indexer as fast
-    from glm_dsa.kernels import mqa_logits
 
     S, N = INDEXER_CHUNK, INDEXER_PREFIX + INDEXER_CHUNK
     q, k, k_scale, w, ks, ke = _inputs(S, N)
@@ -279,9 +288,7 @@ def part_indexer(deep_gemm) -> dict:
            "unmasked_pairs": pairs}  # fmt: skip
     run = lambda: fast.indexer_topk(q, w, k, k_scale, ks, ke, TOPK, budget)  # noqa: E731
     res["first_call_s"] = _first_call_s(run)
-    res["candidate_config"] = _best_config(mqa_logits._mqa_candidates_tuned)
-    timings = getattr(mqa_logits._mqa_candidates_tuned, "configs_timings", None) or {}
-    res["candidate_config_ms"] = {str(c): t for c, t in timings.items()}
+    res.update(_candidate_tuning())
     _progress(res, "first_call_s", "candidate_config", "candidate_config_ms")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -420,6 +427,8 @@ def part_frontier(S: int, N: int, topk: int, deep_gemm) -> dict:
         return out
 
     out = measure("indexer", lambda: fast.indexer_topk(q, w, k, k_scale, ks, ke, topk, budget))
+    res.update(_candidate_tuning())
+    _progress(res, "candidate_config", "candidate_config_ms", label=label)
     steps = _launch_steps(fast, q, w, k, k_scale, ks, ke, topk)
     # What the three steps leave of the whole call: the redone rows, the row-chunk loop's syncs
     # (a comparison only where the call is one launch, candidate_rows_per_launch ≥ S).

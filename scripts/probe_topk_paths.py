@@ -47,7 +47,7 @@ def main() -> None:
         from glm_dsa.kernels import mqa_logits
         one = mqa_logits._mqa_candidates_tuned.configs[:1]
         mqa_logits._mqa_candidates_tuned.configs = one
-        mqa_logits._mqa_logits_tuned.configs = one
+        mqa_logits._mqa_logits_tuned.configs = [mqa_logits.logits_config_of(one[0])]
 
     if args.no_prefetch:
         from glm_dsa.kernels import sparse_mla

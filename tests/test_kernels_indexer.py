@@ -380,16 +380,18 @@ def _threshold_between_scores(row):
     return (v[j] + v[j + 1]) / 2
 
 
+@pytest.mark.parametrize("lag", [0, 1], ids=["stored_at_once", "stored_a_tile_later"])
 @pytest.mark.parametrize("splits", [False, True], ids=["one_split", "column_splits"])
-def test_candidates_are_every_kept_entry_once_with_and_without_column_splits(monkeypatch, splits):
+def test_candidates_are_every_kept_entry_once_with_and_without_column_splits(monkeypatch, splits,
+                                                                             lag):
     """The candidate kernel's buffers, with one program a row block and with the columns split
-    across programs: each row's count and columns are its window's entries at or above the
-    threshold, recomputed from the oracle's logits (thresholds off the scores' float32
-    rounding)."""
+    across programs, its kept entries stored in their own tile's step or the next one's: each
+    row's count and columns are its window's entries at or above the threshold, recomputed from
+    the oracle's logits (thresholds off the scores' float32 rounding)."""
     from glm_dsa.kernels import mqa_logits
     from glm_dsa.kernels.mqa_logits import launch_mqa_candidates
 
-    pin_logits_configs(monkeypatch)
+    pin_logits_configs(monkeypatch, store_lag=lag)
     # No splits: the grid's target is one program per row block; splits: 64 programs.
     monkeypatch.setattr(mqa_logits, "INTERPRET_PROGRAMS", 64 if splits else 1)
     if not splits:
@@ -445,15 +447,22 @@ def _assert_exact_topk_of(out, logits, ks, ke, topk):
         assert row[chosen].min() >= row[~chosen].max(), m
 
 
-def pin_logits_configs(monkeypatch):
+def pin_logits_configs(monkeypatch, store_lag: int | None = None):
     """One config for the candidate and logits kernels, so that ``_kernel_logits`` computes
-    the tiles ``indexer_topk`` computes (the head sum's order follows the tile shape)."""
+    the tiles ``indexer_topk`` computes (the head sum's order follows the tile shape); the
+    candidate kernel's ``STORE_LAG`` set when given."""
+    import triton
+
     from glm_dsa.kernels import mqa_logits
 
-    one = mqa_logits._mqa_candidates_tuned.configs[:1]
-    monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", one)
+    first = mqa_logits._mqa_candidates_tuned.configs[0]
+    kwargs = dict(first.kwargs)
+    if store_lag is not None:
+        kwargs["STORE_LAG"] = store_lag
+    one = triton.Config(kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", [one])
     # The rows redone from full logits: the logits kernel with the same tiles.
-    monkeypatch.setattr(mqa_logits._mqa_logits_tuned, "configs", one)
+    monkeypatch.setattr(mqa_logits._mqa_logits_tuned, "configs", [mqa_logits.logits_config_of(one)])
 
 
 def _tied_keys(N, D, levels, seed):

@@ -52,7 +52,8 @@ from glm_dsa.validate import (
 _COUNTERS = tl.constexpr(COUNTERS)
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "launch_mqa_candidates", "CONFIGS",
-           "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS"]
+           "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS", "INTERPRET_CANDIDATE_CONFIGS",
+           "logits_config_of"]
 
 # Autotune space, tuned for the GLM-5.3 indexer on one H200 (H = 32, D = 128, 4K–32K query rows
 # × 128K–1M keys, causal). BLOCK_Q = BLOCK_M · H is the MMA's N (TileLang uses 128 // H rows);
@@ -75,13 +76,21 @@ CONFIGS = [
 # indexer's 32,768 × 1,015,808 chunk (H200, 2026-12-01, bench/RESULTS.md issue 30): 392 ms,
 # 429 ms, and 519 ms for BLOCK_Q 128 / BLOCK_N 128 / 8 warps, dropped (each config tried costs
 # a few seconds of first-call tuning per shape class at this size).
+# ``STORE_LAG`` 1 stores a tile's kept entries one tile later, so the slot atomics' round trip
+# to L2 overlaps the next tile's MMA instead of stalling the warps before it (not yet timed on
+# the H200: both lags are tuned, the faster kept per shape class).
 CANDIDATE_CONFIGS = [
-    {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "STORE_LAG": lag}
+    for lag in (0, 1)
+] + [
+    {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "STORE_LAG": lag}
+    for lag in (0, 1)
 ]
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI tests) runs programs one after another
 # in numpy: one config, small tiles so that masking and splits are exercised at small shapes.
 INTERPRET_CONFIGS = [{"BLOCK_Q": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
+# The candidate kernel's on the interpreter: the lagged stores (tests run both lags).
+INTERPRET_CANDIDATE_CONFIGS = [{**INTERPRET_CONFIGS[0], "STORE_LAG": 1}]
 # Column splits are added until there are about this many programs per SM.
 PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; this many programs make small tests split their columns.
@@ -92,16 +101,22 @@ MAX_HEADS = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _configs(table: list[dict] | None = None) -> list[triton.Config]:
-    table = INTERPRET_CONFIGS if _INTERPRET else (CONFIGS if table is None else table)
+def _configs(table: list[dict], interpret_table: list[dict]) -> list[triton.Config]:
+    """``triton.Config``s of a table (``interpret_table`` on the interpreter): every key but
+    ``num_warps`` and ``num_stages`` is a constexpr of the kernel."""
     return [
-        triton.Config(
-            {"BLOCK_Q": c["BLOCK_Q"], "BLOCK_N": c["BLOCK_N"]},
-            num_warps=c["num_warps"],
-            num_stages=c["num_stages"],
-        )
-        for c in table
+        triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                      num_warps=c["num_warps"], num_stages=c["num_stages"])
+        for c in (interpret_table if _INTERPRET else table)
     ]
+
+
+def logits_config_of(candidate_config: triton.Config) -> triton.Config:
+    """The logits kernel's config with a candidate config's tiles and steps (its logits, so
+    the rows ``indexer_topk`` redoes are scored as the candidate kernel scored them)."""
+    tiles = {k: candidate_config.kwargs[k] for k in ("BLOCK_Q", "BLOCK_N")}
+    return triton.Config(tiles, num_warps=candidate_config.num_warps,
+                         num_stages=candidate_config.num_stages)
 
 
 # ----------------------------------------------------------------------------- device code
@@ -280,7 +295,7 @@ def _mqa_candidates_kernel(
     q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, thr_ptr, cand_key_ptr, cand_idx_ptr,
     counters_ptr, S, n_keys, size_class, cand,
     H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LAG: tl.constexpr,
 ):
     """``_mqa_logits_kernel``'s logits, kept only where they reach the row's threshold.
 
@@ -288,7 +303,8 @@ def _mqa_candidates_kernel(
     to row i's candidate buffer of ``cand`` slots (its order key as int32 bits and
     ``j − ks[i]``) at a slot taken from ``counters[i, 0]`` by an atomic add. Entries past
     ``cand`` are counted but not written, so the count tells the caller the buffer overflowed.
-    Nothing else is stored: the logits never reach memory.
+    Nothing else is stored: the logits never reach memory. ``STORE_LAG`` (0 or 1): the key
+    tiles between an entry's atomic and its stores; the buffers' contents do not depend on it.
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
     rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
@@ -296,28 +312,53 @@ def _mqa_candidates_kernel(
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     cand_off = rows.to(tl.int64) * cand
     count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * _COUNTERS, (BLOCK_N, BLOCK_M))
+    # The previous tile's kept entries, their slots still in flight (STORE_LAG 1): ``cand`` in
+    # the slot of an entry not kept, so that one int32 tile carries both.
+    held_slot = tl.full((BLOCK_N, BLOCK_M), cand, dtype=tl.int32)
+    held_key = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for t in tl.range(c0, c1):
         cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
                                          BLOCK_N)
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         take = inside & ~(logits < thr[None, :])  # [BLOCK_N, BLOCK_M]
+        key = order_keys(logits).to(tl.int32, bitcast=True)
+        if STORE_LAG == 1:
+            # Written after this tile's MMA: the slots came back while it ran.
+            _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, held_slot, held_key,
+                              cols[:, None] - BLOCK_N - ks[None, :])
         # One atomic per kept entry, none for the rest: no reduction across warps per tile.
-        slot = tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed")
-        ok = take & (slot < cand)
-        at = cand_off[None, :] + slot
-        tl.store(cand_key_ptr + at, order_keys(logits).to(tl.int32, bitcast=True), mask=ok)
-        tl.store(cand_idx_ptr + at, cols[:, None] - ks[None, :], mask=ok)
+        slot = tl.where(take, tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed"), cand)
+        if STORE_LAG == 1:
+            held_slot, held_key = slot, key
+        else:
+            _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key,
+                              cols[:, None] - ks[None, :])
+    if STORE_LAG == 1:
+        _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, held_slot, held_key,
+                          c1 * BLOCK_N - BLOCK_N + tl.arange(0, BLOCK_N)[:, None] - ks[None, :])
+
+
+@triton.jit
+def _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key, col):
+    """A tile's kept entries into their rows' buffers at ``slot`` (``[BLOCK_N, BLOCK_M]``;
+    ``cand`` or more: not kept, or past the buffer's slots, counted but dropped)."""
+    ok = slot < cand
+    at = cand_off[None, :] + slot
+    tl.store(cand_key_ptr + at, key, mask=ok)
+    tl.store(cand_idx_ptr + at, col, mask=ok)
 
 
 _KEY = ["HP", "DP", "size_class"]
 # cache_results: the choices are kept in Triton's cache directory beside the compiled kernels, so
 # a later process on the same GPU and Triton skips the timing runs (seconds of a short prefill).
-_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY, cache_results=True)(_mqa_logits_kernel)
-_paged_mqa_logits_tuned = triton.autotune(configs=_configs(), key=_KEY, cache_results=True)(
-    _paged_mqa_logits_kernel)
+_mqa_logits_tuned = triton.autotune(configs=_configs(CONFIGS, INTERPRET_CONFIGS), key=_KEY,
+                                    cache_results=True)(_mqa_logits_kernel)
+_paged_mqa_logits_tuned = triton.autotune(configs=_configs(CONFIGS, INTERPRET_CONFIGS), key=_KEY,
+                                          cache_results=True)(_paged_mqa_logits_kernel)
 # Tuning runs the kernel several times: its slot counters are zeroed before each run.
 _mqa_candidates_tuned = triton.autotune(
-    configs=_configs(CANDIDATE_CONFIGS), key=_KEY, reset_to_zero=["counters_ptr"], cache_results=True
+    configs=_configs(CANDIDATE_CONFIGS, INTERPRET_CANDIDATE_CONFIGS), key=_KEY,
+    reset_to_zero=["counters_ptr"], cache_results=True,
 )(_mqa_candidates_kernel)
 
 
