@@ -47,6 +47,45 @@ def ascending_oracle(scores, k):
     return [sorted(i for i in row if i >= 0) + [-1] * sum(i < 0 for i in row) for row in sets.tolist()]
 
 
+# ----------------------------------------------------------------------------- order keys
+def _special_floats():
+    """float32 values at the keys' edges (signed zeros, infinities, NaN, subnormals, the
+    extremes, ±1) and random bit patterns."""
+    edges = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"),
+                          1e-45, -1e-45, 1.17e-38, -1.17e-38, 3.4028235e38, -3.4028235e38])
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(INT_MIN, -INT_MIN - 1, (4083,), generator=g, dtype=torch.int32)
+    return torch.cat([edges, bits.view(torch.float32)])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # NaN + 0.0 in numpy
+def test_order_keys_and_key_value_are_the_documented_bits_and_inverse_on_every_edge():
+    """``order_keys`` (the select's and the candidate kernel's keys) against this file's torch
+    form, bit for bit, on every float32 edge and random bits but NaN (whose payload a GPU's
+    add may canonicalize; the kernels count NaNs, never rank them); ``key_value`` maps each
+    key back to its score (``-0.0`` to ``+0.0``, a NaN to a NaN)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def keys_and_back(x_ptr, key_ptr, back_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        key = topk_mod.order_keys(x)
+        tl.store(key_ptr + offs, key.to(tl.int32, bitcast=True), mask=offs < n)
+        tl.store(back_ptr + offs, topk_mod.key_value(key), mask=offs < n)
+
+    x = _special_floats().to(DEV)
+    keys = torch.empty(x.shape, dtype=torch.int32, device=DEV)
+    back = torch.empty_like(x)
+    keys_and_back[(triton.cdiv(x.numel(), 1024),)](x, keys, back, x.numel(), BLOCK=1024)
+    nan = torch.isnan(x)
+    assert int(nan.sum()) > 1
+    assert torch.equal(keys[~nan].cpu(), order_keys(x[~nan].cpu()))
+    assert torch.equal(back[~nan].cpu().view(torch.int32), (x[~nan] + 0.0).cpu().view(torch.int32))
+    assert bool(torch.isnan(back[nan]).all())
+
+
 # ------------------------------------------------------------------- the candidate select
 def _candidates(scores, found):
     """Candidate buffers ``[R, cand]`` holding ``scores`` (``[R, cand]``), shuffled, with the

@@ -68,9 +68,9 @@ _COUNTERS = tl.constexpr(COUNTERS)
 @triton.jit
 def order_keys(x):
     """uint32 keys with the order of the float32 scores ``x`` (``-0.0`` as ``+0.0``)."""
-    bits = (x + 0.0).to(tl.uint32, bitcast=True)
-    flip = tl.where((bits >> 31) == 1, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
-    return bits ^ flip
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    # All ones for a negative score (its sign bit, shifted arithmetically), the sign bit else.
+    return (bits ^ ((bits >> 31) | -2147483648)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
