@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 from glm_dsa import budget, indexer, oracle, testing  # noqa: E402
 from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
 from glm_dsa.kernels.topk import COUNTERS, select_rows  # noqa: E402
+from test_kernels_direct import order_keys as _order_keys  # noqa: E402
 from test_kernels_topk import ascending  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,6 +67,12 @@ def _assert_logits_close(out, ref):
         (23, 32, 128, 170, "random"),
         (9, 24, 80, 97, "random"),  # heads and dims that are not powers of two
         (1, 64, 128, 40, "causal"),
+        # Head-major columns (a block of ≥ 4 rows): one, two, eight row groups of four; padded
+        # heads; the two-head and one-head edges.
+        (13, 16, 128, 120, "causal"),
+        (10, 12, 128, 77, "random"),
+        (11, 2, 64, 90, "random"),
+        (7, 1, 32, 60, "causal"),
     ],
 )
 def test_fp8_mqa_logits_matches_oracle(S, H, D, N, kind):
@@ -73,6 +80,60 @@ def test_fp8_mqa_logits_matches_oracle(S, H, D, N, kind):
     ks, ke = _windows(kind, S, N, seed=N)
     ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
     _assert_logits_close(fp8_mqa_logits(q, (k, k_scale), w, ks, ke), ref)
+
+
+def test_the_tuner_keeps_one_head_order_per_head_count():
+    """``one_head_order`` on the GPU tables: at 32 padded heads the 64-wide blocks (2 rows,
+    row-major) go, at 64 the 128-wide ones; 16 heads (every block ≥ 4 rows) and 128 (every
+    block < 4 rows) keep them all, as does one head (row-major at any block)."""
+    import triton
+
+    from glm_dsa.kernels import mqa_logits
+
+    def kept(table, hp):
+        configs = [triton.Config({k: v for k, v in c.items() if not k.startswith("num_")})
+                   for c in table]
+        return sorted({c.kwargs["BLOCK_Q"] for c in mqa_logits.one_head_order(configs, {}, HP=hp)})
+
+    assert kept(mqa_logits.CONFIGS, 32) == [128, 256]
+    assert kept(mqa_logits.CONFIGS, 64) == [256]
+    assert kept(mqa_logits.CONFIGS, 16) == [64, 128, 256]
+    assert kept(mqa_logits.CONFIGS, 128) == [64, 128, 256]
+    assert kept(mqa_logits.CONFIGS, 1) == [64, 128, 256]
+    assert kept(mqa_logits.CANDIDATE_CONFIGS, 32) == [256]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", [32, 64])
+def test_every_config_the_tuner_may_pick_gives_the_same_logit_bits(monkeypatch, H):
+    """Each config ``one_head_order`` keeps, forced in turn: the logits kernel's bits equal
+    across them (the head sum's order does not follow the tile), and the candidate kernel's
+    keys, with every entry kept, are those logits' order keys."""
+    from glm_dsa.kernels import mqa_logits
+    from glm_dsa.kernels.mqa_logits import launch_mqa_candidates, launch_mqa_logits
+
+    S, N = 200, 3000
+    q, k, k_scale, w = _inputs(S, H, 128, N, seed=71)
+    ks, ke = _causal_chunk(S, N)
+    hp = 1 << (H - 1).bit_length()
+    logits = []
+    for c in mqa_logits.one_head_order(mqa_logits._mqa_logits_tuned.configs, {}, HP=hp):
+        monkeypatch.setattr(mqa_logits._mqa_logits_tuned, "configs", [c])
+        logits.append((str(c), launch_mqa_logits(q, k, k_scale, w, ks, ke, True, 0)))
+    first = logits[0][1]
+    for name, out in logits[1:]:
+        assert torch.equal(out.view(torch.int32), first.view(torch.int32)), name
+    thr = torch.full((S,), float("-inf"), device=DEV)
+    for c in mqa_logits.one_head_order(mqa_logits._mqa_candidates_tuned.configs, {}, HP=hp):
+        monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", [c])
+        counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device=DEV)
+        keys, cols = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, N)
+        for m in (0, S // 2, S - 1):
+            n = int(counters[m, 0])
+            assert n == int(ke[m] - ks[m]), (str(c), m)
+            order = cols[m, :n].long().argsort()
+            expected = _order_keys(first[m, int(ks[m]) + cols[m, :n].long()[order]])
+            assert torch.equal(keys[m, :n][order], expected), (str(c), m)
 
 
 def test_fp8_mqa_logits_all_rows_empty_is_all_masked():

@@ -8,8 +8,20 @@ Tiling (as DeepGEMM's sm90 kernel and TileLang's ``fp8_lighting_indexer``): a pr
 ``BLOCK_M`` query rows and loads their ``[BLOCK_M·H, D]`` fp8 queries once; it loops over key
 tiles of ``BLOCK_N`` and computes ``k_tile [BLOCK_N, D] @ qᵀ`` (fp8 × fp8 → fp32, wgmma on
 Hopper; D is one K step). Keys are the M side of the MMA and the heads its N side, so the head
-reduction runs along the accumulator's columns, inside a thread and its quad, not across warps.
-``BLOCK_Q = BLOCK_M·H`` (heads padded to a power of two) is the MMA's N.
+reduction runs along the accumulator's columns, not across warps. ``BLOCK_Q = BLOCK_M·H``
+(heads padded to a power of two) is the MMA's N.
+
+Column order: Hopper's accumulator gives a thread the columns whose index bits 0 and 3 up are
+its own registers, bits 1–2 its quad's four lanes. With ``HEAD_MAJOR_ROWS`` = 4 rows a block
+or more the columns are head-major — column ``((r_hi·HP/2 + h_hi)·4 + r_lo)·2 + h_lo`` holds
+row ``4·r_hi + r_lo``'s head ``2·h_hi + h_lo``: the lane bits pick rows, a row's heads all lie in
+one thread's registers, and the head sum is a run of FMAs in the order of those registers
+(the same at every head-major block) with no shuffles, its logit held by one thread (row-major, ``r·HP + h``, the quad's lanes split a row's heads: two
+shuffle rounds, and each logit held four times over, so the epilogue after the sum ran four
+times; offline sm_90 compiles at H = 32: the candidate loop 679 → 499 instructions a thread a key
+tile, the logits loop 489 → 400 at ``BLOCK_Q`` 256 and 553 → 466 at 128). Smaller blocks stay
+row-major, and ``one_head_order`` keeps the tuner to configs of one order for a head count, so
+that a (row, key) gets the same bits whichever config runs (docs/determinism.md).
 
 Work skipping: a program computes only the key tiles that meet the union of its rows' windows
 (causal prefill: about half the pairs); the rest of its columns are filled with ``-inf`` when
@@ -53,7 +65,7 @@ _COUNTERS = tl.constexpr(COUNTERS)
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "launch_mqa_candidates", "CONFIGS",
            "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS", "INTERPRET_CANDIDATE_CONFIGS",
-           "logits_config_of"]
+           "logits_config_of", "one_head_order", "HEAD_MAJOR_ROWS"]
 
 # Autotune space, tuned for the GLM-5.3 indexer on one H200 (H = 32, D = 128, 4K–32K query rows
 # × 128K–1M keys, causal). BLOCK_Q = BLOCK_M · H is the MMA's N (TileLang uses 128 // H rows);
@@ -97,6 +109,9 @@ PROGRAMS_PER_SM = 2
 INTERPRET_PROGRAMS = 4
 # Largest padded head count: the MMA's N side holds at least one row's heads.
 MAX_HEADS = 256
+# Rows a block needs for head-major columns (module docstring): a quad's 4 lanes, one row each.
+HEAD_MAJOR_ROWS = 4
+_HEAD_MAJOR_ROWS = tl.constexpr(HEAD_MAJOR_ROWS)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -141,14 +156,25 @@ def _dim_mask(row_ok, d, D: tl.constexpr, DP: tl.constexpr):
 @triton.jit
 def _load_queries(q_ptr, w_ptr, rows, row_ok, H: tl.constexpr, D: tl.constexpr,
                   HP: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The block's queries ``[BLOCK_M·HP, DP]`` fp8 and gates ``[BLOCK_M·HP]`` fp32, zero-padded.
+    """The block's queries ``[BLOCK_M·HP, DP]`` fp8 and gates ``[BLOCK_M·HP]`` fp32, zero-padded,
+    in the MMA's column order: head-major with ``HEAD_MAJOR_ROWS`` rows or more and two heads or
+    more (column ``((r_hi·HP/2 + h_hi)·4 + r_lo)·2 + h_lo`` is
+    row ``4·r_hi + r_lo``'s head ``2·h_hi + h_lo``) or row-major (``r·HP + h``).
 
     Padded heads and dims load zeros: relu(0) · 0 adds nothing to any logit.
     """
     i = tl.arange(0, BLOCK_M * HP)
-    h = i % HP
-    row = tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_M, HP)), (BLOCK_M * HP,))
-    ok = tl.reshape(tl.broadcast_to(row_ok[:, None], (BLOCK_M, HP)), (BLOCK_M * HP,)) & (h < H)
+    if (BLOCK_M >= _HEAD_MAJOR_ROWS) & (HP >= 2):
+        h = (i // 8) % (HP // 2) * 2 + i % 2
+        blocks: tl.constexpr = (BLOCK_M // 4, 1, 4, 1)
+        spread: tl.constexpr = (BLOCK_M // 4, HP // 2, 4, 2)
+        row = tl.reshape(tl.broadcast_to(tl.reshape(rows, blocks), spread), (BLOCK_M * HP,))
+        ok = tl.reshape(tl.broadcast_to(tl.reshape(row_ok, blocks), spread), (BLOCK_M * HP,))
+    else:
+        h = i % HP
+        row = tl.reshape(tl.broadcast_to(rows[:, None], (BLOCK_M, HP)), (BLOCK_M * HP,))
+        ok = tl.reshape(tl.broadcast_to(row_ok[:, None], (BLOCK_M, HP)), (BLOCK_M * HP,))
+    ok = ok & (h < H)
     d = tl.arange(0, DP)
     q_row = row.to(tl.int64) * H + h
     q = tl.load(q_ptr + q_row[:, None] * D + d[None, :], mask=_dim_mask(ok, d, D, DP), other=0.0)
@@ -159,9 +185,13 @@ def _load_queries(q_ptr, w_ptr, rows, row_ok, H: tl.constexpr, D: tl.constexpr,
 @triton.jit
 def _tile_logits(k, k_scale, q, w, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  HP: tl.constexpr):
-    """``[BLOCK_N, BLOCK_M]``: ``k_scale · Σ_h w · relu(k · q_h)`` for one key tile."""
+    """``[BLOCK_N, BLOCK_M]``: ``k_scale · Σ_h w · relu(k · q_h)`` for one key tile, the heads
+    summed in one order whatever the tile (module docstring)."""
     s = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M·HP] fp32
     s = tl.maximum(s, 0.0) * w[None, :]
+    if (BLOCK_M >= _HEAD_MAJOR_ROWS) & (HP >= 2):
+        s = tl.reshape(s, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2))
+        s = tl.permute(s, (0, 1, 3, 2, 4))
     return tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2) * k_scale[:, None]
 
 
@@ -348,17 +378,28 @@ def _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key, col
     tl.store(cand_idx_ptr + at, col, mask=ok)
 
 
+def one_head_order(configs, named_args, **kwargs):
+    """The configs whose head sum runs in one order for these heads (``HP`` padded heads): the
+    head-major ones (``HEAD_MAJOR_ROWS`` rows a block or more) where any is, else all, so that
+    every config the tuner may pick gives a (row, key) the same logit bits."""
+    hp = kwargs["HP"]
+    head_major = [c for c in configs if hp >= 2 and c.kwargs["BLOCK_Q"] // hp >= HEAD_MAJOR_ROWS]
+    return head_major or configs
+
+
 _KEY = ["HP", "DP", "size_class"]
+_PRUNE = {"early_config_prune": one_head_order}
 # cache_results: the choices are kept in Triton's cache directory beside the compiled kernels, so
 # a later process on the same GPU and Triton skips the timing runs (seconds of a short prefill).
 _mqa_logits_tuned = triton.autotune(configs=_configs(CONFIGS, INTERPRET_CONFIGS), key=_KEY,
-                                    cache_results=True)(_mqa_logits_kernel)
+                                    prune_configs_by=_PRUNE, cache_results=True)(_mqa_logits_kernel)
 _paged_mqa_logits_tuned = triton.autotune(configs=_configs(CONFIGS, INTERPRET_CONFIGS), key=_KEY,
-                                          cache_results=True)(_paged_mqa_logits_kernel)
+                                          prune_configs_by=_PRUNE, cache_results=True)(
+    _paged_mqa_logits_kernel)
 # Tuning runs the kernel several times: its slot counters are zeroed before each run.
 _mqa_candidates_tuned = triton.autotune(
     configs=_configs(CANDIDATE_CONFIGS, INTERPRET_CANDIDATE_CONFIGS), key=_KEY,
-    reset_to_zero=["counters_ptr"], cache_results=True,
+    prune_configs_by=_PRUNE, reset_to_zero=["counters_ptr"], cache_results=True,
 )(_mqa_candidates_kernel)
 
 
