@@ -196,13 +196,18 @@ def _paged_inputs(context_lens, next_n, H, D, seed, page=64):
 
 
 @pytest.mark.parametrize("two_d", [False, True])
-def test_fp8_paged_mqa_logits_matches_oracle_across_page_boundaries(two_d):
-    lens, next_n, H, D = [63, 64, 65], 2, 4, 128
+@pytest.mark.parametrize("lens, next_n, H, D", [
+    ([63, 64, 65], 2, 4, 128),
+    ([100, 150], 20, 8, 64),  # head-major blocks of 8 rows, the last one partly past next_n
+])
+def test_fp8_paged_mqa_logits_matches_oracle_across_page_boundaries(two_d, lens, next_n, H, D):
     q, kv_cache, w, table = _paged_inputs(lens, next_n, H, D, seed=11)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    if two_d:
-        ctx = torch.stack([ctx - 7, ctx], dim=1).to(torch.int32)  # [B, next_n]
-    width = 70
+    if two_d:  # [B, next_n]: row j sees step · (next_n − 1 − j) tokens fewer than the last
+        step = min(7, min(lens) // next_n)
+        back = step * torch.arange(next_n - 1, -1, -1, device=DEV, dtype=torch.int32)
+        ctx = (ctx[:, None] - back).to(torch.int32)
+    width = max(lens) + 5
     ref = oracle.fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, width)
     _assert_logits_close(fp8_paged_mqa_logits(q, kv_cache, w, ctx, table, width), ref)
 
