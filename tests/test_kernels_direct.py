@@ -194,6 +194,27 @@ def test_thresholds_read_rows_at_their_stride():
         assert got[r].item() == _expected_threshold(sample[r], 0, 40, 400, 8, 48)
 
 
+@pytest.mark.parametrize("width", [1, 127, 256, 257, 1024, 4097, 8192])
+def test_thresholds_at_every_block_the_sample_width_picks(width):
+    """The block follows the sample's width (256 … 4,096 keys, a warp per 512): the same rank at
+    each, with windows that straddle block edges and tied, signed and infinite scores."""
+    topk, cand = 64, 384  # target 160
+    g = torch.Generator().manual_seed(width)
+    sample = torch.randn(5, width, generator=g).round(decimals=1)  # many ties
+    sample[1, ::3] = float("inf")
+    sample[2] = -sample[2].abs()
+    mid = width // 2
+    rows = [(0, width, 10 * width), (0, width, cand + 1), (mid, width, 4 * width + cand),
+            (max(mid - 300, 0), min(mid + 300, width), 1_000_000), (width - 1, width, cand + 7)]
+    starts = torch.tensor([r[0] for r in rows], dtype=torch.int32)
+    ends = torch.tensor([r[1] for r in rows], dtype=torch.int32)
+    lens = torch.tensor([r[2] for r in rows], dtype=torch.int32)
+    got = launch_thresholds(sample.to(DEV), starts.to(DEV), ends.to(DEV), lens.to(DEV), topk, cand)
+    for r, (s, e, n) in enumerate(rows):
+        want = _expected_threshold(sample[r], s, e, n, topk, cand)
+        assert got[r].item() == want, (width, r, got[r].item(), want)
+
+
 # ------------------------------------------------------------------------ the row select
 def _nan_rows(N, k, seed):
     g = torch.Generator().manual_seed(seed)

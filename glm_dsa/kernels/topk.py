@@ -322,9 +322,13 @@ def launch_thresholds(sample: Tensor, starts: Tensor, ends: Tensor, lens: Tensor
     R = sample.shape[0]
     thr = torch.empty(R, dtype=torch.float32, device=sample.device)
     if R:
+        # A sample is ~1K keys a row at 131K (``min_sample_stride``): a 4,096-key block would
+        # make each radix round's histogram mostly masked lanes. The threshold is exact at any
+        # block, so the block follows the sample, one warp per 512 keys.
+        block = min(max(triton.next_power_of_2(sample.shape[1]), 256), BLOCK)
         _threshold_kernel[(R,)](
             sample, sample.stride(0), sample.shape[1], starts, ends, lens, thr,
-            int(TARGET_FACTOR * topk), cand, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            int(TARGET_FACTOR * topk), cand, BLOCK=block, num_warps=max(block // 512, 1),
         )  # fmt: skip
     return thr
 
