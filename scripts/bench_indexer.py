@@ -52,7 +52,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchlib import median_seconds, sync  # noqa: E402
+from benchlib import median_seconds, profile_call, sync  # noqa: E402
 
 H, D, CONTEXT, TOPK = 32, 128, 131_072, 2048
 INDEXER_CHUNK, INDEXER_PREFIX = 32_768, 983_040
@@ -427,6 +427,12 @@ def part_frontier(S: int, N: int, topk: int, deep_gemm) -> dict:
         return out
 
     out = measure("indexer", lambda: fast.indexer_topk(q, w, k, k_scale, ks, ke, topk, budget))
+    if cuda:
+        # Where the call's time goes beyond its steps' kernels: idle device time inside it is
+        # the host's (launch overhead, device reads), the "rest" below.
+        res["indexer_profile"] = profile_call(lambda: fast.indexer_topk(q, w, k, k_scale, ks, ke, topk, budget))
+        _progress(res["indexer_profile"], "wall_ms", "gpu_busy_ms", "gpu_idle_ms", "launches", "host_waits", "kernels",
+                  label=f"{label} profile")
     res.update(_candidate_tuning())
     _progress(res, "candidate_config", "candidate_config_ms", label=label)
     steps = _launch_steps(fast, q, w, k, k_scale, ks, ke, topk)

@@ -170,6 +170,16 @@ def test_the_bench_metric_is_the_oracles_calc_diff_in_row_blocks():
     assert benchlib.calc_diff(torch.zeros(3, 2), torch.zeros(3, 2)) == 0.0
 
 
+@given(spans=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 50)), max_size=12))
+@settings(max_examples=50)
+def test_covered_is_the_length_of_the_spans_union(spans):
+    """``covered`` (the profile's GPU busy time) against a count of the unit cells any span holds."""
+    spans = [(float(s), float(s + n)) for s, n in spans]
+    cells = {c for s, e in spans for c in range(int(s), int(e))}
+    assert benchlib.covered(spans) == len(cells)
+    assert benchlib.covered([(0.0, 4.0), (1.0, 2.0), (3.5, 6.0), (10.0, 11.0)]) == 7.0
+
+
 # ------------------------------------------------------------------ bench_indexer's frontier part
 def _load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"glm_dsa_{name}", _PATH.parent / f"{name}.py")
