@@ -62,7 +62,7 @@ from glm_dsa.kernels.ptx_hints import hinted_copies
 from glm_dsa.kernels.ptx_hints import undefined_uniform_reads
 from glm_dsa.kernels.sparse_mla_gluon import _sass, compile_sm90
 c = compile_sm90(has_sink=sys.argv[1] == "1", has_len=sys.argv[2] == "1", fp8=sys.argv[3] == "1",
-                 schedule=sys.argv[4], gather_hint=sys.argv[5])
+                 schedule=sys.argv[4], gather_hint=sys.argv[5], fp8_form=sys.argv[6])
 ptx = c.asm["ptx"]
 spills = None
 if shutil.which("ptxas"):
@@ -83,9 +83,11 @@ print(json.dumps({"shared": c.metadata.shared, "wgmma": ptx.count("wgmma.mma_asy
 
 def _aot(has_sink, has_len, fp8, schedule, gather_hint="none"):
     """The offline compile's facts (``_AOT``) in a fresh interpreter without TRITON_INTERPRET
-    (conftest sets it on the CPU), no GPU needed."""
+    (conftest sets it on the CPU), no GPU needed. ``fp8``: False (bf16 rows) or the FP8 form,
+    "ring" or "in_place"."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [*(str(int(x)) for x in (has_sink, has_len, fp8)), schedule, gather_hint]
+    args = [*(str(int(bool(x))) for x in (has_sink, has_len, fp8)), schedule, gather_hint,
+            fp8 or "ring"]
     done = subprocess.run([sys.executable, "-c", _AOT, *args],
                           env=env, capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -95,7 +97,8 @@ def _aot(has_sink, has_len, fp8, schedule, gather_hint="none"):
 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
 @pytest.mark.parametrize("has_sink,has_len,fp8,schedule", [
-    (False, False, False, "split"), (True, True, False, "split"), (True, True, True, "split"),
+    (False, False, False, "split"), (True, True, False, "split"), (True, True, "ring", "split"),
+    (False, False, "in_place", "split"), (True, True, "in_place", "split"),
     (False, False, False, "seesaw"), (True, True, False, "seesaw")])
 def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, fp8, schedule):
     info = _aot(has_sink, has_len, fp8, schedule)
@@ -111,8 +114,8 @@ def test_gluon_kernel_compiles_for_sm90_within_shared_memory(has_sink, has_len, 
 @pytest.mark.skipif(not TESTED, reason=f"AOT check needs triton in {GLUON_TESTED_TRITON}")
 @pytest.mark.parametrize("hint", ["evict_last_256b", "evict_last", "256b"])
 @pytest.mark.parametrize("fp8,schedule,gather", [(False, "split", 36), (False, "seesaw", 36),
-                                                 (True, "split", 44)],
-                         ids=["split", "seesaw", "fp8"])
+                                                 ("ring", "split", 44), ("in_place", "split", 44)],
+                         ids=["split", "seesaw", "fp8", "fp8-in-place"])
 def test_gather_hint_reaches_the_row_copies_and_not_qs(fp8, schedule, gather, hint):
     info = _aot(True, True, fp8, schedule, hint)
     qualifiers = ptx_hints.HINTS[hint][0]
@@ -130,8 +133,10 @@ def test_by_heads_runs_the_split_at_64_heads_and_the_seesaw_from_128():
     for h_q in (128, 192):
         assert (sparse_mla_gluon._kernel(cfg, False, h_q)[0]
                 is sparse_mla_gluon._sparse_mla_fwd_seesaw_gluon_kernel)
-    # FP8 rows have no seesaw form: the split at every head count.
+    # FP8 rows have no seesaw form: the split at every head count, in the form CONFIG names.
     assert sparse_mla_gluon._kernel(cfg, True, 128)[0] is sparse_mla_gluon._sparse_mla_fwd_fp8_gluon_kernel
+    assert (sparse_mla_gluon._kernel({**cfg, "fp8_form": "in_place"}, True, 128)[0]
+            is sparse_mla_gluon._sparse_mla_fwd_fp8_in_place_gluon_kernel)
 
 
 def test_gluon_config_errors_name_the_bad_entry_before_any_launch():
@@ -147,6 +152,14 @@ def test_gluon_config_errors_name_the_bad_entry_before_any_launch():
     with pytest.raises(ValueError, match="gather_hint must be 'none' or one of"):
         sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, kv, 576, 4, idx, 0.1, None, None,
                                                     config={"gather_hint": "evict_first"})
+    rows = torch.zeros(4, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fp8_form must be 'ring' or 'in_place', got 'inline'"):
+        sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, rows, 656, 4, idx, 0.1, None, None,
+                                                    config={"fp8_form": "inline"}, fp8=True)
+    with pytest.raises(ValueError, match="the in-place FP8 form has 2 stages"):
+        sparse_mla_gluon.flash_mla_sparse_fwd_gluon(q, rows, 656, 4, idx, 0.1, None, None,
+                                                    config={"fp8_form": "in_place", "stages": 3},
+                                                    fp8=True)
 
 
 @pytest.mark.parametrize("fp8,h_q", [(False, 64), (False, 128), (True, 64)])
@@ -279,12 +292,14 @@ def _fp8_rows(kv):
 
 @pytest.mark.cuda
 @needs_gluon
-@pytest.mark.parametrize("fp8,schedule", [(False, "split"), (True, "split"), (False, "seesaw")],
-                         ids=["bf16", "fp8", "bf16-seesaw"])
+@pytest.mark.parametrize("fp8,schedule", [(False, "split"), ("ring", "split"),
+                                          ("in_place", "split"), (False, "seesaw")],
+                         ids=["bf16", "fp8", "fp8-in-place", "bf16-seesaw"])
 @pytest.mark.parametrize("case", range(12))
 def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8, schedule,
                                                                 monkeypatch):
     monkeypatch.setitem(sparse_mla_gluon.CONFIG, "schedule", schedule)
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "fp8_form", fp8 or "ring")
     g = torch.Generator(device="cuda").manual_seed(1000 + case)
     dq, dkv, didx, dkw = _stress_case(g, case)
     sm_scale = 1 / math.sqrt(192)
@@ -312,14 +327,16 @@ def test_gluon_stress_against_float64_oracle_judged_by_flashmla(case, fp8, sched
 
 @pytest.mark.cuda
 @needs_gluon
-@pytest.mark.parametrize("fp8,schedule", [(False, "split"), (True, "split"), (False, "seesaw")],
-                         ids=["bf16", "fp8", "bf16-seesaw"])
+@pytest.mark.parametrize("fp8,schedule", [(False, "split"), ("ring", "split"),
+                                          ("in_place", "split"), (False, "seesaw")],
+                         ids=["bf16", "fp8", "fp8-in-place", "bf16-seesaw"])
 @pytest.mark.parametrize("hint", sorted(ptx_hints.HINTS))
 @pytest.mark.parametrize("case", [0, 1])
 def test_a_gather_hint_leaves_every_result_bit_unchanged(case, hint, fp8, schedule, monkeypatch):
     """A cache hint moves no byte: out, max_logits and lse equal the unhinted kernel's bitwise
     (invalid indices, topk_length and the sink included)."""
     monkeypatch.setitem(sparse_mla_gluon.CONFIG, "schedule", schedule)
+    monkeypatch.setitem(sparse_mla_gluon.CONFIG, "fp8_form", fp8 or "ring")
     g = torch.Generator(device="cuda").manual_seed(2000 + case)
     dq, dkv, didx, dkw = _stress_case(g, case)
     rows = _fp8_rows(dkv)[0] if fp8 else None
@@ -331,6 +348,25 @@ def test_a_gather_hint_leaves_every_result_bit_unchanged(case, hint, fp8, schedu
         return _gluon_only(dq, dkv, didx, 0.1, 512, **dkw)
 
     for name, a, b in zip(("out", "max_logits", "lse"), run("none"), run(hint)):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+@needs_gluon
+@pytest.mark.parametrize("case", range(6))
+def test_the_fp8_in_place_form_gives_the_ring_forms_bits(case, monkeypatch):
+    """The two FP8 forms dequantize to the same bf16 tiles and run the same MMAs and softmax on
+    them, in the same order: out, max_logits and lse are bitwise equal (h_q 64 and 128,
+    invalid indices, topk_length and the sink included)."""
+    g = torch.Generator(device="cuda").manual_seed(3000 + case)
+    dq, dkv, didx, dkw = _stress_case(g, case)
+    rows = _fp8_rows(dkv)[0]
+
+    def run(form):
+        monkeypatch.setitem(sparse_mla_gluon.CONFIG, "fp8_form", form)
+        return sparse_mla_fwd_fp8(dq, rows, didx, 1 / math.sqrt(192), 512, **dkw)
+
+    for name, a, b in zip(("out", "max_logits", "lse"), run("ring"), run("in_place")):
         assert torch.equal(a, b), name
 
 

@@ -26,9 +26,10 @@ gather the same rows, the second mostly from L2), three partitions of one warpgr
   adds (``ptx_hints``: Triton 3.6 cannot express it).
 - **Softmax warpgroup** (the default partition). ``S = Q · Kᵀ`` of the stage (``[64 heads,
   64 keys]``, one full-width wgmma chain over the three blocks), masked by the indices'
-  validity, online softmax in base 2 with ``sm_scale · log2 e`` folded in. A row lives in one
-  warp's quad, so its max and sum need no shared memory; this warpgroup owns the running max
-  and sum, so no max is exchanged. P, rounded to bf16 as FlashMLA does, overwrites the
+  validity, online softmax in base 2 with ``sm_scale · log2 e`` folded into the exponent's
+  FFMA (``s · scale − m``, FlashMLA's form; the max is taken over the unscaled scores). A row
+  lives in one warp's quad, so its max and sum need no shared memory; this warpgroup owns the
+  running max and sum, so no max is exchanged. P, rounded to bf16 as FlashMLA does, overwrites the
   stage's RoPE block (read only by the scores, which are done: FlashMLA's overlay) and the
   rescale factor goes to ``alpha_smem[s]``; a partition barrier, then ``p_ready[s]`` hands
   both over. Then ``O_l = alpha · O_l + P · V_l`` (output columns 0-255) and an arrive on
@@ -45,9 +46,19 @@ bf16: bitwise ``oracle.dequantize_k_cache``) into one bf16 working tile ``w_l | 
 compute warpgroups read, guarded by ``work[0]`` (written, 1 arrival) and ``work[1]`` (free, 2
 arrivals). A stage's bytes are refilled right after their dequantization (``ready[s]``), its
 RoPE block once ``empty[s]`` frees it (``ready[STAGES + s]``, which only the scores wait for).
+With one working tile a tile's dequantization waits for the previous tile's last MMA and the
+next tile's scores wait for it: the two run in series (1.5x the bf16 time, runs A-D).
+The in-place form (``CONFIG["fp8_form"]`` "in_place", ``_sparse_mla_fwd_fp8_in_place_gluon_kernel``)
+keeps two bf16 working stages instead of a raw ring: a tile's e4m3 bytes land over its own
+stage's right half (the same 32 KB, chunk-major), are dequantized there (the left half first,
+then the right half over the bytes it has read, a partition barrier between), and the compute
+warpgroups run the bf16 form's partitions over the stages, so a tile's dequantization overlaps
+the MMAs of the tile before (``_gather_fp8_in_place_partition``). Its results are the ring
+form's bits.
 
 Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
-217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64),
+217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64; in place:
+Q 72 + two stages 144 + scales 2),
 of the 227 KB an sm_90 block may take. The split (one warpgroup scores, both multiply by V) is
 TileLang's ``sparse_mla_fwd_pipelined``: its softmax warpgroup's chain (scores 4.7 MFLOP,
 softmax, P · V_l 2.1 MFLOP a tile) is the critical path while the value warpgroup (2.1) idles.
@@ -116,9 +127,12 @@ D_V, D_TAIL = 512, 64
 # 256-byte L2 prefetch), "evict_last" or "256b" (one half of it each). Timed on one H200
 # (2026-12-04, runs H and I, bench/probes/2026-12-04-h200-hint.py): within 1.3 % of "none" at
 # h_q 128, +0-12 % with "evict_last_256b" at h_q 64, still 0.90-0.95x FlashMLA, so "none".
+# "fp8_form": the FP8-row kernel, "ring" (timed: 1.54-1.71x the bf16 time, runs A-D) or
+# "in_place" (two working stages, module docstring; compiled offline, 2026-12-07: 224,432 bytes
+# of shared memory, no spills; not yet timed, so not the default).
 CONFIG: dict[str, Any] = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0, "schedule": "by_heads", "seesaw_regs": 216,
-          "seesaw_early_scores": True, "gather_hint": "none"}
+          "seesaw_early_scores": True, "gather_hint": "none", "fp8_form": "ring"}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
 
@@ -215,12 +229,25 @@ def _gather_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, k_l, k_r, 
         async_copy.mbarrier_arrive(ready.index(STAGES + s), increment_count=False)
 
 
+@gluon.constexpr_function
+def _ring_bytes_layout(WARPS):
+    """The ring form's e4m3 copies: a row's 512 bytes across 16 lanes, 16 bytes a copy."""
+    return gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _chunk_layout(WARPS):
+    """A ``[BLOCK_K, 64]`` column chunk of e4m3 bytes: 16 bytes a lane, a 128-byte line per
+    8 lanes (two 64-byte rows: no bank conflicts unswizzled). The in-place form copies and
+    reads each chunk in it, so its rows need 2 indices a lane."""
+    return gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
+
+
 @gluon.jit
 def _fp8_tile_indices(idx_row, i, n_cols, BLOCK_K: gl.constexpr, D_V: gl.constexpr,
-                      WARPS: gl.constexpr):
+                      WARPS: gl.constexpr, lay8: gl.constexpr):
     """Tile ``i``'s indices (-1 past ``n_cols``) in the three layouts its copies use: e4m3
-    bytes, scales (tile-major, one per tile and key), RoPE values."""
-    lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    bytes (rows of ``lay8``), scales (tile-major, one per tile and key), RoPE values."""
     lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
     lays: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
     c8 = i * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, lay8))
@@ -236,7 +263,7 @@ def _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8_s, rs_s,
                       BLOCK_K: gl.constexpr, D_V: gl.constexpr, WARPS: gl.constexpr):
     """cp.async of a tile's e4m3 bytes and float32 tile scales (rows ``t8`` / ``ts``,
     zero-filled where the index is invalid) into ring stage ``r8_s`` / ``rs_s``."""
-    lay8: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [WARPS, 1], [1, 0])
+    lay8: gl.constexpr = _ring_bytes_layout(WARPS)
     ok = ((t8 >= 0) & (t8 < s_kv))[:, None]
     base = kv_ptr + gl.where(ok, t8[:, None], 0).to(gl.int64) * stride_kv
     async_copy.async_copy_global_to_shared(
@@ -270,13 +297,88 @@ def _dequantize(r8_s, rs_s, w_l, w_r, D_V: gl.constexpr, BLOCK_K: gl.constexpr,
     lay: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])
     HALF: gl.constexpr = D_V // 2
     for c in gl.static_range(D_V // 64):
-        raw = r8_s.slice(c * 64, 64, dim=1).load(lay)
-        scale = rs_s.slice(c * 64 // 128 * BLOCK_K, BLOCK_K).load(gl.SliceLayout(1, lay))
-        k = (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None])
+        k = _dequantize_chunk(r8_s, rs_s, c, BLOCK_K, lay)
         if c * 64 < HALF:
-            w_l.slice(c * 64, 64, dim=1).store(k.to(gl.bfloat16))
+            w_l.slice(c * 64, 64, dim=1).store(k)
         else:
-            w_r.slice(c * 64 - HALF, 64, dim=1).store(k.to(gl.bfloat16))
+            w_r.slice(c * 64 - HALF, 64, dim=1).store(k)
+
+
+@gluon.jit
+def _dequantize_chunk(r8_s, rs_s, c: gl.constexpr, BLOCK_K: gl.constexpr, lay: gl.constexpr):
+    """Columns ``[64 c, 64 c + 64)`` of a stage's keys, bf16 ``[BLOCK_K, 64]``: the e4m3 bytes
+    of ``r8_s`` times their tile's float32 scale (``rs_s``, tile-major), rounded once."""
+    raw = r8_s.slice(c * 64, 64, dim=1).load(lay)
+    return _scaled(raw, rs_s, c, BLOCK_K, lay)
+
+
+@gluon.jit
+def _scaled(raw, rs_s, c: gl.constexpr, BLOCK_K: gl.constexpr, lay: gl.constexpr):
+    """``raw`` (column chunk ``c``'s e4m3 bytes, ``[BLOCK_K, 64]`` in ``lay``) times its tile
+    scale in float32, rounded once to bf16 (bitwise ``oracle.dequantize_k_cache``)."""
+    scale = rs_s.slice(c * 64 // 128 * BLOCK_K, BLOCK_K).load(gl.SliceLayout(1, lay))
+    return (raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _raw_view(w_r_s, BLOCK_K: gl.constexpr, D_V: gl.constexpr):
+    """The in-place form's raw stage over the bf16 right half ``w_r_s`` (``[BLOCK_K, D_V / 2]``,
+    32 KB): the tile's e4m3 bytes chunk-major, ``[D_V / 64 * BLOCK_K, 64]``, so column chunk
+    ``c`` (bytes ``64 c … 64 c + 63`` of every row) is the 4 KB at ``4 KB · c``. A 64-column
+    block ``j`` of ``w_r_s`` is the 8 KB at ``8 KB · j`` (NVMMA layouts stack their 128-byte
+    swizzle atoms block by block): writing block ``j`` overwrites chunks ``2j`` and ``2j + 1``."""
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+    return w_r_s._reinterpret(gl.uint8, [D_V // 64 * BLOCK_K, 64], flat)
+
+
+@gluon.jit
+def _gather_fp8_in_place_issue(kv_ptr, tb, ts, s_kv, stride_kv, raw, rs_s,
+                               BLOCK_K: gl.constexpr, D_V: gl.constexpr, WARPS: gl.constexpr):
+    """cp.async of a tile's e4m3 bytes, chunk by chunk, into ``raw`` (``_raw_view``) and its
+    float32 tile scales into ``rs_s`` (rows ``tb`` / ``ts``, zero-filled where invalid)."""
+    lay: gl.constexpr = _chunk_layout(WARPS)
+    ok = ((tb >= 0) & (tb < s_kv))[:, None]
+    base = (kv_ptr + gl.where(ok, tb[:, None], 0).to(gl.int64) * stride_kv
+            + gl.arange(0, 64, layout=gl.SliceLayout(0, lay))[None, :])
+    for c in gl.static_range(D_V // 64):
+        async_copy.async_copy_global_to_shared(raw.slice(c * BLOCK_K, BLOCK_K), base + c * 64,
+                                               mask=ok)
+    e = gl.arange(0, (D_V // 128) * BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    oks = (ts >= 0) & (ts < s_kv)
+    scales = (kv_ptr + gl.where(oks, ts, 0).to(gl.int64) * stride_kv
+              + D_V).to(gl.pointer_type(gl.float32)) + e // BLOCK_K
+    async_copy.async_copy_global_to_shared(rs_s, scales, mask=oks)
+
+
+@gluon.jit
+def _chunk(raw, c: gl.constexpr, BLOCK_K: gl.constexpr, lay: gl.constexpr):
+    """Column chunk ``c``'s e4m3 bytes of the in-place raw stage, ``[BLOCK_K, 64]``."""
+    return raw.slice(c * BLOCK_K, BLOCK_K).load(lay)
+
+
+@gluon.jit
+def _dequantize_in_place(w_l_s, w_r_s, rs_s, D_V: gl.constexpr, BLOCK_K: gl.constexpr,
+                         WARPS: gl.constexpr):
+    """The in-place form's dequantization of a stage whose e4m3 bytes lie over ``w_r_s``
+    (``_raw_view``): chunks 0-3 into ``w_l_s``; then chunks 4 and 5 into blocks 0 and 1 of
+    ``w_r_s`` (over chunks 0-3) and 6 and 7 into blocks 2 and 3 (over chunks 4-7), each pair
+    loaded by every thread before a partition barrier lets any thread overwrite its bytes."""
+    lay: gl.constexpr = _chunk_layout(WARPS)
+    gl.static_assert(D_V == 512, "eight 64-column chunks")
+    raw = _raw_view(w_r_s, BLOCK_K, D_V)
+    for c in gl.static_range(4):
+        w_l_s.slice(c * 64, 64, dim=1).store(_scaled(_chunk(raw, c, BLOCK_K, lay), rs_s, c,
+                                                     BLOCK_K, lay))
+    b4 = _chunk(raw, 4, BLOCK_K, lay)
+    b5 = _chunk(raw, 5, BLOCK_K, lay)
+    gl.thread_barrier()  # chunks 0-3 read by every thread: blocks 0 and 1 may take their bytes
+    w_r_s.slice(0, 64, dim=1).store(_scaled(b4, rs_s, 4, BLOCK_K, lay))
+    w_r_s.slice(64, 64, dim=1).store(_scaled(b5, rs_s, 5, BLOCK_K, lay))
+    b6 = _chunk(raw, 6, BLOCK_K, lay)
+    b7 = _chunk(raw, 7, BLOCK_K, lay)
+    gl.thread_barrier()  # chunks 4-7 read by every thread: blocks 2 and 3 may take theirs
+    w_r_s.slice(128, 64, dim=1).store(_scaled(b6, rs_s, 6, BLOCK_K, lay))
+    w_r_s.slice(192, 64, dim=1).store(_scaled(b7, rs_s, 7, BLOCK_K, lay))
 
 
 @gluon.jit
@@ -290,6 +392,7 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     """FP8 rows: Q once; per tile the e4m3 bytes and scales into ring stage ``s`` (as soon as
     the previous use of that stage is dequantized), the RoPE values into ``k_p[s]`` (once both
     warpgroups freed it), then the dequantization into the working tile when it is free."""
+    lay8: gl.constexpr = _ring_bytes_layout(WARPS)
     pid = gl.program_id(0)
     qi = (pid // h_groups).to(gl.int64)
     head0 = (pid % h_groups) * BLOCK_H
@@ -301,14 +404,14 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
     n_tiles = gl.cdiv(n_cols, BLOCK_K)
     pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
     if n_tiles > 0:
-        t8, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS)
+        t8, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS, lay8)
         _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(0), rs.index(0), BLOCK_K,
                           D_V, WARPS)
         async_copy.mbarrier_arrive(ready.index(0), increment_count=False)
         _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
         async_copy.mbarrier_arrive(ready.index(STAGES), increment_count=False)
     # The next tile's indices, loaded an iteration ahead so their latency hides behind waits.
-    t8, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS)
+    t8, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS, lay8)
     for i in range(n_tiles):
         s = i % STAGES
         nxt = (i + 1) % STAGES
@@ -319,7 +422,7 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
             _gather_fp8_issue(kv_ptr, t8, ts, s_kv, stride_kv, r8.index(nxt), rs.index(nxt),
                               BLOCK_K, D_V, WARPS)
             async_copy.mbarrier_arrive(ready.index(nxt), increment_count=False)
-        t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS)
+        t8_2, ts_2, tr_2 = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS, lay8)
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         mbarrier.wait(work.index(1), (i & 1) ^ 1)
         _dequantize(r8.index(s), rs.index(s), w_l, w_r, D_V, BLOCK_K, WARPS)
@@ -331,6 +434,62 @@ def _gather_fp8_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, r8, rs
             _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(nxt), D_V, D_TAIL, WARPS)
             async_copy.mbarrier_arrive(ready.index(STAGES + nxt), increment_count=False)
         t8, ts, tr = t8_2, ts_2, tr_2
+
+
+@gluon.jit
+def _gather_fp8_in_place_partition(q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, rs, k_p,
+                                   w_l, w_r, q_ready, ready, empty, landed, s_kv, topk,
+                                   stride_qs, stride_qh, stride_kv, stride_is, h_groups,
+                                   HAS_LEN: gl.constexpr, BLOCK_H: gl.constexpr,
+                                   BLOCK_K: gl.constexpr, D_V: gl.constexpr,
+                                   D_TAIL: gl.constexpr, WARPS: gl.constexpr,
+                                   PREFETCH: gl.constexpr, ROW_BYTES: gl.constexpr,
+                                   GATHER_POLICY: gl.constexpr):
+    """FP8 rows, two working stages: Q once; tile ``i``'s e4m3 bytes land over ``w_r[i % 2]``
+    (with its scales and RoPE values, ``landed``), are dequantized there (``ready``, both
+    parts at once), and only then is tile ``i + 1`` asked for, once ``empty`` frees its stage:
+    the dequantization of a tile overlaps the MMAs of the one before."""
+    lay: gl.constexpr = _chunk_layout(WARPS)
+    pid = gl.program_id(0)
+    qi = (pid // h_groups).to(gl.int64)
+    head0 = (pid % h_groups) * BLOCK_H
+    _copy_q(q_ptr, qi, head0, stride_qs, stride_qh, q_l, q_r, q_p, q_ready, BLOCK_H, D_V,
+            D_TAIL, WARPS)
+    _gather_policy(GATHER_POLICY)
+    n_cols = row_length(len_ptr, qi, topk, HAS_LEN)
+    idx_row = idx_ptr + qi * stride_is
+    n_tiles = gl.cdiv(n_cols, BLOCK_K)
+    pf_rows = gl.arange(0, BLOCK_K, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    if n_tiles > 0:
+        tb, ts, tr = _fp8_tile_indices(idx_row, 0, n_cols, BLOCK_K, D_V, WARPS, lay)
+        _gather_fp8_in_place_issue(kv_ptr, tb, ts, s_kv, stride_kv,
+                                   _raw_view(w_r.index(0), BLOCK_K, D_V), rs.index(0), BLOCK_K,
+                                   D_V, WARPS)
+        _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(0), D_V, D_TAIL, WARPS)
+        async_copy.mbarrier_arrive(landed.index(0), increment_count=False)
+    tb, ts, tr = _fp8_tile_indices(idx_row, 1, n_cols, BLOCK_K, D_V, WARPS, lay)
+    for i in range(n_tiles):
+        s = i % 2
+        nxt = (i + 1) % 2
+        if PREFETCH > 0:
+            _prefetch_tile(kv_ptr, idx_row, (i + 1 + PREFETCH) * BLOCK_K + pf_rows, n_cols, s_kv,
+                           stride_kv, ROW_BYTES)
+        mbarrier.wait(landed.index(s), (i // 2) & 1)
+        _dequantize_in_place(w_l.index(s), w_r.index(s), rs.index(s), D_V, BLOCK_K, WARPS)
+        fence_async_shared()
+        gl.thread_barrier()  # the whole tile is written before the hand-over
+        mbarrier.arrive(ready.index(s), count=1)
+        mbarrier.arrive(ready.index(2 + s), count=1)
+        if i + 1 < n_tiles:
+            # After the dequantization, not before: stage nxt is freed only when tile i - 1's
+            # MMAs are done, and tile i's, which come next, need this dequantization.
+            mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)
+            _gather_fp8_in_place_issue(kv_ptr, tb, ts, s_kv, stride_kv,
+                                       _raw_view(w_r.index(nxt), BLOCK_K, D_V), rs.index(nxt),
+                                       BLOCK_K, D_V, WARPS)
+            _gather_fp8_rope(kv_ptr, tr, s_kv, stride_kv, k_p.index(nxt), D_V, D_TAIL, WARPS)
+            async_copy.mbarrier_arrive(landed.index(nxt), increment_count=False)
+        tb, ts, tr = _fp8_tile_indices(idx_row, i + 2, n_cols, BLOCK_K, D_V, WARPS, lay)
 
 
 @gluon.jit
@@ -352,12 +511,14 @@ def _scores(q_l, q_r, q_p, k_l_s, k_r_s, k_p_s, ready_l, phase_l, ready_r, phase
 
 @gluon.jit
 def online_softmax(s, valid, m_i, l_i, scale_log2):
-    """One tile's step of the base-2 online softmax: ``(p, alpha, m_new, l_new)``."""
-    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    """One tile's step of the base-2 online softmax: ``(p, alpha, m_new, l_new)``; ``m`` is in
+    scaled units (``max(s) · scale_log2``, the same value as the max of the scaled scores)."""
+    # Masked unscaled: ``s · scale_log2 − m`` is then one FFMA a score (FlashMLA's form).
+    s = gl.where(valid[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
     # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_shift[:, None])
+    p = gl.exp2(s * scale_log2 - m_shift[:, None])
     alpha = gl.exp2(m_i - m_shift)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
@@ -510,10 +671,12 @@ def _value_partition(len_ptr, out_ptr, k_r, k_p, alpha_smem, denom_smem, ready, 
 
 
 @gluon.jit
-def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
-    """The mbarriers of both forms (see the module docstring), initialised: ``q_ready``,
-    ``done``, ``ready [2 * STAGES]`` (a stage's two parts), ``empty``, ``p_ready``, ``work [2]``
-    (the FP8 form's working tile: written, free)."""
+def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr,
+              READY_ARRIVALS: gl.constexpr):
+    """The mbarriers of the split forms (see the module docstring), initialised: ``q_ready``,
+    ``done``, ``ready [2 * STAGES]`` (a stage's two parts; ``READY_ARRIVALS``: one no-increment
+    arrive a gather thread, or 1 where the gather partition arrives once), ``empty``,
+    ``p_ready``, ``work [2]`` (the FP8 ring form's working tile: written, free)."""
     bar: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar)
     done = gl.allocate_shared_memory(gl.int64, [1], bar)
@@ -526,8 +689,8 @@ def _barriers(STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr):
     mbarrier.init(work.index(0), count=1)
     mbarrier.init(work.index(1), count=2)  # the softmax and the value warpgroup
     for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=GATHER_WARPS * 32)
-        mbarrier.init(ready.index(STAGES + s), count=GATHER_WARPS * 32)
+        mbarrier.init(ready.index(s), count=READY_ARRIVALS)
+        mbarrier.init(ready.index(STAGES + s), count=READY_ARRIVALS)
         mbarrier.init(empty.index(s), count=2)
         mbarrier.init(p_ready.index(s), count=1)
     return q_ready, done, ready, empty, p_ready, work
@@ -555,7 +718,8 @@ def _sparse_mla_fwd_gluon_kernel(
     k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
     denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
-    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS,
+                                                           GATHER_WARPS * 32)
     gl.warp_specialize([
         (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                               q_l, q_r, q_p, k_l, k_r, k_p, alpha_smem, denom_smem,
@@ -600,7 +764,8 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
     w_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_K, HALF], swz)
     alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
     denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
-    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS,
+                                                           GATHER_WARPS * 32)
     gl.warp_specialize([
         (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
                               q_l, q_r, q_p, w_l, w_r, k_p, alpha_smem, denom_smem,
@@ -615,6 +780,55 @@ def _sparse_mla_fwd_fp8_gluon_kernel(
                                  stride_qh, stride_kv, stride_is, h_groups, HAS_LEN, BLOCK_H,
                                  BLOCK_K, D_V, D_TAIL, STAGES, GATHER_WARPS, PREFETCH,
                                  D_V + 4 * (D_V // 128) + 2 * D_TAIL, GATHER_POLICY)),
+    ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
+
+
+@gluon.jit
+def _sparse_mla_fwd_fp8_in_place_gluon_kernel(
+    q_ptr, kv_ptr, idx_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, len_ptr,
+    s_kv, h_q, topk, scale_log2,
+    stride_qs, stride_qh, stride_kv, stride_is, stride_os, stride_oh,
+    HAS_SINK: gl.constexpr, HAS_LEN: gl.constexpr,
+    BLOCK_H: gl.constexpr, BLOCK_K: gl.constexpr, D_V: gl.constexpr, D_TAIL: gl.constexpr,
+    STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    VALUE_REGS: gl.constexpr, PREFETCH: gl.constexpr, GATHER_POLICY: gl.constexpr,
+):
+    """The FP8-row form with two working stages (``CONFIG["fp8_form"]`` "in_place"): a tile's
+    raw bytes land over its own stage and are dequantized there, so the compute warpgroups
+    run the bf16 form's partitions over bf16 stages (``_gather_fp8_in_place_partition``)."""
+    HALF: gl.constexpr = D_V // 2
+    gl.static_assert(STAGES == 2, "two working stages fill shared memory")
+    h_groups = h_q // BLOCK_H
+    swz: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_l = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_r = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, HALF], swz)
+    q_p = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, D_TAIL], swz)
+    w_l = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, HALF], swz)
+    w_r = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, HALF], swz)
+    k_p = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_K, D_TAIL], swz)
+    rs = gl.allocate_shared_memory(gl.float32, [STAGES, (D_V // 128) * BLOCK_K], flat)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_H], flat)
+    denom_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_H], flat)
+    q_ready, done, ready, empty, p_ready, work = _barriers(STAGES, GATHER_WARPS, 1)
+    landed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(landed.index(s), count=GATHER_WARPS * 32)  # a no-increment arrive a thread
+    gl.warp_specialize([
+        (_softmax_partition, (idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
+                              q_l, q_r, q_p, w_l, w_r, k_p, alpha_smem, denom_smem,
+                              q_ready, ready, empty, p_ready, done, work,
+                              s_kv, h_q, topk, scale_log2, stride_is, stride_os, stride_oh,
+                              h_groups, HAS_SINK, HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
+        (_value_partition, (len_ptr, out_ptr, w_r, k_p, alpha_smem, denom_smem, ready, empty,
+                            p_ready, done, work, topk, stride_os, stride_oh, h_groups,
+                            HAS_LEN, BLOCK_H, BLOCK_K, D_V, STAGES, False)),
+        (_gather_fp8_in_place_partition, (q_ptr, kv_ptr, idx_ptr, len_ptr, q_l, q_r, q_p, rs,
+                                          k_p, w_l, w_r, q_ready, ready, empty, landed, s_kv,
+                                          topk, stride_qs, stride_qh, stride_kv, stride_is,
+                                          h_groups, HAS_LEN, BLOCK_H, BLOCK_K, D_V, D_TAIL,
+                                          GATHER_WARPS, PREFETCH,
+                                          D_V + 4 * (D_V // 128) + 2 * D_TAIL, GATHER_POLICY)),
     ], [4, GATHER_WARPS], [VALUE_REGS, GATHER_REGS])
 
 
@@ -686,10 +900,11 @@ def _stage_of(r, s: gl.constexpr):
 
 @gluon.jit
 def _chain_max(scores, valid, m_prev, scale_log2, m_slot, m_bar):
-    """The scaled, masked scores and the running max after them, ``max(m_prev, row max)``,
+    """The masked scores (unscaled: the exponent's FFMA scales them, as in ``online_softmax``)
+    and the running max after them in scaled units, ``max(m_prev, row max · scale_log2)``,
     published to the peer warpgroup through ``m_slot`` (``m_bar``) before the exponentials."""
-    s = gl.where(valid[None, :], scores * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    s = gl.where(valid[None, :], scores, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1) * scale_log2)
     m_slot.store(m_new)
     gl.thread_barrier()  # every thread's part of the max is written before the hand-over
     mbarrier.arrive(m_bar, count=1)
@@ -851,7 +1066,7 @@ def _seesaw_even_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr
                              k_r.index(st0), k_p.index(st0), ready.index(0), ph, ready.index(2),
                              ph, s_layout, BLOCK_H, BLOCK_K)
         s, m_a = _chain_max(scores, valid, m_i, scale_log2, m_smem.index(0), m_ready.index(0))
-        p = gl.exp2(s - _shift(m_a)[:, None])
+        p = gl.exp2(s * scale_log2 - _shift(m_a)[:, None])
         alpha = gl.exp2(m_i - _shift(m_a))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         pb = _publish_p(p, k_p.index(st0), p_ready.index(0))  # over the RoPE block: scores done
@@ -923,7 +1138,7 @@ def _seesaw_odd_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr,
             m_a = m_smem.index(0).load(row_s)
             s, m_b = _chain_max(scores, valid, m_a, scale_log2, m_smem.index(1),
                                 m_ready.index(1))
-            p = gl.exp2(s - _shift(m_b)[:, None])
+            p = gl.exp2(s * scale_log2 - _shift(m_b)[:, None])
             alpha = gl.exp2(m_i - _shift(m_a))
             alpha_b = gl.exp2(m_a - _shift(m_b))
             l_i = (l_i * alpha) * alpha_b + gl.sum(p, axis=1)
@@ -1012,17 +1227,20 @@ def _sparse_mla_fwd_seesaw_gluon_kernel(
 
 
 def compile_sm90(has_sink: bool, has_len: bool, fp8: bool = False,
-                 schedule: str | None = None, h_q: int = 64, gather_hint: str | None = None):
-    """Compile the kernel (the FP8-row form with ``fp8``; over bf16 rows the ``schedule``,
-    "split" or "seesaw", ``CONFIG``'s for ``h_q`` heads when None; ``gather_hint`` CONFIG's when
-    None) for sm_90 ahead of time, no GPU needed (for
+                 schedule: str | None = None, h_q: int = 64, gather_hint: str | None = None,
+                 fp8_form: str | None = None):
+    """Compile the kernel (the FP8-row form with ``fp8``, ``fp8_form`` "ring" or "in_place";
+    over bf16 rows the ``schedule``, "split" or "seesaw", ``CONFIG``'s for ``h_q`` heads when
+    None; ``gather_hint`` and ``fp8_form`` CONFIG's when None) for sm_90 ahead of time, no GPU
+    needed (for
     offline checks of shared memory, registers and spills: ``ptxas -v`` on ``.asm["ptx"]``).
     Pointers and strides are marked 16-divisible, as the JIT marks GLM-5.3's on the GPU.
     Returns Triton's compiled kernel. Must run without ``TRITON_INTERPRET`` (the interpreter
     replaces ``gl`` builtins).
     """
     cfg = {**CONFIG, **({} if schedule is None else {"schedule": schedule}),
-           **({} if gather_hint is None else {"gather_hint": gather_hint})}
+           **({} if gather_hint is None else {"gather_hint": gather_hint}),
+           **({} if fp8_form is None else {"fp8_form": fp8_form})}
     kernel, constexprs = _kernel(cfg, fp8, h_q)
     _install_hint(cfg)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
@@ -1054,7 +1272,14 @@ def _kernel(cfg: dict, fp8: bool, h_q: int):
             **common, "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
             "SEESAW_REGS": cfg["seesaw_regs"], "PREFETCH": cfg["prefetch"],
             "EARLY_SCORES": cfg["seesaw_early_scores"], **policy}
-    kernel = _sparse_mla_fwd_fp8_gluon_kernel if fp8 else _sparse_mla_fwd_gluon_kernel
+    if fp8 and cfg["fp8_form"] not in ("ring", "in_place"):
+        raise ValueError(f"fp8_form must be 'ring' or 'in_place', got {cfg['fp8_form']!r}")
+    if fp8 and cfg["fp8_form"] == "in_place" and cfg["stages"] != 2:
+        raise ValueError(f"the in-place FP8 form has 2 stages (shared memory holds two), got "
+                         f"{cfg['stages']}")
+    kernel = ({"ring": _sparse_mla_fwd_fp8_gluon_kernel,
+               "in_place": _sparse_mla_fwd_fp8_in_place_gluon_kernel}[cfg["fp8_form"]] if fp8
+              else _sparse_mla_fwd_gluon_kernel)
     return kernel, {**common, "STAGES": cfg["stages"],
                     "GATHER_WARPS": cfg["gather_warps"], "GATHER_REGS": cfg["gather_regs"],
                     "VALUE_REGS": cfg["value_regs"], "PREFETCH": cfg["prefetch"], **policy}
@@ -1064,6 +1289,7 @@ def _kernel(cfg: dict, fp8: bool, h_q: int):
 # rewrite, each only where it carries the marker.
 _HINTED_ENTRIES = tuple(k.__name__ for k in (_sparse_mla_fwd_gluon_kernel,
                                              _sparse_mla_fwd_fp8_gluon_kernel,
+                                             _sparse_mla_fwd_fp8_in_place_gluon_kernel,
                                              _sparse_mla_fwd_seesaw_gluon_kernel))
 _HINT_CHECKED: set[str] = set()
 

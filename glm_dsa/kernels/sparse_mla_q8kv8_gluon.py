@@ -330,7 +330,9 @@ def _softmax_partition(idx_ptr, len_ptr, out_ptr, max_ptr, lse_ptr, sink_ptr, q_
                              ready.index(s), ready.index(STAGES + s), (i // STAGES) & 1,
                              s_layout, BLOCK_H, BLOCK_K)
             mbarrier.arrive(empty.index(s), count=1)
-        p, alpha, m_i, l_i = online_softmax(scores, valid, m_i, l_i, scale_log2)
+        # Scaled before the softmax, not in its exponent's FFMA: with the next tile's scores in
+        # flight (LOOKAHEAD) the folded form spills (ptxas, 168 registers).
+        p, alpha, m_i, l_i = online_softmax(scores * scale_log2, valid, m_i, l_i, 1.0)
         vph = (i // V_STAGES) & 1
         mbarrier.wait(vt_empty.index(v), vph ^ 1)  # both P · V of this slot's last tile done
         p_smem.index(v).store(p.to(gl.float8e4nv))
