@@ -156,6 +156,18 @@ def test_bad_inputs_raise_one_line_errors():
         flash_mla_sparse_fwd(q, q[:, :1], idx, math.nan)
 
 
+@pytest.mark.parametrize("fwd", ["bf16", "fp8"])
+@pytest.mark.parametrize("sm_scale", [0.0, -0.1, -math.inf])
+def test_a_scale_that_is_not_positive_is_refused_before_any_launch(fwd, sm_scale):
+    # The kernels fold the scale into the exponent and take the max of the unscaled scores.
+    q = torch.zeros(2, 4, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 1, 8, dtype=torch.int32)
+    kv = q[:, :1] if fwd == "bf16" else torch.zeros(10, 656, dtype=torch.uint8)
+    call = flash_mla_sparse_fwd if fwd == "bf16" else sparse_mla_fwd_fp8
+    with pytest.raises(ValueError, match=f"sm_scale={sm_scale} must be finite and positive"):
+        call(q, kv, idx, sm_scale)
+
+
 # ------------------------------------------------------------------ GLM-5.3 shapes on a GPU
 def _glm_case(h, s_q=256, s_kv=8192, topk=2048, seed=0):
     g = torch.Generator().manual_seed(seed)

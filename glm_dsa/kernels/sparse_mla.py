@@ -257,12 +257,14 @@ def row_length(len_ptr, qi, topk, HAS_LEN: tl.constexpr):
 def online_softmax_t(st, valid, m_i, l_i, scale_log2):
     """One tile's step of the base-2 online softmax on transposed scores ``st`` (``[BLOCK_K,
     BLOCK_H]``, keys on axis 0; ``valid`` ``[BLOCK_K]``), ``scale_log2`` taking them to base-2
-    logits: ``(pt, alpha, m_new, l_new)``, ``pt`` transposed as ``st``."""
-    st = tl.where(valid[:, None], st * scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    logits: ``(pt, alpha, m_new, l_new)``, ``pt`` transposed as ``st``; ``m`` in scaled units
+    (``max(st) · scale_log2``, the max of the scaled scores: the scale is positive)."""
+    # Masked unscaled: ``st · scale_log2 − m`` is then one FMA a score (FlashMLA's form).
+    st = tl.where(valid[:, None], st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, axis=0) * scale_log2)
     # Until a head has seen a valid key its max is -inf; shifting by 0 keeps exp2 NaN-free.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    pt = tl.exp2(st - m_shift[None, :])
+    pt = tl.exp2(st * scale_log2 - m_shift[None, :])
     alpha = tl.exp2(m_i - m_shift)
     return pt, alpha, m_new, l_i * alpha + tl.sum(pt, axis=0)
 
@@ -404,8 +406,10 @@ def _sparse_mla_fwd_kernel(
 def _check_kernel_inputs(q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float) -> None:
     if q.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"q must be bfloat16 or float32, got {q.dtype}")
-    if not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale={sm_scale} must be finite")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        # The kernels take the row max of the unscaled scores (the scale folded into the
+        # exponent's FMA): the max of the scaled ones only for a positive scale.
+        raise ValueError(f"sm_scale={sm_scale} must be finite and positive (a softmax scale)")
     if kv.device != q.device or indices.device != q.device:
         raise ValueError(
             f"q, kv and indices must be on one device, got {q.device}, {kv.device}, "
