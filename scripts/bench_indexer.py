@@ -153,6 +153,10 @@ def part_logits(S: int, N: int, heads: int, deep_gemm, gluon_configs: list[dict]
     out = run()
     res.update(_check_rows(out, q, k, k_scale, w, ks, ke))
     tail = slice(S - CHECK_ROWS, S)
+    # One full output at a time (8,192 x 1,048,576 float32 is 32 GiB; two and a third in a
+    # timing loop overflowed an 80 GB H100 on 2026-12-07, run O): masks and last rows are kept.
+    out_mask, out_tail = torch.isneginf(out), out[tail].clone()
+    del out
     gluon_tail = None
     try:
         from glm_dsa.kernels.mqa_logits_gluon import gluon_refusal
@@ -181,27 +185,27 @@ def part_logits(S: int, N: int, heads: int, deep_gemm, gluon_configs: list[dict]
             gout = launch_mqa_logits_gluon(q, k, k_scale, w, ks, ke, True, 0, best["config"])
             check = _check_rows(gout, q, k, k_scale, w, ks, ke)
             res.update({f"gluon_{n}": v for n, v in check.items()})
-            res["gluon_masks_equal_triton"] = bool(torch.equal(torch.isneginf(gout), torch.isneginf(out)))
+            res["gluon_masks_equal_triton"] = bool(torch.equal(torch.isneginf(gout), out_mask))
             gluon_tail = gout[tail].clone()
             del gout
     if deep_gemm is not None:
         try:
             dg = lambda: deep_gemm.fp8_mqa_logits(q, (k, k_scale), w, ks, ke, clean_logits=True)  # noqa: E731
             ref = dg()
+            mask, ref_tail = torch.isneginf(ref), ref[tail].clone()
+            del ref
             dms = _time_ms(dg)
             res.update(deepgemm_ms=dms, deepgemm_tflops=flops / dms / 1e9, ratio=dms / ms)
-            mask = torch.isneginf(ref)
-            res["deepgemm_masks_equal"] = bool(torch.equal(torch.isneginf(out), mask))
+            res["deepgemm_masks_equal"] = bool(torch.equal(out_mask, mask))
             res["calc_diff_vs_deepgemm"] = oracle.calc_diff(
-                out[tail].masked_fill(mask[tail], 0), ref[tail].masked_fill(mask[tail], 0)
+                out_tail.masked_fill(mask[tail], 0), ref_tail.masked_fill(mask[tail], 0)
             )
             if gluon_tail is not None:
                 res["gluon_vs_deepgemm"] = dms / res["gluon_ms"]
                 res["gluon_calc_diff_vs_deepgemm"] = oracle.calc_diff(
-                    gluon_tail.masked_fill(mask[tail], 0), ref[tail].masked_fill(mask[tail], 0))
+                    gluon_tail.masked_fill(mask[tail], 0), ref_tail.masked_fill(mask[tail], 0))
         except Exception as e:  # DeepGEMM's own failure must not hide ours
             res["deepgemm_error"] = f"{type(e).__name__}: {e}"
-    del out
     return res
 
 
@@ -435,11 +439,18 @@ def part_frontier(S: int, N: int, topk: int, deep_gemm) -> dict:
                   label=f"{label} profile")
     res.update(_candidate_tuning())
     _progress(res, "candidate_config", "candidate_config_ms", label=label)
+    # The steps run every row in one launch: where the call takes several, a row count its
+    # kernels have not met, which the first run compiles and autotunes (13.6 s of "candidates" at
+    # 32,768 x 1,048,576 on 2026-12-07, run O): the second run is timed.
+    _launch_steps(fast, q, w, k, k_scale, ks, ke, topk)
     steps = _launch_steps(fast, q, w, k, k_scale, ks, ke, topk)
-    # What the three steps leave of the whole call: the redone rows, the row-chunk loop's syncs
-    # (a comparison only where the call is one launch, candidate_rows_per_launch ≥ S).
-    steps["rest_ms"] = res["indexer_ms"] - sum(steps[f"{step}_ms"]
-                                               for step in ("sample_threshold", "candidates", "select"))
+    # What the three steps leave of the whole call: the redone rows, the row-chunk loop's syncs;
+    # a comparison only where the call is one launch (``indexer_profile`` has the kernels' own
+    # times either way).
+    one_launch = res["candidate_rows_per_launch"] >= S
+    steps["rest_ms"] = (res["indexer_ms"] - sum(steps[f"{step}_ms"] for step in
+                                                ("sample_threshold", "candidates", "select"))
+                        if one_launch else float("nan"))
     res.update(steps)
     _progress(res, *steps, label=label)
     measure("triton_logits", lambda: _triton_logits_in_slices(q, k, k_scale, w, ks, ke, rows))

@@ -48,13 +48,13 @@ arrivals). A stage's bytes are refilled right after their dequantization (``read
 RoPE block once ``empty[s]`` frees it (``ready[STAGES + s]``, which only the scores wait for).
 With one working tile a tile's dequantization waits for the previous tile's last MMA and the
 next tile's scores wait for it: the two run in series (1.5x the bf16 time, runs A-D).
-The in-place form (``CONFIG["fp8_form"]`` "in_place", ``_sparse_mla_fwd_fp8_in_place_gluon_kernel``)
-keeps two bf16 working stages instead of a raw ring: a tile's e4m3 bytes land over its own
-stage's right half (the same 32 KB, chunk-major), are dequantized there (the left half first,
-then the right half over the bytes it has read, a partition barrier between), and the compute
-warpgroups run the bf16 form's partitions over the stages, so a tile's dequantization overlaps
-the MMAs of the tile before (``_gather_fp8_in_place_partition``). Its results are the ring
-form's bits.
+The in-place form (``CONFIG["fp8_form"]`` "in_place", the default since runs N and O timed
+it; ``_sparse_mla_fwd_fp8_in_place_gluon_kernel``) keeps two bf16 working stages instead of a
+raw ring: a tile's e4m3 bytes land over its own stage's right half (the same 32 KB,
+chunk-major), are dequantized there (the left half first, then the right half over the bytes
+it has read, a partition barrier between), and the compute warpgroups run the bf16 form's
+partitions over the stages, so a tile's dequantization overlaps the MMAs of the tile before
+(``_gather_fp8_in_place_partition``). Its results are the ring form's bits.
 
 Each accumulator half is ``64 x 256`` float32 (128 registers a thread). Shared memory: bf16
 217 KB (Q 72 + ring 144 + factors), FP8 219 KB (Q 72 + ring 82 + working tile 64; in place:
@@ -127,12 +127,12 @@ D_V, D_TAIL = 512, 64
 # 256-byte L2 prefetch), "evict_last" or "256b" (one half of it each). Timed on one H200
 # (2026-12-04, runs H and I, bench/probes/2026-12-04-h200-hint.py): within 1.3 % of "none" at
 # h_q 128, +0-12 % with "evict_last_256b" at h_q 64, still 0.90-0.95x FlashMLA, so "none".
-# "fp8_form": the FP8-row kernel, "ring" (timed: 1.54-1.71x the bf16 time, runs A-D) or
-# "in_place" (two working stages, module docstring; compiled offline, 2026-12-07: 224,432 bytes
-# of shared memory, no spills; not yet timed, so not the default).
+# "fp8_form": the FP8-row kernel, "ring" or "in_place" (two working stages, module docstring):
+# on one H100 (2026-12-07, runs N and O, issue 42's six rows) in place 1.20-1.42x the bf16 time,
+# the ring 1.29-1.58x, the same bits, so "in_place".
 CONFIG: dict[str, Any] = {"stages": 2, "num_warps": 4, "gather_warps": 4, "gather_regs": 72, "value_regs": 168,
           "prefetch": 0, "schedule": "by_heads", "seesaw_regs": 216,
-          "seesaw_early_scores": True, "gather_hint": "none", "fp8_form": "ring"}
+          "seesaw_early_scores": True, "gather_hint": "none", "fp8_form": "in_place"}
 # CONFIG was chosen on one H200 (triton 3.6.0) against the variants in bench/RESULTS.md's
 # Gluon variants table (runs R1, R1b).
 

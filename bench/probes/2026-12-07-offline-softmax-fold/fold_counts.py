@@ -11,20 +11,26 @@ and its FMUL / FADD / FFMA / MUFU.EX2 counts (the loops are the softmax's per-ti
 the gather warpgroups' per-tile loops: the FP8 forms' dequantization is the one with 256 FMUL).
 """
 import collections
+import inspect
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+# The SASS parser of the 2026-12-04 probe, reused as it is.
+sys.path.insert(0, str(Path(__file__).parents[1] / "2026-12-04-offline-sparse-mla-sass"))
 from parse import load, loops, opcode  # noqa: E402
 
 from glm_dsa.kernels import sparse_mla_gluon, sparse_mla_q8kv8_gluon  # noqa: E402
 
+RING = ({"fp8_form": "ring"}
+        if "fp8_form" in inspect.signature(sparse_mla_gluon.compile_sm90).parameters else {})
+
 FORMS = {
     "split_h64": lambda: sparse_mla_gluon.compile_sm90(False, False, schedule="split", h_q=64),
     "seesaw_h128": lambda: sparse_mla_gluon.compile_sm90(False, False, schedule="seesaw", h_q=128),
-    "fp8rows_h64": lambda: sparse_mla_gluon.compile_sm90(False, False, fp8=True, h_q=64),
+    # The ring form by name where the tree has two (the in-place form is the default now).
+    "fp8rows_h64": lambda: sparse_mla_gluon.compile_sm90(False, False, fp8=True, h_q=64, **RING),
     "fp8rows_in_place_h64": lambda: sparse_mla_gluon.compile_sm90(False, False, fp8=True, h_q=64,
                                                                   fp8_form="in_place"),
     "q8kv8": lambda: sparse_mla_q8kv8_gluon.compile_sm90(False, False),
