@@ -27,8 +27,9 @@ def flashmla(h):
 forms = {
     "gluon_h64": lambda: flash_mla_sparse_fwd_gluon(q[64], kv, 576, N, idx, 1 / 16, None, None),
     "gluon_h128": lambda: flash_mla_sparse_fwd_gluon(q[128], kv, 576, N, idx, 1 / 16, None, None),
-    "gluon_fp8_h64": lambda: flash_mla_sparse_fwd_gluon(q[64], rows, oracle.MLA_ROW_BYTES, N, idx,
-                                                        1 / 16, None, None, fp8=True),
+    "gluon_fp8_ring_h64": lambda: flash_mla_sparse_fwd_gluon(
+        q[64], rows, oracle.MLA_ROW_BYTES, N, idx, 1 / 16, None, None, {"fp8_form": "ring"},
+        fp8=True),
     "gluon_fp8_in_place_h64": lambda: flash_mla_sparse_fwd_gluon(
         q[64], rows, oracle.MLA_ROW_BYTES, N, idx, 1 / 16, None, None, {"fp8_form": "in_place"},
         fp8=True),

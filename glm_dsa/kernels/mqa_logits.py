@@ -87,10 +87,13 @@ CONFIGS = [
 # The candidate kernel (``launch_mqa_candidates``) keeps the logits kernel's tiles. On the
 # indexer's 32,768 × 1,015,808 chunk (H200, 2026-12-01, bench/RESULTS.md issue 30): 392 ms,
 # 429 ms, and 519 ms for BLOCK_Q 128 / BLOCK_N 128 / 8 warps, dropped (each config tried costs
-# a few seconds of first-call tuning per shape class at this size).
-# ``STORE_LAG`` 1 stores a tile's kept entries one tile later, so the slot atomics' round trip
-# to L2 overlaps the next tile's MMA instead of stalling the warps before it (not yet timed on
-# the H200: both lags are tuned, the faster kept per shape class).
+# a few seconds of first-call tuning per shape class at this size). 128 × 128 with 4 warps, the
+# logits kernel's pick at 4,096 × 131,072: 8.3 ms against 5.4 there, 321 against 271 ms at
+# 32,768 × 1M (H100, 2026-12-07, run T), and its keys not the logits kernel's bits: dropped.
+# ``STORE_LAG`` 1 stores a tile's kept entries one tile later (both lags are tuned, the faster
+# kept per shape class; on one H100, run T: lag 1 at 4K × 131K and 32K × 1M, lag 0 at the other
+# four frontier shapes, within 1-3 % of each other). Its slots are still read (``tl.where``) in
+# their own tile: reading them only at the lagged stores was timed no faster (run S).
 CANDIDATE_CONFIGS = [
     {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "STORE_LAG": lag}
     for lag in (0, 1)

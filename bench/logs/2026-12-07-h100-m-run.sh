@@ -9,7 +9,7 @@ L=/tmp/mlogs; mkdir -p $L
 timeout 40 python3 .peer/build_peers.py --prebuilt .peer/prebuilt > $L/peers.log 2>&1; echo "peers rc=$?"
 export PYTHONPATH=$PWD:/tmp/peer/pkg
 M='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
-for f in ${FORMS:-gluon_h64 flashmla_h64 gluon_h128 flashmla_h128 gluon_fp8_h64 gluon_fp8_in_place_h64}; do
+for f in ${FORMS:-gluon_h64 flashmla_h64 gluon_h128 flashmla_h128 gluon_fp8_ring_h64 gluon_fp8_in_place_h64}; do
   echo "== ncu-$f $(date -u +%H:%M:%S)"
   timeout 80 ncu --clock-control none -k 'regex:gluon|fwd' --launch-skip 1 --launch-count 1 \
     --section WarpStateStats --section SourceCounters --metrics "$M" -f -o $L/ncu-$f \
