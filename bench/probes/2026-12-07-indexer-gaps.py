@@ -16,7 +16,7 @@ from bench_indexer import TOPK, _inputs  # noqa: E402
 
 from glm_dsa.kernels import indexer as fast  # noqa: E402
 from glm_dsa.kernels.mqa_logits import launch_mqa_candidates, launch_mqa_logits  # noqa: E402
-from glm_dsa.kernels.topk import CAND_FACTOR, COUNTERS  # noqa: E402
+from glm_dsa.kernels.topk import CAND_FACTOR, COUNTERS, launch_thresholds  # noqa: E402
 
 S, N = 4096, 131_072
 BUDGET = 6 << 30
@@ -54,7 +54,6 @@ if what == "gaps":
 else:
     fast.indexer_topk(q, w, k, k_scale, ks, ke, TOPK, BUDGET)
     torch.cuda.synchronize()
-    thr = torch.full((S,), float("-inf"), device="cuda")
     if what == "candidates":
         # The thresholds of a real call: the sample's, so the kept share is the call's (~4 %).
         lens = ke - ks
@@ -63,7 +62,6 @@ else:
         s_ends = ke.add(stride - 1).floor_divide(stride)
         sample = launch_mqa_logits(q, k[::stride].contiguous(), k_scale[::stride].contiguous(), w,
                                    s_starts, s_ends, False, 0)
-        from glm_dsa.kernels.topk import launch_thresholds
         thr = launch_thresholds(sample, s_starts, s_ends, lens, TOPK, CAND_FACTOR * TOPK)
         for _ in range(2):
             counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device="cuda")
