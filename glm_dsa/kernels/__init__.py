@@ -7,9 +7,15 @@ Triton's interpreter when ``TRITON_INTERPRET=1`` is set before Triton is importe
 import os
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from glm_dsa.kernels._interpreter import patch_for_numpy_2_4
+    from glm_dsa.kernels._interpreter import (
+        cache_np_dtypes,
+        patch_for_numpy_2_4,
+        skip_nested_lang_patches,
+    )
 
     patch_for_numpy_2_4()
+    skip_nested_lang_patches()
+    cache_np_dtypes()
 
 from glm_dsa.kernels.indexer import indexer_topk  # noqa: E402, F401
 from glm_dsa.kernels.mqa_logits import fp8_mqa_logits, fp8_paged_mqa_logits  # noqa: E402, F401
