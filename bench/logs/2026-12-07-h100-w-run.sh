@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD
 if [ "${1:-}" = w2 ]; then
   s density
   timeout 300 python bench/probes/2026-12-07d-candidate-tiles-and-target.py --density 4096x131072 \
-    16384x131072 32768x1048576 > $L/density.log 2>&1; echo "rc=$?"
+    16384x131072 4096x1048576 > $L/density.log 2>&1; echo "rc=$?"
   grep -E "^\||^[0-9]+ x" $L/density.log | cut -c1-200; tail -2 $L/density.log | cut -c1-300
   tar czf $OUT/w2-logs.tgz -C $L .; s end; exit 0
 fi

@@ -10,7 +10,10 @@
    (mean, min), the rows that would be redone (fewer than topk), and the candidate kernel's
    and the select's times with those thresholds.
 3. Keep density (run W2, `--density`): the shipped tiles at thresholds of +inf (nothing kept:
-   the scoring and the epilogue's compares alone) and at aims of 0.25 to 5 topk keys.
+   the scoring and the epilogue's compares alone) and at aims of 0.25 to 5 topk keys; beside
+   it `_reserve_kernel`, a trial filter with one atomic per (row, tile) that reserves the
+   tile's kept entries of the row (their count a sum over the tile's keys, each entry's slot
+   the reservation plus its rank, an exclusive scan), in place of one atomic per kept entry.
 Every variant's top-k (select on its buffers) is compared with the shipped call's where no
 row is redone. Prints two tables; argument: shapes as SxN (default 4096x131072 16384x131072); on the CPU
 (TRITON_INTERPRET=1) a small shape checks that it runs.
@@ -21,6 +24,7 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from bench_indexer import TOPK, _inputs  # noqa: E402
@@ -39,6 +43,48 @@ AIMS = [(128, 2.5), (64, 2.5), (64, 2.0), (32, 2.0), (32, 1.5), (64, 1.5)]
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU (interpreter): a smoke run
+
+
+@triton.jit
+def _reserve_kernel(
+    q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, thr_ptr, cand_key_ptr, cand_idx_ptr,
+    counters_ptr, S, n_keys, cand, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr,
+    DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, COUNTERS: tl.constexpr,
+):
+    """``_mqa_candidates_kernel``'s buffers (the same entries, other slots) with one atomic
+    per (row, tile): the row's kept count in the tile, its entries at the returned base plus
+    their rank among the tile's kept entries of the row."""
+    BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
+    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = ml._row_block(
+        q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
+    thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
+    cand_off = rows.to(tl.int64) * cand
+    for t in tl.range(c0, c1):
+        cols, col_ok, logits = ml._key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP,
+                                            BLOCK_M, BLOCK_N)
+        inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
+        take = inside & ~(logits < thr[None, :])
+        key = tk.order_keys(logits).to(tl.int32, bitcast=True)
+        kept = take.to(tl.int32)
+        n = tl.sum(kept, axis=0)
+        base = tl.atomic_add(counters_ptr + rows * COUNTERS, n, mask=row_ok & (n > 0),
+                             sem="relaxed")
+        slot = tl.where(take, base[None, :] + tl.cumsum(kept, axis=0) - kept, cand)
+        ml._store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key,
+                             cols[:, None] - ks[None, :])
+
+
+def reserve(q, w, k, k_scale, ks, ke, thr, bq=256, bn=64, warps=4, stages=4):
+    S, H, D = q.shape
+    cand = tk.CAND_FACTOR * TOPK
+    counters = torch.zeros((S, tk.COUNTERS), dtype=torch.int32, device=q.device)
+    keys = torch.empty((S, cand), dtype=torch.int32, device=q.device)
+    cols = torch.empty((S, cand), dtype=torch.int32, device=q.device)
+    grid = ml._grid(lambda bm: triton.cdiv(S, bm), lambda b: triton.cdiv(k.shape[0], b), q.device)
+    _reserve_kernel[grid](q, k, k_scale, w, ks, ke, thr, keys, cols, counters, S, k.shape[0],
+                          cand, H=H, D=D, HP=ml._pow2(H), DP=ml._pow2(max(D, 32)), BLOCK_Q=bq,
+                          BLOCK_N=bn, COUNTERS=tk.COUNTERS, num_warps=warps, num_stages=stages)
+    return keys, cols, counters
 
 
 def time_ms(fn, reps=10):
@@ -100,8 +146,9 @@ def logits(q, w, k, k_scale, ks, ke, bq, bn, warps, stages):
 
 
 def density(q, w, k, k_scale, ks, ke):
-    print("\n| threshold | kept mean | candidates ms | logits 256 x 64 ms |")
-    print("|---|---|---|---|")
+    print("\n| threshold | kept mean | candidates ms | reserve trial ms | reserve top-k as shipped | logits 256 x 64 ms |")
+    print("|---|---|---|---|---|---|")
+    lens = ke - ks
     ship = (256, 64, 4, 4, 1)
     fast.indexer_topk(q, w, k, k_scale, ks, ke, TOPK, BUDGET)  # tunes the sample's logits launch
     lg = time_ms(lambda: logits(q, w, k, k_scale, ks, ke, 256, 64, 4, 4))
@@ -113,7 +160,14 @@ def density(q, w, k, k_scale, ks, ke):
             thr = thresholds(q, w, k, k_scale, ks, ke, stride, aim)
         ms = time_ms(lambda: candidates(q, w, k, k_scale, ks, ke, thr, ship))
         _, _, counters = candidates(q, w, k, k_scale, ks, ke, thr, ship)
-        print(f"| {'+inf' if aim is None else f'aim {aim} topk'} | {counters[:, 0].float().mean():.0f} | {ms:.3f} | {lg:.3f} |")
+        r_ms = time_ms(lambda: reserve(q, w, k, k_scale, ks, ke, thr))
+        keys, cols, r_counters = reserve(q, w, k, k_scale, ks, ke, thr)
+        same = bool(torch.equal(r_counters, counters))
+        if aim == tk.TARGET_FACTOR:
+            want = fast.indexer_topk(q, w, k, k_scale, ks, ke, TOPK, BUDGET)
+            got, redo, _ = tk.launch_select_candidates(keys, cols, r_counters, lens, TOPK)
+            same = same and int(redo.sum()) == 0 and bool(torch.equal(got, want))
+        print(f"| {'+inf' if aim is None else f'aim {aim} topk'} | {counters[:, 0].float().mean():.0f} | {ms:.3f} | {r_ms:.3f} | {same} | {lg:.3f} |")
 
 
 def main():
