@@ -43,19 +43,19 @@ def patch_for_numpy_2_4() -> None:
 
 
 class _Launch:
-    """The scope a kernel launch's ``_patch_lang`` returned, with the scopes of the helper calls
-    that patched more modules: restoring it restores theirs first, then its own, and forgets the
-    launch's patched modules."""
+    """The scope a kernel launch's ``_patch_lang`` returned, with the language modules patched
+    so far (ids) and the scopes of the helper calls that patched more: restoring it restores
+    theirs first, then its own, and takes it off ``running``."""
 
-    def __init__(self, scope, patched: list[set[int]]) -> None:
-        self._scope, self._patched = scope, patched
+    def __init__(self, scope, modules: set[int], running: list[_Launch]) -> None:
+        self._scope, self.modules, self._running = scope, set(modules), running
         self.nested: list = []  # the helpers' scopes, restored last-in first-out
 
     def __getattr__(self, name):
         return getattr(self._scope, name)
 
     def restore(self) -> None:
-        self._patched.clear()
+        self._running.clear()
         while self.nested:
             self.nested.pop().restore()
         self._scope.restore()
@@ -74,8 +74,7 @@ def skip_nested_lang_patches() -> None:
     if original is None or launch_cls is None or getattr(original, "_glm_dsa_patched", False):
         return
     langs = (tl, tl.core)
-    patched: list[set[int]] = []  # the running launch's patched modules, as ids; empty outside
-    launch: list[_Launch] = []  # the running launch's scope
+    running: list[_Launch] = []  # the running launch's scope; empty outside a launch
     known: dict[object, set[int]] = {}  # a function's language modules, as ids
 
     def patch_lang(fn):
@@ -83,18 +82,17 @@ def skip_nested_lang_patches() -> None:
         if want is None:
             want = known[fn] = {id(v) for v in fn.__globals__.values()
                                 if inspect.ismodule(v) and v in langs}
-        if patched and want <= patched[0]:
+        if running and want <= running[0].modules:
             return _Nothing
         scope = original(fn)
         if inspect.currentframe().f_back.f_code is launch_cls.__call__.__code__:
-            patched[:] = [set(want)]  # grown by helpers' modules; ``known`` keeps this one's
-            launch[:] = [_Launch(scope, patched)]
-            return launch[0]
-        if patched:
+            running[:] = [_Launch(scope, want, running)]
+            return running[0]
+        if running:
             # Upstream drops a helper's scope (its patches outlive the launch): the launch's
             # restore takes it instead.
-            patched[0] |= want
-            launch[0].nested.append(scope)
+            running[0].modules |= want
+            running[0].nested.append(scope)
         return scope
 
     setattr(patch_lang, "_glm_dsa_patched", True)  # noqa: B010 — a mark on a function object
