@@ -123,6 +123,33 @@ def test_candidate_select_redoes_exactly_the_rows_its_buffer_cannot_hold():
         assert out[r].tolist() == sorted(buf_cols[best].tolist()), r
 
 
+@pytest.mark.parametrize("digit", [8, 5, 3, 1])
+def test_candidate_select_at_every_radix_digit_is_the_oracles_set(monkeypatch, digit):
+    """The radix rounds at ``RADIX_BITS`` 8 (four rounds), 5 (the top 2 bits, then six of 5),
+    3 (2 + 10 · 3) and 1 (32 rounds): the same exact top-k, on scores with heavy exact ties at
+    the k-th value (the tie-column select runs) and signed zeros, in buffers of mixed fill."""
+    monkeypatch.setattr(topk_mod, "RADIX_BITS", digit)
+    k, cand, R = 6, 40, 5
+    g = torch.Generator().manual_seed(17)
+    scores = torch.randint(-4, 5, (R, cand), generator=g).float() / 2
+    scores[0] = 0.0
+    scores[0, ::3] = -0.0
+    scores[1] = torch.randn(cand, generator=g)
+    found = [cand, cand, 17, k, 33]
+    keys, cols, counters = _candidates(scores, found)
+    lens = torch.full((R,), 500, dtype=torch.int32)
+    out, redo, _ = launch_select_candidates(keys.to(DEV), cols.to(DEV), counters.to(DEV),
+                                            lens.to(DEV), k)
+    assert redo.cpu().tolist() == [0] * R
+    for r in range(R):
+        n = found[r]
+        buf_scores = (scores.gather(1, cols.long())[r, :n] + 0.0)  # -0.0 ties +0.0
+        # Ties by column, as the oracle orders them: a buffer position's column decides.
+        order = cols[r, :n].long().argsort()
+        best = ascending_oracle(buf_scores[order][None], k)[0]
+        assert out[r].cpu().tolist() == sorted(cols[r, :n][order][best].tolist()), r
+
+
 def test_candidate_select_counts_nan_among_the_candidates():
     k, cand = 3, 8
     scores = torch.arange(2 * cand, dtype=torch.float32).view(2, cand)
@@ -301,6 +328,35 @@ def test_indexer_redoes_only_the_tied_row_and_reports_its_nan(monkeypatch):
     args[3] = k_scale.to(DEV)
     with pytest.raises(ValueError, match="logits row 0 holds NaN"):
         fast.indexer_topk(*args, topk, 2**30)
+
+
+# --------------------------------------------------------------- the indexer's row windows
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_launch_windows_are_the_torch_windows_and_zero_the_counters(dtype):
+    """The windows kernel on 2,500 rows (three programs, the last one masked) read through an
+    offset slice, as a row chunk hands them: every row's scored window, length and sample
+    window equal torch's integer arithmetic, and its counters (junk before) are zero. Windows
+    empty, of ≤ topk keys, of ≤ cand keys and longer; starts on and off the stride."""
+    from glm_dsa.kernels.indexer import launch_windows
+
+    R, topk, cand, stride, off = 2500, 16, 96, 7, 13
+    g = torch.Generator().manual_seed(12)
+    ks_all = torch.randint(0, 5000, (R + off,), generator=g)
+    lens = torch.randint(0, 300, (R + off,), generator=g)
+    lens[off : off + 8] = torch.tensor([0, 1, topk, topk + 1, cand, cand + 1, 299, 0])
+    ks_all, ke_all = ks_all.to(dtype).to(DEV), (ks_all + lens).to(dtype).to(DEV)
+    counters_all = torch.full((R + 2, COUNTERS), 77, dtype=torch.int32, device=DEV)
+    ks, ke, counters = ks_all[off:], ke_all[off:], counters_all[1 : R + 1]
+    starts, ends, n, s_starts, s_ends = launch_windows(ks, ke, counters, topk, cand, stride)
+    a, b = ks.long().cpu(), ke.long().cpu()
+    length = b - a
+    scored_end = torch.where(length > topk, b, a)
+    ceil = lambda x: -(-x // stride)  # noqa: E731
+    expected = (a, scored_end, length, ceil(a), torch.where(length > cand, ceil(scored_end), ceil(a)))
+    for got, want in zip((starts, ends, n, s_starts, s_ends), expected):
+        assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want)
+    assert (counters == 0).all()
+    assert (counters_all[0] == 77).all() and (counters_all[-1] == 77).all()  # outside the chunk
 
 
 # ------------------------------------------------------------------------- launch buffers

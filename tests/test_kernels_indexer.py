@@ -8,9 +8,12 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from glm_dsa import budget, indexer, oracle, testing  # noqa: E402
 from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
+from glm_dsa.kernels.mqa_logits import _window_split  # noqa: E402
 from glm_dsa.kernels.topk import COUNTERS, select_rows  # noqa: E402
 from test_kernels_direct import order_keys as _order_keys  # noqa: E402
 from test_kernels_topk import ascending  # noqa: E402
@@ -433,6 +436,41 @@ def _kernel_logits(q, w, k, k_scale, ks, ke):
     return logits
 
 
+@triton.jit
+def _window_shares(ks_ptr, ke_ptr, out_ptr, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (0, p)'s ``_window_split`` tiles ``[c0, c1)`` into ``out[2p : 2p + 2]``."""
+    r = tl.arange(0, BLOCK_M)
+    c0, c1 = _window_split(tl.load(ks_ptr + r), tl.load(ke_ptr + r), n_keys, BLOCK_N)
+    tl.store(out_ptr + 2 * tl.program_id(1), c0)
+    tl.store(out_ptr + 2 * tl.program_id(1) + 1, c1)
+
+
+@pytest.mark.parametrize("lo, hi, splits", [(150, 390, 4), (0, 400, 4), (150, 390, 16),
+                                             (40, 41, 3), (None, None, 4)])
+def test_window_split_shares_the_row_blocks_own_tiles_evenly(lo, hi, splits):
+    """The candidate kernel's split of a row block's key tiles across the grid's column splits,
+    run as a kernel of ``splits`` programs: program p takes tiles ``[t0 + p·n, t0 + (p+1)·n)``
+    of the window's ``[t0, t1)`` (``n = ⌈(t1 − t0) / splits⌉``, clipped), so together they take
+    each of those tiles once and none outside; a block with no window takes none."""
+    n_keys, block_n = 400, 32
+    if lo is None:  # every row empty
+        ks = torch.tensor([7, 0, 0, 399], dtype=torch.int32)
+        ke = ks.clone()
+    else:  # one row spans [lo, hi), the others inside it or empty
+        ks = torch.tensor([lo, lo, hi, (lo + hi) // 2], dtype=torch.int32)
+        ke = torch.tensor([hi, lo, hi, hi], dtype=torch.int32)
+    out = torch.zeros(2 * splits, dtype=torch.int32, device=DEV)
+    _window_shares[(1, splits)](ks.to(DEV), ke.to(DEV), out, n_keys, BLOCK_M=4, BLOCK_N=block_n)
+    got = [tuple(p) for p in out.cpu().view(splits, 2).tolist()]
+    if lo is None:
+        assert all(c0 == c1 for c0, c1 in got), got
+        return
+    t0, t1 = lo // block_n, -(-hi // block_n)
+    n = -(-(t1 - t0) // splits)
+    expected = [(min(t0 + p * n, t1), min(t0 + (p + 1) * n, t1)) for p in range(splits)]
+    assert got == expected
+
+
 def _threshold_between_scores(row):
     """A threshold keeping about a third of ``row``'s scores, halfway across the widest gap
     between two of them there, so that the kernel's float32 rounding cannot move an entry
@@ -446,10 +484,17 @@ def _threshold_between_scores(row):
     return (v[j] + v[j + 1]) / 2
 
 
+# Windows from key 0 (one request), and all in keys [150, 390) of 400 (a batch's later request:
+# the column splits share that window's tiles, ``_window_split``).
+CANDIDATE_WINDOWS = {"from_key_0": (200, [0, 0, 30, 0, 10, 0], [200, 150, 180, 0, 11, 199]),
+                     "late_keys": (400, [150, 150, 170, 150, 200], [390, 300, 390, 151, 389])}
+
+
+@pytest.mark.parametrize("windows", list(CANDIDATE_WINDOWS))
 @pytest.mark.parametrize("lag", [0, 1], ids=["stored_at_once", "stored_a_tile_later"])
 @pytest.mark.parametrize("splits", [False, True], ids=["one_split", "column_splits"])
 def test_candidates_are_every_kept_entry_once_with_and_without_column_splits(monkeypatch, splits,
-                                                                             lag):
+                                                                             lag, windows):
     """The candidate kernel's buffers, with one program a row block and with the columns split
     across programs, its kept entries stored in their own tile's step or the next one's: each
     row's count and columns are its window's entries at or above the threshold, recomputed from
@@ -462,10 +507,11 @@ def test_candidates_are_every_kept_entry_once_with_and_without_column_splits(mon
     monkeypatch.setattr(mqa_logits, "INTERPRET_PROGRAMS", 64 if splits else 1)
     if not splits:
         monkeypatch.setattr(mqa_logits, "PROGRAMS_PER_SM", 0)
-    S, H, D, N = 6, 4, 128, 200
+    N, starts, ends = CANDIDATE_WINDOWS[windows]
+    S, H, D = len(starts), 4, 128
     q, k, k_scale, w = _inputs(S, H, D, N, seed=61)
-    ks = torch.tensor([0, 0, 30, 0, 10, 0], dtype=torch.int32, device=DEV)
-    ke = torch.tensor([200, 150, 180, 0, 11, 199], dtype=torch.int32, device=DEV)
+    ks = torch.tensor(starts, dtype=torch.int32, device=DEV)
+    ke = torch.tensor(ends, dtype=torch.int32, device=DEV)
     ref = oracle.fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
     thr = torch.stack([_threshold_between_scores(r[torch.isfinite(r)]) for r in ref])
     counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device=DEV)
@@ -605,6 +651,39 @@ def test_indexer_topk_launches_of_few_rows_give_the_same_sets(monkeypatch, rows_
     logits = _kernel_logits(q, w, k, k_scale, ks, ke)
     _assert_exact_topk_of(split, logits, ks, ke, topk)
     assert torch.equal(whole, split)
+
+
+def test_indexer_topk_reads_the_host_twice_whatever_its_row_chunks(monkeypatch):
+    """The input checks' read and one after the last launch (any row redone, any NaN): no
+    read of a chunk's span, so the host queues every launch without waiting for the GPU.
+    Counted at the reads glm_dsa's own code makes (``bool``, ``int``, ``item``, ``tolist``,
+    ``nonzero``), three row chunks."""
+    import sys
+
+    from glm_dsa.kernels import indexer as fast
+
+    pin_logits_configs(monkeypatch)
+    # Every key sampled (stride 1 at this length): the thresholds hold every row's top-k, no
+    # row is redone (a redone row's own loop reads more).
+    monkeypatch.setattr(fast, "candidate_rows", lambda *a: 4)
+    S, H, D, N, topk = 11, 4, 128, 200, 6
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=44)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    reads = []
+    for name in ("__bool__", "__int__", "item", "tolist", "nonzero"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, _name=name, **kw):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("glm_dsa"):
+                reads.append(_name)
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+    assert reads == ["__bool__", "tolist"], reads
+    monkeypatch.undo()
+    _assert_exact_topk_of(out, _kernel_logits(q, w, k, k_scale, ks, ke), ks, ke, topk)
 
 
 def test_candidate_rows_stay_within_what_the_logits_budget_holds():

@@ -27,7 +27,9 @@ Work skipping: a program computes only the key tiles that meet the union of its 
 (causal prefill: about half the pairs); the rest of its columns are filled with ``-inf`` when
 ``clean_logits`` (a store, no loads). The grid is (row blocks, column splits): the row blocks are
 launched heaviest-first (causal rows are longer the later they are) and the columns are split
-only when there are too few row blocks to fill the GPU.
+only when there are too few row blocks to fill the GPU. The logits kernel splits all the keys
+(each split fills its own columns); the candidate kernel, which fills nothing, splits only the
+tiles that meet its row block's windows.
 
 On sm_90, ``glm_dsa.kernels.mqa_logits_gluon`` is a warp-specialized Gluon form of the logits and
 candidate kernels (same contracts); it is not dispatched from here: measured on one H200 it ran
@@ -221,6 +223,19 @@ def _split_range(n_tiles, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _window_split(ks, ke, n_keys, BLOCK_N: tl.constexpr):
+    """This program's key tiles ``[c0, c1)``: those meeting its row block's windows, split
+    evenly across the grid's column splits, so that a block whose rows see a few of the keys
+    (a later request of a batch) still spreads them over every split."""
+    lo, hi = _row_block_window(ks, ke, n_keys)
+    t0 = lo // BLOCK_N
+    t1 = tl.maximum(tl.cdiv(hi, BLOCK_N), t0)
+    per_split = tl.cdiv(t1 - t0, tl.num_programs(1))
+    c0 = tl.minimum(t0 + tl.program_id(1) * per_split, t1)
+    return c0, tl.minimum(c0 + per_split, t1)
+
+
+@triton.jit
 def _row_block(q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H: tl.constexpr, D: tl.constexpr,
                HP: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's row block (heaviest first: causal windows grow with the row): its rows,
@@ -340,8 +355,10 @@ def _mqa_candidates_kernel(
     tiles between an entry's atomic and its stores; the buffers' contents do not depend on it.
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
-    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
+    # No -inf fill here: a program's tiles are its windows' share, not a share of all keys.
+    rows, row_ok, ks, ke, _, _, _, _, q, w = _row_block(
         q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
+    c0, c1 = _window_split(ks, ke, n_keys, BLOCK_N)
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     cand_off = rows.to(tl.int64) * cand
     count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * _COUNTERS, (BLOCK_N, BLOCK_M))

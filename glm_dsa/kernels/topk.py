@@ -8,9 +8,9 @@ nor, once sorted in the program, does the row's order (the attention over it sum
 
 One program per row. Scores become order-preserving uint32 keys (a float's bits with the sign
 bit set when positive, all bits flipped when negative; ``-0.0`` is first made ``+0.0``), so
-float order is integer order and the k-th best score is found exactly by a radix select: four
-rounds of a 256-bin histogram, each over the 8 key bits below the prefix fixed so far, keeping
-the bin where the count from the top reaches ``k``. The k-th key and how many of its ties to
+float order is integer order and the k-th best score is found exactly by a radix select:
+rounds of a ``2^RADIX_BITS``-bin histogram (four of 256 bins), each over the digit below the
+prefix fixed so far, keeping the bin where the count from the top reaches ``k``. The k-th key and how many of its ties to
 take are then exact. When fewer ties are taken than there are, a second radix select over the
 tied keys' columns finds the highest column taken (the lowest columns win, as in the oracle's
 stable order); a last pass emits every key above the k-th and the ties up to that column.
@@ -47,7 +47,8 @@ from glm_dsa.validate import check_index_vector, check_ranges, need
 
 __all__ = ["topk_per_row", "select_rows", "launch_select", "launch_thresholds",
            "launch_select_candidates", "order_keys", "key_value", "SAMPLE", "TARGET_FACTOR",
-           "CAND_FACTOR", "BLOCK", "COUNTERS", "SAMPLE_HITS", "min_sample_stride"]
+           "CAND_FACTOR", "BLOCK", "COUNTERS", "NANS_COLUMN", "RADIX_BITS", "SAMPLE_HITS",
+           "min_sample_stride"]
 
 # Most keys a row's strided sample takes (held by one program across its radix rounds).
 SAMPLE = 8192
@@ -56,12 +57,20 @@ SAMPLE_HITS = 16
 # The threshold aims at this many keys per k; the candidate buffer holds CAND_FACTOR · k.
 TARGET_FACTOR = 2.5
 CAND_FACTOR = 6
+# Key bits a radix round fixes (4 rounds of 256 bins). Triton's histogram takes one warp
+# ballot per digit bit, then per lane an AND per bit and a popcount for each of its
+# ``2^bits / 32`` bins (at least one): fewer bits make a round cheaper but add rounds. Offline
+# sm_90 compiles of the candidate select (Triton 3.6, bench/probes/2026-12-07e-offline-select.py)
+# put the four 8-bit rounds at ~1,100 instructions a thread per 4,096-key block each and seven
+# 5-bit rounds at ~800 each: 1.27x the issue, for 14 shared-memory atomics against 64.
+RADIX_BITS = 8
 # Columns per loop step of a program: 8 warps × 32 threads × 16 float32 (four 16-byte loads).
 BLOCK = 4096
 NUM_WARPS = 8
 # Per-row int32 counters: candidates appended, NaNs read.
 _CANDS, _NANS = (tl.constexpr(i) for i in range(2))
 COUNTERS = 2
+NANS_COLUMN = _NANS.value
 _COUNTERS = tl.constexpr(COUNTERS)
 
 
@@ -109,67 +118,73 @@ def _load_block(src, idx_src, offs, first, end, ncols, stride, FROM_ROW: tl.cons
 
 
 @triton.jit
-def _radix_round(hist, prefix, need):
-    """One radix round over a 256-bin histogram of the next 8 key bits: the bin where the count
-    from the top reaches ``need``, appended to ``prefix``; ``need`` less the keys above that bin;
-    and the bin's count (after the last round: the keys equal to the selected one)."""
-    bins = tl.arange(0, 256)
+def _radix_round(hist, prefix, need, DIGIT: tl.constexpr):
+    """One radix round over a ``2^DIGIT``-bin histogram of the next digit: the bin where the
+    count from the top reaches ``need``, appended to ``prefix``; ``need`` less the keys above
+    that bin; and the bin's count (after the last round: the keys equal to the selected one)."""
+    bins = tl.arange(0, 1 << DIGIT)
     at_least = tl.cumsum(hist, 0, reverse=True)  # keys whose digit is ≥ the bin's
     digit = tl.sum((at_least >= need).to(tl.int32), 0) - 1
     need -= tl.sum(tl.where(bins > digit, hist, 0), 0)
-    prefix = (prefix << 8) | digit.to(tl.uint32)
+    prefix = (prefix << DIGIT) | digit.to(tl.uint32)
     return prefix, need, tl.sum(tl.where(bins == digit, hist, 0), 0)
 
 
 @triton.jit
 def _kth_key(src, idx_src, first, end, ncols, stride, k, FROM_ROW: tl.constexpr,
-             BLOCK: tl.constexpr):
+             BLOCK: tl.constexpr, DIGIT: tl.constexpr):
     """The k-th largest key of a source (``1 ≤ k ≤`` its size), how many keys equal to it are
-    in the top k, and how many the source holds."""
+    in the top k, and how many the source holds (``RADIX_BITS``: the rounds' digits)."""
     prefix = tl.zeros((), dtype=tl.uint32)
     need = k
-    for SHIFT in tl.static_range(24, -1, -8):
-        hist = tl.zeros([256], dtype=tl.int32)
+    # Digits of DIGIT bits from bit 0 up; the first round takes the top bits left over.
+    TOP: tl.constexpr = DIGIT * ((32 + DIGIT - 1) // DIGIT - 1)
+    for SHIFT in tl.static_range(TOP, -1, -DIGIT):
+        hist = tl.zeros([1 << DIGIT], dtype=tl.int32)
         for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
             offs = blk * BLOCK + tl.arange(0, BLOCK)
             key, idx, valid, nan = _load_block(src, idx_src, offs, first, end, ncols, stride,
                                                FROM_ROW)
-            if SHIFT < 24:
-                valid = valid & ((key >> (SHIFT + 8)) == prefix)
-            hist += tl.histogram(((key >> SHIFT) & 255).to(tl.int32), 256, mask=valid)
-        prefix, need, ties = _radix_round(hist, prefix, need)
+            if SHIFT < TOP:
+                valid = valid & ((key >> (SHIFT + DIGIT)) == prefix)
+            hist += tl.histogram(((key >> SHIFT) & ((1 << DIGIT) - 1)).to(tl.int32), 1 << DIGIT,
+                                 mask=valid)
+        prefix, need, ties = _radix_round(hist, prefix, need, DIGIT)
     return prefix, need, ties
 
 
 @triton.jit
 def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, DIGIT: tl.constexpr):
     """The ``need``-th lowest column among a source's keys equal to ``kth`` (``1 ≤ need ≤``
     their number): a radix select, as ``_kth_key``, on ``0x7FFFFFFF − column``."""
     prefix = tl.zeros((), dtype=tl.uint32)
-    for SHIFT in tl.static_range(24, -1, -8):
-        hist = tl.zeros([256], dtype=tl.int32)
+    TOP: tl.constexpr = DIGIT * ((32 + DIGIT - 1) // DIGIT - 1)
+    for SHIFT in tl.static_range(TOP, -1, -DIGIT):
+        hist = tl.zeros([1 << DIGIT], dtype=tl.int32)
         for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
             offs = blk * BLOCK + tl.arange(0, BLOCK)
             key, idx, valid, nan = _load_block(src, idx_src, offs, first, end, ncols, 1, FROM_ROW)
             flipped = (0x7FFFFFFF - idx).to(tl.uint32, bitcast=True)
             tie = valid & (key == kth)
-            if SHIFT < 24:
-                tie = tie & ((flipped >> (SHIFT + 8)) == prefix)
-            hist += tl.histogram(((flipped >> SHIFT) & 255).to(tl.int32), 256, mask=tie)
-        prefix, need, _ = _radix_round(hist, prefix, need)
+            if SHIFT < TOP:
+                tie = tie & ((flipped >> (SHIFT + DIGIT)) == prefix)
+            hist += tl.histogram(((flipped >> SHIFT) & ((1 << DIGIT) - 1)).to(tl.int32),
+                                 1 << DIGIT, mask=tie)
+        prefix, need, _ = _radix_round(hist, prefix, need, DIGIT)
     return 0x7FFFFFFF - prefix.to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _emit(src, idx_src, first, end, ncols, kth, need, ties, out, nans, topk,
-          FROM_ROW: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr):
+          FROM_ROW: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr, DIGIT: tl.constexpr):
     """Write every column whose key is above ``kth``, and the ``need`` lowest of the ``ties``
     columns whose key equals it, in ascending column order (``TOPK``: ``topk`` rounded up to a
     power of two)."""
     last_tie = tl.full((), 0x7FFFFFFF, tl.int32)
     if need < ties:
-        last_tie = _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW, BLOCK)
+        last_tie = _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW, BLOCK,
+                                    DIGIT)
     emitted = tl.zeros((), dtype=tl.int32)
     for blk in range(first // BLOCK, tl.cdiv(end, BLOCK)):
         offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -204,7 +219,7 @@ def _store_prefix(out, n, topk, BLOCK: tl.constexpr):
 def _topk_kernel(
     x_ptr, stride_row, ncols, starts_ptr, ends_ptr, out_ptr, cand_key_ptr, cand_idx_ptr,
     counters_ptr, topk, target, min_stride, CAND: tl.constexpr, SAMPLE: tl.constexpr,
-    BLOCK: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK: tl.constexpr, TOPK: tl.constexpr, DIGIT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     start = tl.load(starts_ptr + row).to(tl.int32)
@@ -224,7 +239,7 @@ def _topk_kernel(
             n_sample = tl.cdiv(n, stride)
             rank = tl.minimum(tl.maximum(tl.cdiv(target * n_sample, n), 1), n_sample)
             threshold, _, _ = _kth_key(x + start, x, 0, n_sample, ncols, stride, rank, True,
-                                       BLOCK)
+                                       BLOCK, DIGIT)
             keys = cand_key_ptr + row * CAND
             cols = cand_idx_ptr + row * CAND
             zero = tl.zeros([BLOCK], dtype=tl.int32)
@@ -243,22 +258,23 @@ def _topk_kernel(
             tl.debug_barrier()  # the buffer is read back by other threads of the program
             found = tl.atomic_add(counters + _CANDS, 0)
             if (found >= topk) & (found <= CAND):
-                kth, need, ties = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK)
+                kth, need, ties = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK,
+                                           DIGIT)
                 nans = _emit(keys, cols, 0, found, CAND, kth, need, ties, out, nans, topk, False,
-                             BLOCK, TOPK)
+                             BLOCK, TOPK, DIGIT)
             else:
                 from_row = True
         if from_row:
-            kth, need, ties = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK)
+            kth, need, ties = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK, DIGIT)
             nans = _emit(x, x, start, end, ncols, kth, need, ties, out, nans, topk, True, BLOCK,
-                         TOPK)
+                         TOPK, DIGIT)
     tl.store(counters + _NANS, nans)
 
 
 @triton.jit
 def _threshold_kernel(
     x_ptr, stride_row, ncols, starts_ptr, ends_ptr, lens_ptr, thr_ptr, target, cand,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, DIGIT: tl.constexpr,
 ):  # fmt: skip
     """Row r's threshold from its sample ``x[r, starts[r]:ends[r]]`` of a ``lens[r]``-key
     window: the sample's ``⌈target · n_sample / len⌉``-th best score, which about ``target``
@@ -273,7 +289,7 @@ def _threshold_kernel(
     if (n > cand) & (n_sample > 0):
         rank = tl.minimum(tl.maximum(tl.cdiv(target * n_sample, n), 1), n_sample)
         key, _, _ = _kth_key(x_ptr + row * stride_row, x_ptr, start, end, ncols, 1, rank, True,
-                             BLOCK)
+                             BLOCK, DIGIT)
         thr = key_value(key)
     tl.store(thr_ptr + row, thr)
 
@@ -281,7 +297,7 @@ def _threshold_kernel(
 @triton.jit
 def _select_candidates_kernel(
     cand_key_ptr, cand_idx_ptr, counters_ptr, lens_ptr, out_ptr, redo_ptr, topk, cand,
-    BLOCK: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK: tl.constexpr, TOPK: tl.constexpr, DIGIT: tl.constexpr,
 ):  # fmt: skip
     """Row r's exact top-k from its candidates (``counters[r, 0]`` of them, every key of the
     row at or above a threshold), or ``redo[r] = 1`` when they cannot hold it: fewer than
@@ -299,9 +315,9 @@ def _select_candidates_kernel(
         if (found >= topk) & (found <= cand):
             keys = cand_key_ptr + row * cand
             cols = cand_idx_ptr + row * cand
-            kth, need, ties = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK)
+            kth, need, ties = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK, DIGIT)
             nans = _emit(keys, cols, 0, found, cand, kth, need, ties, out, nans, topk, False,
-                         BLOCK, TOPK)
+                         BLOCK, TOPK, DIGIT)
         else:
             redo += 1
     tl.store(counters + _NANS, nans)
@@ -328,28 +344,34 @@ def launch_thresholds(sample: Tensor, starts: Tensor, ends: Tensor, lens: Tensor
         block = min(max(triton.next_power_of_2(sample.shape[1]), 256), BLOCK)
         _threshold_kernel[(R,)](
             sample, sample.stride(0), sample.shape[1], starts, ends, lens, thr,
-            int(TARGET_FACTOR * topk), cand, BLOCK=block, num_warps=max(block // 512, 1),
+            int(TARGET_FACTOR * topk), cand, BLOCK=block, DIGIT=RADIX_BITS,
+            num_warps=max(block // 512, 1),
         )  # fmt: skip
     return thr
 
 
 def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens: Tensor,
-                             topk: int) -> tuple[Tensor, Tensor, Tensor]:
+                             topk: int, out: Tensor | None = None, redo: Tensor | None = None,
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     """Top-k of each row from ``launch_mqa_candidates``' buffers: ``(indices, redo, nans)``.
 
     ``indices``: int32 ``[R, topk]`` relative to the window start, ``-1`` padded (a row with
     ``lens ≤ topk`` gives ``0 … len − 1``); valid where ``redo`` (int32 ``[R]``) is 0. ``nans``:
-    int32 ``[R]``, the NaNs among a row's candidates. ``counters``: int32 ``[R, COUNTERS]``, column 0
-    the candidate counts, the others zero.
+    int32 ``[R]``, the NaNs among a row's candidates (column 1 of ``counters``, written here).
+    ``counters``: int32 ``[R, COUNTERS]``, column 0 the candidate counts. ``out`` and ``redo``,
+    when given (contiguous, of those shapes), are written in place of new tensors: a row chunk
+    writes straight into its rows of the whole call's.
     """
     R, cand = keys.shape
     dev = keys.device
-    out = torch.empty((R, topk), dtype=torch.int32, device=dev)
-    redo = torch.empty(R, dtype=torch.int32, device=dev)
+    if out is None:
+        out = torch.empty((R, topk), dtype=torch.int32, device=dev)
+    if redo is None:
+        redo = torch.empty(R, dtype=torch.int32, device=dev)
     if R:
         _select_candidates_kernel[(R,)](
             keys, cols, counters, lens, out, redo, topk, cand, BLOCK=BLOCK,
-            TOPK=triton.next_power_of_2(topk), num_warps=NUM_WARPS,
+            TOPK=triton.next_power_of_2(topk), DIGIT=RADIX_BITS, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out, redo, counters[:, _NANS.value]
 
@@ -376,7 +398,7 @@ def launch_select(logits: Tensor, starts: Tensor, ends: Tensor, topk: int) -> tu
     _topk_kernel[(R,)](
         logits, logits.stride(0), logits.shape[1], starts, ends, out, cand_key, cand_idx, counters,
         topk, int(TARGET_FACTOR * topk), min_sample_stride(topk), CAND=cand, SAMPLE=SAMPLE,
-        BLOCK=BLOCK, TOPK=triton.next_power_of_2(topk), num_warps=NUM_WARPS,
+        BLOCK=BLOCK, TOPK=triton.next_power_of_2(topk), DIGIT=RADIX_BITS, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out, counters[:, _NANS.value]
 
