@@ -123,12 +123,15 @@ def test_candidate_select_redoes_exactly_the_rows_its_buffer_cannot_hold():
         assert out[r].tolist() == sorted(buf_cols[best].tolist()), r
 
 
-@pytest.mark.parametrize("digit", [8, 5, 3, 1])
-def test_candidate_select_at_every_radix_digit_is_the_oracles_set(monkeypatch, digit):
-    """The radix rounds at ``RADIX_BITS`` 8 (four rounds), 5 (the top 2 bits, then six of 5),
-    3 (2 + 10 · 3) and 1 (32 rounds): the same exact top-k, on scores with heavy exact ties at
-    the k-th value (the tie-column select runs) and signed zeros, in buffers of mixed fill."""
-    monkeypatch.setattr(topk_mod, "RADIX_BITS", digit)
+@pytest.mark.parametrize("block", [1024, 16])
+@pytest.mark.parametrize("digit", [8, 6, 5, 3, 1])
+def test_candidate_select_at_every_radix_digit_is_the_oracles_set(monkeypatch, digit, block):
+    """The candidate select's radix rounds at 8 bits (four rounds), 6 (the shipped: the top 2
+    bits, then five of 6), 5 (2 + 6 · 5), 3 (2 + 10 · 3) and 1 (32 rounds), over its buffer in
+    one block and in blocks of 16 slots: the same exact top-k, on scores with heavy exact ties
+    at the k-th value (the tie-column select runs) and signed zeros, in buffers of mixed fill."""
+    monkeypatch.setattr(topk_mod, "CANDIDATE_RADIX_BITS", digit)
+    monkeypatch.setattr(topk_mod, "CANDIDATE_BLOCK", block)
     k, cand, R = 6, 40, 5
     g = torch.Generator().manual_seed(17)
     scores = torch.randint(-4, 5, (R, cand), generator=g).float() / 2

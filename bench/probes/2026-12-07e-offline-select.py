@@ -1,6 +1,7 @@
 """Issue 43 (fifth session): offline sm_90 compiles (Triton 3.6, the H200's; no GPU) of the
 kernels the host-plan change added or touched: the windows kernel, the candidate kernel with its
-window split (the shipped tiles), and the candidate select at 8-bit and 5-bit radix digits —
+window split (the shipped tiles), and the candidate select at 8- to 4-bit radix digits (its
+4,096-key block as before) —
 registers, spills, and the select's SASS: all instructions, warp votes (the histogram's
 ballots), popcounts and shared-memory atomics, each round's block loop (the loops' bodies, as
 ``2026-12-04-offline-logits-loop.py`` counts them). Static counts, not times.

@@ -1,10 +1,12 @@
-"""Issue 43 (fifth session, run Y): the candidate select's radix digit on the GPU
-(`_select_candidates_kernel` at `RADIX_BITS` 8, the shipped, against 6 and 5; offline sm_90
-compiles put 5-bit rounds at 1.27x the issue of 8-bit ones but 14 shared-memory atomics a
-thread against 64, bench/probes/2026-12-07e-offline-select.py), on run O's buffers
+"""Issue 43 (fifth session, runs Y, Y3, Y4): the candidate select's block and radix digit on the
+GPU (`_select_candidates_kernel` at blocks 4,096 / 2,048 / 1,024 / 512 — run Y had the first
+two, Y3 three — and `DIGIT` 8 / 6 / 5 bits; offline sm_90 compiles put 5-bit rounds at 1.27x
+the issue of 8-bit ones over a 4,096-key block but 14 shared-memory atomics a thread against
+64, bench/probes/2026-12-07e-offline-select.py), on run O's buffers
 (`2026-12-07-select-probe.py`: 4,096 rows, 12,288 slots, 2,965-8,821 candidates a row in random
 order, keys of random float32 scores, columns distinct in [0, 131,072)); CUDA-event medians of
-20 after 3 warm-ups; each output compared with the shipped launch's. Argument: rows.
+20 after 3 warm-ups; each output compared with `launch_select_candidates`' as the tree of the
+run shipped it. Argument: rows.
 """
 import statistics
 import sys
@@ -74,7 +76,7 @@ print(f"rows {R}, slots {CAND}, candidates mean {found.float().mean():.0f}, devi
 print("| order | BLOCK | digit bits | ms | same as shipped |")
 print("|---|---|---|---|---|")
 for order, (k, c) in (("random", (keys, cols)), ("ascending", (keys_sorted, cols_sorted))):
-    for block in (tk.BLOCK, 2048):
+    for block in (tk.BLOCK, 2048, 1024, 512):
         for digit in (8, 6, 5):
             got = launch(k, c, block, digit)
             same = bool(torch.equal(got, want))

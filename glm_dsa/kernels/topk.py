@@ -9,9 +9,10 @@ nor, once sorted in the program, does the row's order (the attention over it sum
 One program per row. Scores become order-preserving uint32 keys (a float's bits with the sign
 bit set when positive, all bits flipped when negative; ``-0.0`` is first made ``+0.0``), so
 float order is integer order and the k-th best score is found exactly by a radix select:
-rounds of a ``2^RADIX_BITS``-bin histogram (four of 256 bins), each over the digit below the
-prefix fixed so far, keeping the bin where the count from the top reaches ``k``. The k-th key and how many of its ties to
-take are then exact. When fewer ties are taken than there are, a second radix select over the
+rounds of a histogram over the next digit below the prefix fixed so far (``RADIX_BITS``: four
+of 256 bins; a candidate buffer ``CANDIDATE_RADIX_BITS``: the top 2 bits, then five of 64
+bins), keeping the bin where the count from the top reaches ``k``. The k-th key and how many
+of its ties to take are then exact. When fewer ties are taken than there are, a second radix select over the
 tied keys' columns finds the highest column taken (the lowest columns win, as in the oracle's
 stable order); a last pass emits every key above the k-th and the ties up to that column.
 
@@ -48,7 +49,7 @@ from glm_dsa.validate import check_index_vector, check_ranges, need
 __all__ = ["topk_per_row", "select_rows", "launch_select", "launch_thresholds",
            "launch_select_candidates", "order_keys", "key_value", "SAMPLE", "TARGET_FACTOR",
            "CAND_FACTOR", "BLOCK", "COUNTERS", "NANS_COLUMN", "RADIX_BITS", "SAMPLE_HITS",
-           "min_sample_stride"]
+           "CANDIDATE_BLOCK", "CANDIDATE_RADIX_BITS", "min_sample_stride"]
 
 # Most keys a row's strided sample takes (held by one program across its radix rounds).
 SAMPLE = 8192
@@ -57,16 +58,24 @@ SAMPLE_HITS = 16
 # The threshold aims at this many keys per k; the candidate buffer holds CAND_FACTOR · k.
 TARGET_FACTOR = 2.5
 CAND_FACTOR = 6
-# Key bits a radix round fixes (4 rounds of 256 bins). Triton's histogram takes one warp
-# ballot per digit bit, then per lane an AND per bit and a popcount for each of its
-# ``2^bits / 32`` bins (at least one): fewer bits make a round cheaper but add rounds. Offline
-# sm_90 compiles of the candidate select (Triton 3.6, bench/probes/2026-12-07e-offline-select.py)
-# put the four 8-bit rounds at ~1,100 instructions a thread per 4,096-key block each and seven
-# 5-bit rounds at ~800 each: 1.27x the issue, for 14 shared-memory atomics against 64.
+# Key bits a radix round fixes: 8, four rounds of 256 bins, for a row or a strided sample.
+# Triton's histogram takes one warp ballot per digit bit, then per lane an AND per bit and a
+# popcount for each of its ``2^bits / 32`` bins (at least one), and merges the warps' counts by
+# shared-memory atomics, ``2^bits / 32`` a thread: fewer bits make a round cheaper but add
+# rounds (offline sm_90 compiles, bench/probes/2026-12-07e-offline-select.py: seven 5-bit rounds
+# issue ~1.27x the instructions of four 8-bit ones over a 4,096-key block, with 14 atomics
+# against 64).
 RADIX_BITS = 8
 # Columns per loop step of a program: 8 warps × 32 threads × 16 float32 (four 16-byte loads).
 BLOCK = 4096
 NUM_WARPS = 8
+# The candidate select's block and digit: its buffers hold ~2.5 topk keys (~5,000), which a
+# 4,096-key block covers in two steps, the second mostly masked lanes. On one H100 (2026-12-07,
+# run Y4, bench/probes/2026-12-07e-select-digits.py: 4,096 rows of ~5,900 candidates), ms:
+# 4,096 / 8 bits 1.12, 2,048 / 5 1.00, 1,024 / 8 0.97, 1,024 / 6 0.89, 512 / 6 0.86 (not
+# taken: 3 % for twice the loop steps).
+CANDIDATE_BLOCK = 1024
+CANDIDATE_RADIX_BITS = 6
 # Per-row int32 counters: candidates appended, NaNs read.
 _CANDS, _NANS = (tl.constexpr(i) for i in range(2))
 COUNTERS = 2
@@ -370,8 +379,8 @@ def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens:
         redo = torch.empty(R, dtype=torch.int32, device=dev)
     if R:
         _select_candidates_kernel[(R,)](
-            keys, cols, counters, lens, out, redo, topk, cand, BLOCK=BLOCK,
-            TOPK=triton.next_power_of_2(topk), DIGIT=RADIX_BITS, num_warps=NUM_WARPS,
+            keys, cols, counters, lens, out, redo, topk, cand, BLOCK=CANDIDATE_BLOCK,
+            TOPK=triton.next_power_of_2(topk), DIGIT=CANDIDATE_RADIX_BITS, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out, redo, counters[:, _NANS.value]
 
