@@ -33,6 +33,10 @@ the host between the input checks and the last launch: the call's host reads are
 and one after the launches (whether any row is redone or read a NaN; the redone rows' own loop
 and the NaN's row, named, only when one is). At 4,096 rows the reference's plan, which reads
 each chunk's span first, left the GPU idle through ~0.5 ms of host work (bench/RESULTS.md).
+The price: the sample's stride follows ``S_kv``, not the rows' span, so in a batch of more than
+``SAMPLE · min_sample_stride(topk)`` keys (1M at topk 2,048) a row whose window is much shorter
+than the batch gets fewer sampled keys than its span would have given it — a noisier threshold,
+possibly more redone rows; never another result.
 
 Memory: a launch holds its rows' sample logits (4 bytes × ≤ ``SAMPLE``), candidate buffers
 (8 bytes × ``cand``) and 36 bytes of counters, threshold, flag and windows, plus the sampled
