@@ -13,7 +13,7 @@ import triton.language as tl  # noqa: E402
 
 from glm_dsa import budget, indexer, oracle, testing  # noqa: E402
 from glm_dsa.kernels import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_topk  # noqa: E402
-from glm_dsa.kernels.mqa_logits import _window_split  # noqa: E402
+from glm_dsa.kernels.mqa_logits import _row_block_window, _window_split  # noqa: E402
 from glm_dsa.kernels.topk import COUNTERS, select_rows  # noqa: E402
 from test_kernels_direct import order_keys as _order_keys  # noqa: E402
 from test_kernels_topk import ascending  # noqa: E402
@@ -440,7 +440,8 @@ def _kernel_logits(q, w, k, k_scale, ks, ke):
 def _window_shares(ks_ptr, ke_ptr, out_ptr, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (0, p)'s ``_window_split`` tiles ``[c0, c1)`` into ``out[2p : 2p + 2]``."""
     r = tl.arange(0, BLOCK_M)
-    c0, c1 = _window_split(tl.load(ks_ptr + r), tl.load(ke_ptr + r), n_keys, BLOCK_N)
+    lo, hi = _row_block_window(tl.load(ks_ptr + r), tl.load(ke_ptr + r), n_keys)
+    c0, c1 = _window_split(lo, hi, BLOCK_N)
     tl.store(out_ptr + 2 * tl.program_id(1), c0)
     tl.store(out_ptr + 2 * tl.program_id(1) + 1, c1)
 

@@ -223,11 +223,10 @@ def _split_range(n_tiles, lo, hi, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _window_split(ks, ke, n_keys, BLOCK_N: tl.constexpr):
-    """This program's key tiles ``[c0, c1)``: those meeting its row block's windows, split
-    evenly across the grid's column splits, so that a block whose rows see a few of the keys
-    (a later request of a batch) still spreads them over every split."""
-    lo, hi = _row_block_window(ks, ke, n_keys)
+def _window_split(lo, hi, BLOCK_N: tl.constexpr):
+    """This program's key tiles ``[c0, c1)``: those meeting its row block's windows ``[lo, hi)``
+    (``_row_block_window``), split evenly across the grid's column splits, so that a block whose
+    rows see a few of the keys (a later request of a batch) still spreads them over every split."""
     t0 = lo // BLOCK_N
     t1 = tl.maximum(tl.cdiv(hi, BLOCK_N), t0)
     per_split = tl.cdiv(t1 - t0, tl.num_programs(1))
@@ -239,16 +238,15 @@ def _window_split(ks, ke, n_keys, BLOCK_N: tl.constexpr):
 def _row_block(q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H: tl.constexpr, D: tl.constexpr,
                HP: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's row block (heaviest first: causal windows grow with the row): its rows,
-    their windows, its key tiles (split ``[s0, s1)``, computed ``[c0, c1)``), queries and gates."""
+    their windows and the union ``[lo, hi)`` of them (``_row_block_window``), queries and gates."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
     ks = tl.load(ks_ptr + rows, mask=row_ok, other=0)
     ke = tl.load(ke_ptr + rows, mask=row_ok, other=0)
     lo, hi = _row_block_window(ks, ke, n_keys)
-    s0, s1, c0, c1 = _split_range(tl.cdiv(n_keys, BLOCK_N), lo, hi, BLOCK_N)
     q, w = _load_queries(q_ptr, w_ptr, rows, row_ok, H, D, HP, DP, BLOCK_M)
-    return rows, row_ok, ks, ke, s0, s1, c0, c1, q, w
+    return rows, row_ok, ks, ke, lo, hi, q, w
 
 
 @triton.jit
@@ -274,8 +272,9 @@ def _mqa_logits_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
-    rows, row_ok, ks, ke, s0, s1, c0, c1, q, w = _row_block(
+    rows, row_ok, ks, ke, lo, hi, q, w = _row_block(
         q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
+    s0, s1, c0, c1 = _split_range(tl.cdiv(n_keys, BLOCK_N), lo, hi, BLOCK_N)
     row_off = rows.to(tl.int64) * out_stride
     for t in tl.range(c0, c1):
         cols, col_ok, logits = _key_tile(k_ptr, k_scale_ptr, q, w, t, n_keys, D, DP, HP, BLOCK_M,
@@ -356,9 +355,9 @@ def _mqa_candidates_kernel(
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
     # No -inf fill here: a program's tiles are its windows' share, not a share of all keys.
-    rows, row_ok, ks, ke, _, _, _, _, q, w = _row_block(
+    rows, row_ok, ks, ke, lo, hi, q, w = _row_block(
         q_ptr, w_ptr, ks_ptr, ke_ptr, S, n_keys, H, D, HP, DP, BLOCK_M, BLOCK_N)
-    c0, c1 = _window_split(ks, ke, n_keys, BLOCK_N)
+    c0, c1 = _window_split(lo, hi, BLOCK_N)
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     cand_off = rows.to(tl.int64) * cand
     count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * _COUNTERS, (BLOCK_N, BLOCK_M))

@@ -12,9 +12,10 @@ float order is integer order and the k-th best score is found exactly by a radix
 rounds of a histogram over the next digit below the prefix fixed so far (``RADIX_BITS``: four
 of 256 bins; a candidate buffer ``CANDIDATE_RADIX_BITS``: the top 2 bits, then five of 64
 bins), keeping the bin where the count from the top reaches ``k``. The k-th key and how many
-of its ties to take are then exact. When fewer ties are taken than there are, a second radix select over the
-tied keys' columns finds the highest column taken (the lowest columns win, as in the oracle's
-stable order); a last pass emits every key above the k-th and the ties up to that column.
+of its ties to take are then exact. When fewer ties are taken than there are, a second radix
+select over the tied keys' columns finds the highest column taken (the lowest columns win, as
+in the oracle's stable order); a last pass emits every key above the k-th and the ties up to
+that column.
 
 Over a long row that select would read the row five times. Instead (about 1.1 reads):
   1. sample the keys at a fixed stride and radix-select the threshold ``T`` that about
@@ -143,7 +144,7 @@ def _radix_round(hist, prefix, need, DIGIT: tl.constexpr):
 def _kth_key(src, idx_src, first, end, ncols, stride, k, FROM_ROW: tl.constexpr,
              BLOCK: tl.constexpr, DIGIT: tl.constexpr):
     """The k-th largest key of a source (``1 ≤ k ≤`` its size), how many keys equal to it are
-    in the top k, and how many the source holds (``RADIX_BITS``: the rounds' digits)."""
+    in the top k, and how many the source holds (rounds of ``DIGIT``-bit digits)."""
     prefix = tl.zeros((), dtype=tl.uint32)
     need = k
     # Digits of DIGIT bits from bit 0 up; the first round takes the top bits left over.
