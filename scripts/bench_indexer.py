@@ -118,7 +118,7 @@ def _best_config(kernel) -> str:
 
 def _candidate_tuning() -> dict:
     """The candidate kernel's config and, where this process tuned it, each config's time
-    (ms, Triton's autotuner): every ``CANDIDATE_CONFIGS`` entry, ``STORE_LAG`` 0 and 1."""
+    (ms, Triton's autotuner): every ``CANDIDATE_CONFIGS`` entry."""
     from glm_dsa.kernels import mqa_logits
 
     timings = getattr(mqa_logits._mqa_candidates_tuned, "configs_timings", None) or {}

@@ -139,6 +139,111 @@ def test_every_config_the_tuner_may_pick_gives_the_same_logit_bits(monkeypatch, 
             assert torch.equal(keys[m, :n][order], expected), (str(c), m)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("H", [32, 64])
+def test_the_ptx_epilogue_keeps_what_tritons_atomics_and_stores_keep(monkeypatch, H):
+    """The candidate kernel's epilogue as inline PTX (``mqa_logits._PTX_EPILOGUE``, the GPU's
+    default) and as Triton's own atomics and stores, each config the tuner may pick forced in
+    turn, on a ragged batch with thresholds that keep a part of each row and a buffer too small
+    for some rows: the counts equal the logits kernel's (its entries not below the threshold)
+    in both forms, and each fitting row's kept (order key, column) set is the logits kernel's
+    entries (an overflowing row keeps whichever entries took the first slots)."""
+    from glm_dsa.kernels import mqa_logits
+    from glm_dsa.kernels.mqa_logits import launch_mqa_candidates
+
+    S, N, cand = 300, 5000, 1024
+    q, k, k_scale, w = _inputs(S, H, 128, N, seed=73)
+    ks, ke = _windows("causal", S, N, seed=73)
+    hp = 1 << (H - 1).bit_length()
+    full = fp8_mqa_logits(q, (k, k_scale), w, ks, ke)
+    # The row's ~1,200th best logit: most rows keep more than ``cand``, short rows fewer.
+    thr = torch.where(ke - ks > 1200, full.sort(dim=1, descending=True).values[:, 1200],
+                      float("-inf")).contiguous()
+    cols = torch.arange(N, device=DEV)[None, :]
+    take = (cols >= ks[:, None]) & (cols < ke[:, None]) & ~(full < thr[:, None])
+    want_n = take.sum(dim=1).to(torch.int32)
+    fits = want_n <= cand
+    assert (~fits).any() and fits.any()
+    never = torch.iinfo(torch.int64).max
+    want = torch.where(take, (_order_keys(full).long() << 32) | (cols - ks[:, None]).long(), never)
+    want = want.sort(dim=1).values[:, :cand]
+    for ptx in (False, True):
+        monkeypatch.setattr(mqa_logits, "_PTX_EPILOGUE", ptx)
+        for c in mqa_logits.one_head_order(mqa_logits._mqa_candidates_tuned.configs, {}, HP=hp):
+            monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", [c])
+            counters = torch.zeros((S, COUNTERS), dtype=torch.int32, device=DEV)
+            keys, kept = launch_mqa_candidates(q, k, k_scale, w, ks, ke, thr, counters, cand)
+            live = torch.arange(cand, device=DEV)[None, :] < counters[:, :1].clamp(max=cand)
+            pairs = torch.where(live, (keys.long() << 32) | kept.long(), never).sort(dim=1).values
+            assert torch.equal(counters[:, 0], want_n), (ptx, str(c))
+            assert torch.equal(pairs[fits], want[fits]), (ptx, str(c))
+
+
+_PTX_AOT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from glm_dsa.kernels import mqa_logits as ml
+
+PTRS = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "w_ptr": "*fp32",
+        "ks_ptr": "*i32", "ke_ptr": "*i32"}
+SIGS = {
+    "candidates": (ml._mqa_candidates_kernel, {**PTRS, "thr_ptr": "*fp32", "cand_key_ptr": "*i32",
+                   "cand_idx_ptr": "*i32", "counters_ptr": "*i32", "S": "i32", "n_keys": "i32",
+                   "size_class": "i32", "cand": "i32"}),
+}
+kind, consts = sys.argv[1], json.loads(sys.argv[2])
+warps, stages = int(sys.argv[3]), int(sys.argv[4])
+kernel, sig = SIGS[kind]
+full = {**sig, **{n: "constexpr" for n in consts}, "PTX_EPILOGUE": "constexpr"}
+order = [n for n in kernel.arg_names if n in full]
+counts = {}
+for ptx in (False, True):
+    values = {**consts, "PTX_EPILOGUE": ptx}
+    src = ASTSource(kernel, {n: full[n] for n in order},
+                    {(order.index(n),): v for n, v in values.items()},
+                    attrs={(order.index(n),): [["tt.divisibility", 16]] for n in sig
+                           if n.endswith("_ptr")})
+    text = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+    counts[str(ptx)] = {s: text.count(s) for s in ("ld.shared", "atom.relaxed.gpu.global.add.u32",
+                                                   "atom.global", "st.global.b32")}
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="the offline compile's check; the GPU runs the kernels")
+def test_the_ptx_epilogue_compiles_without_tritons_layout_conversions():
+    """sm_90 PTX of the candidate kernel at the shipped tiles, with Triton's epilogue and the PTX
+    one (a fresh interpreter without TRITON_INTERPRET, no GPU). An ``ld.shared`` outside the
+    MMA's descriptors is Triton converting values into another layout, each with a barrier of the
+    program: the PTX epilogue leaves out the two a tile (Triton 3.9 leaves none at all, 3.6 the
+    weights' before the loop), and its atomics are the epilogue's, four a thread a tile."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from glm_dsa.kernels import mqa_logits
+
+    c = mqa_logits.CANDIDATE_CONFIGS[0]
+    consts = {"H": 32, "D": 128, "HP": 32, "DP": 128, "BLOCK_Q": c["BLOCK_Q"],
+              "BLOCK_N": c["BLOCK_N"]}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PTX_AOT, "candidates", json.dumps(consts), str(c["num_warps"]),
+         str(c["num_stages"])], env=env, capture_output=True, text=True, timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    triton_form, ptx_form = counts["False"], counts["True"]
+    assert ptx_form["ld.shared"] < triton_form["ld.shared"], counts
+    assert ptx_form["st.global.b32"] > 0
+    assert ptx_form["atom.relaxed.gpu.global.add.u32"] == 4 and ptx_form["atom.global"] == 0
+    assert triton_form["atom.global"] == 4, counts  # Triton's own atomics
+
+
 def test_fp8_mqa_logits_all_rows_empty_is_all_masked():
     q, k, k_scale, w = _inputs(6, 4, 128, 50, seed=1)
     ks = torch.full((6,), 20, dtype=torch.int32, device=DEV)
@@ -492,18 +597,17 @@ CANDIDATE_WINDOWS = {"from_key_0": (200, [0, 0, 30, 0, 10, 0], [200, 150, 180, 0
 
 
 @pytest.mark.parametrize("windows", list(CANDIDATE_WINDOWS))
-@pytest.mark.parametrize("lag", [0, 1], ids=["stored_at_once", "stored_a_tile_later"])
 @pytest.mark.parametrize("splits", [False, True], ids=["one_split", "column_splits"])
 def test_candidates_are_every_kept_entry_once_with_and_without_column_splits(monkeypatch, splits,
-                                                                             lag, windows):
+                                                                             windows):
     """The candidate kernel's buffers, with one program a row block and with the columns split
-    across programs, its kept entries stored in their own tile's step or the next one's: each
-    row's count and columns are its window's entries at or above the threshold, recomputed from
-    the oracle's logits (thresholds off the scores' float32 rounding)."""
+    across programs, its kept entries stored in the next tile's step (the last tile's after the
+    loop): each row's count and columns are its window's entries at or above the threshold,
+    recomputed from the oracle's logits (thresholds off the scores' float32 rounding)."""
     from glm_dsa.kernels import mqa_logits
     from glm_dsa.kernels.mqa_logits import launch_mqa_candidates
 
-    pin_logits_configs(monkeypatch, store_lag=lag)
+    pin_logits_configs(monkeypatch)
     # No splits: the grid's target is one program per row block; splits: 64 programs.
     monkeypatch.setattr(mqa_logits, "INTERPRET_PROGRAMS", 64 if splits else 1)
     if not splits:
@@ -560,19 +664,12 @@ def _assert_exact_topk_of(out, logits, ks, ke, topk):
         assert row[chosen].min() >= row[~chosen].max(), m
 
 
-def pin_logits_configs(monkeypatch, store_lag: int | None = None):
+def pin_logits_configs(monkeypatch):
     """One config for the candidate and logits kernels, so that ``_kernel_logits`` computes
-    the tiles ``indexer_topk`` computes (the head sum's order follows the tile shape); the
-    candidate kernel's ``STORE_LAG`` set when given."""
-    import triton
-
+    the tiles ``indexer_topk`` computes (the head sum's order follows the tile shape)."""
     from glm_dsa.kernels import mqa_logits
 
-    first = mqa_logits._mqa_candidates_tuned.configs[0]
-    kwargs = dict(first.kwargs)
-    if store_lag is not None:
-        kwargs["STORE_LAG"] = store_lag
-    one = triton.Config(kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
+    one = mqa_logits._mqa_candidates_tuned.configs[0]
     monkeypatch.setattr(mqa_logits._mqa_candidates_tuned, "configs", [one])
     # The rows redone from full logits: the logits kernel with the same tiles.
     monkeypatch.setattr(mqa_logits._mqa_logits_tuned, "configs", [mqa_logits.logits_config_of(one)])

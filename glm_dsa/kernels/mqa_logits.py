@@ -15,11 +15,12 @@ Column order: Hopper's accumulator gives a thread the columns whose index bits 0
 its own registers, bits 1–2 its quad's four lanes. With ``HEAD_MAJOR_ROWS`` = 4 rows a block
 or more the columns are head-major — column ``((r_hi·HP/2 + h_hi)·4 + r_lo)·2 + h_lo`` holds
 row ``4·r_hi + r_lo``'s head ``2·h_hi + h_lo``: the lane bits pick rows, a row's heads all lie in
-one thread's registers, and the head sum is a run of FMAs in the order of those registers
-(the same at every head-major block) with no shuffles, its logit held by one thread (row-major, ``r·HP + h``, the quad's lanes split a row's heads: two
-shuffle rounds, and each logit held four times over, so the epilogue after the sum ran four
-times; offline sm_90 compiles at H = 32: the candidate loop 679 → 499 instructions a thread a key
-tile, the logits loop 489 → 400 at ``BLOCK_Q`` 256 and 553 → 466 at 128). Smaller blocks stay
+one thread's registers, and the head sum is a run of explicit FMAs (``_gated_sum``) in the order
+of those registers (the same at every head-major block) with no shuffles, its logit held by one
+thread (row-major, ``r·HP + h``, the quad's lanes split a row's heads: two shuffle rounds, and
+each logit held four times over, so the epilogue after the sum ran four times; offline sm_90
+compiles at H = 32: the candidate loop 679 → 499 instructions a thread a key tile, the logits
+loop 489 → 400 at ``BLOCK_Q`` 256 and 553 → 466 at 128). Smaller blocks stay
 row-major, and ``one_head_order`` keeps the tuner to configs of one order for a head count, so
 that a (row, key) gets the same bits whichever config runs (docs/determinism.md).
 
@@ -30,6 +31,16 @@ launched heaviest-first (causal rows are longer the later they are) and the colu
 only when there are too few row blocks to fill the GPU. The logits kernel splits all the keys
 (each split fills its own columns); the candidate kernel, which fills nothing, splits only the
 tiles that meet its row block's windows.
+
+The candidate kernel's stores and atomics: on NVIDIA GPUs inline PTX (``PTX_EPILOGUE``), on the
+tile's MMA layout. Triton gives every memory op on a tensor of pointers a coalescing layout of
+its own and converts the values into it through shared memory, with a barrier of the program
+each time: the candidate kernel converted twice a key tile (the kept mask before its atomics,
+the slots and keys before its stores), so every warp waited at each tile for the slowest warp's
+atomic round trip. The interpreter takes Triton's ops (the same entries; a CUDA test compares
+both forms). The logits kernels keep Triton's stores: their tiles' logits are dense rows, which
+the coalescing layout writes in fewer requests (the PTX form ran 1.04× slower at 128 × 128 tiles,
+run Z3).
 
 On sm_90, ``glm_dsa.kernels.mqa_logits_gluon`` is a warp-specialized Gluon form of the logits and
 candidate kernels (same contracts); it is not dispatched from here: measured on one H200 it ran
@@ -92,22 +103,20 @@ CONFIGS = [
 # a few seconds of first-call tuning per shape class at this size). 128 × 128 with 4 warps, the
 # logits kernel's pick at 4,096 × 131,072: 8.3 ms against 5.4 there, 321 against 271 ms at
 # 32,768 × 1M (H100, 2026-12-07, run T), and its keys not the logits kernel's bits: dropped.
-# ``STORE_LAG`` 1 stores a tile's kept entries one tile later (both lags are tuned, the faster
-# kept per shape class; on one H100, run T: lag 1 at 4K × 131K and 32K × 1M, lag 0 at the other
-# four frontier shapes, within 1-3 % of each other). Its slots are still read (``tl.where``) in
-# their own tile: reading them only at the lagged stores was timed no faster (run S).
+# A tile's kept entries are stored one tile later, so that the slot atomics' round trip runs
+# under the next tile's MMA. With Triton's own atomics and stores that bought nothing (run T:
+# within 1-3 % of storing at once, both tuned), because each tile's layout conversions made the
+# whole program wait for every warp's atomics; with the PTX epilogue it takes 11-16 % off the
+# kernel at the shipped tiles (H100, 2026-12-07, run Z3: 4,096 × 131,072 5.42 → 4.56 ms,
+# 16,384 × 131,072 19.68 → 18.35, 4,096 × 1M 41.68 → 38.16), and storing at once was dropped.
 CANDIDATE_CONFIGS = [
-    {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4, "STORE_LAG": lag}
-    for lag in (0, 1)
-] + [
-    {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "STORE_LAG": lag}
-    for lag in (0, 1)
+    {"BLOCK_Q": 256, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI tests) runs programs one after another
 # in numpy: one config, small tiles so that masking and splits are exercised at small shapes.
 INTERPRET_CONFIGS = [{"BLOCK_Q": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
-# The candidate kernel's on the interpreter: the lagged stores (tests run both lags).
-INTERPRET_CANDIDATE_CONFIGS = [{**INTERPRET_CONFIGS[0], "STORE_LAG": 1}]
+INTERPRET_CANDIDATE_CONFIGS = INTERPRET_CONFIGS
 # Column splits are added until there are about this many programs per SM.
 PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; this many programs make small tests split their columns.
@@ -119,6 +128,10 @@ HEAD_MAJOR_ROWS = 4
 _HEAD_MAJOR_ROWS = tl.constexpr(HEAD_MAJOR_ROWS)
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# The candidate kernel's stores and atomics as inline PTX on NVIDIA GPUs (``_store_candidates``);
+# the interpreter (and ROCm) take Triton's own.
+_PTX_EPILOGUE = not _INTERPRET and torch.version.hip is None
+_INTERPRETED = tl.constexpr(_INTERPRET)
 
 
 def _configs(table: list[dict], interpret_table: list[dict]) -> list[triton.Config]:
@@ -188,16 +201,34 @@ def _load_queries(q_ptr, w_ptr, rows, row_ok, H: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
+def _gated_sum(acc, acc_gate, relu, gate):
+    """The head sum's step: ``acc · acc_gate + relu · gate`` as one explicit fma, and gate 1
+    for the partial sum. A head's ``(relu, gate)`` pair enters unmultiplied, so the first step
+    is ``fma(relu₁, gate₁, relu₀ · gate₀)`` and every later one ``fma(reluᵢ, gateᵢ, acc)``
+    (``acc · 1`` folds). With ``tl.sum`` of the products LLVM fused one of the first two products
+    into the first add, and which one followed the code around the sum: the candidate kernel
+    with the PTX epilogue took the other product than the logits kernel for some rows, and
+    their logits differed by an ULP (run Z2, bench/RESULTS.md)."""
+    return tl.fma(relu, gate, acc * acc_gate), tl.full(acc.shape, 1.0, acc.dtype)
+
+
+@triton.jit
 def _tile_logits(k, k_scale, q, w, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  HP: tl.constexpr):
     """``[BLOCK_N, BLOCK_M]``: ``k_scale · Σ_h w · relu(k · q_h)`` for one key tile, the heads
-    summed in one order whatever the tile (module docstring)."""
-    s = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M·HP] fp32
-    s = tl.maximum(s, 0.0) * w[None, :]
+    summed in one order whatever the tile or the kernel (module docstring)."""
+    s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0)  # [BLOCK_N, BLOCK_M·HP] fp32
+    g = tl.broadcast_to(w[None, :], s.shape)
     if (BLOCK_M >= _HEAD_MAJOR_ROWS) & (HP >= 2):
-        s = tl.reshape(s, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2))
-        s = tl.permute(s, (0, 1, 3, 2, 4))
-    return tl.sum(tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), axis=2) * k_scale[:, None]
+        s = tl.permute(tl.reshape(s, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2)), (0, 1, 3, 2, 4))
+        g = tl.permute(tl.reshape(g, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2)), (0, 1, 3, 2, 4))
+    s, g = tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), tl.reshape(g, (BLOCK_N, BLOCK_M, HP))
+    if _INTERPRETED:
+        # numpy sums in its own order, and a combine function runs element by element there.
+        return tl.sum(s * g, axis=2) * k_scale[:, None]
+    total, gate = tl.reduce((s, g), 2, _gated_sum)
+    # One head: the reduction returns its pair unmultiplied; more: gate 1, which folds.
+    return total * gate * k_scale[:, None]
 
 
 @triton.jit
@@ -342,7 +373,7 @@ def _mqa_candidates_kernel(
     q_ptr, k_ptr, k_scale_ptr, w_ptr, ks_ptr, ke_ptr, thr_ptr, cand_key_ptr, cand_idx_ptr,
     counters_ptr, S, n_keys, size_class, cand,
     H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LAG: tl.constexpr,
+    PTX_EPILOGUE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``_mqa_logits_kernel``'s logits, kept only where they reach the row's threshold.
 
@@ -350,8 +381,8 @@ def _mqa_candidates_kernel(
     to row i's candidate buffer of ``cand`` slots (its order key as int32 bits and
     ``j − ks[i]``) at a slot taken from ``counters[i, 0]`` by an atomic add. Entries past
     ``cand`` are counted but not written, so the count tells the caller the buffer overflowed.
-    Nothing else is stored: the logits never reach memory. ``STORE_LAG`` (0 or 1): the key
-    tiles between an entry's atomic and its stores; the buffers' contents do not depend on it.
+    Nothing else is stored: the logits never reach memory. A tile's kept entries are stored in
+    the next tile's step, after its MMA is issued (``CANDIDATE_CONFIGS``).
     """
     BLOCK_M: tl.constexpr = max(BLOCK_Q // HP, 1)
     # No -inf fill here: a program's tiles are its windows' share, not a share of all keys.
@@ -361,8 +392,8 @@ def _mqa_candidates_kernel(
     thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0)
     cand_off = rows.to(tl.int64) * cand
     count_ptrs = counters_ptr + tl.broadcast_to(rows[None, :] * _COUNTERS, (BLOCK_N, BLOCK_M))
-    # The previous tile's kept entries, their slots still in flight (STORE_LAG 1): ``cand`` in
-    # the slot of an entry not kept, so that one int32 tile carries both.
+    # The previous tile's kept entries, their slots still in flight: ``cand`` in the slot of an
+    # entry not kept, so that one int32 tile carries both.
     held_slot = tl.full((BLOCK_N, BLOCK_M), cand, dtype=tl.int32)
     held_key = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for t in tl.range(c0, c1):
@@ -371,30 +402,55 @@ def _mqa_candidates_kernel(
         inside = (cols[:, None] >= ks[None, :]) & (cols[:, None] < ke[None, :])
         take = inside & ~(logits < thr[None, :])  # [BLOCK_N, BLOCK_M]
         key = order_keys(logits).to(tl.int32, bitcast=True)
-        if STORE_LAG == 1:
-            # Written after this tile's MMA: the slots came back while it ran.
-            _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, held_slot, held_key,
-                              cols[:, None] - BLOCK_N - ks[None, :])
-        # One atomic per kept entry, none for the rest: no reduction across warps per tile.
-        slot = tl.where(take, tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed"), cand)
-        if STORE_LAG == 1:
-            held_slot, held_key = slot, key
-        else:
-            _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key,
-                              cols[:, None] - ks[None, :])
-    if STORE_LAG == 1:
+        # Written after this tile's MMA: the slots came back while it ran.
         _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, held_slot, held_key,
-                          c1 * BLOCK_N - BLOCK_N + tl.arange(0, BLOCK_N)[:, None] - ks[None, :])
+                          cols[:, None] - BLOCK_N - ks[None, :], PTX_EPILOGUE)
+        # One atomic per kept entry, none for the rest: no reduction across warps per tile.
+        held_slot, held_key = _take_slots(count_ptrs, take, cand, PTX_EPILOGUE), key
+    _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, held_slot, held_key,
+                      c1 * BLOCK_N - BLOCK_N + tl.arange(0, BLOCK_N)[:, None] - ks[None, :],
+                      PTX_EPILOGUE)
 
 
 @triton.jit
-def _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key, col):
+def _take_slots(count_ptrs, take, cand, PTX_EPILOGUE: tl.constexpr):
+    """Each kept entry's slot, an atomic add on its row's counter; ``cand`` where not kept
+    (``[BLOCK_N, BLOCK_M]``). ``PTX_EPILOGUE``: the atomic as inline PTX in the tile's own
+    layout (below)."""
+    if PTX_EPILOGUE:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; mov.u32 $0, $3; "
+            "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }",
+            "=r,l,r,r", [count_ptrs, take.to(tl.int32), tl.full(take.shape, cand, tl.int32)],
+            dtype=tl.int32, is_pure=False, pack=1)
+    return tl.where(take, tl.atomic_add(count_ptrs, 1, mask=take, sem="relaxed"), cand)
+
+
+@triton.jit
+def _store_candidates(cand_key_ptr, cand_idx_ptr, cand_off, cand, slot, key, col,
+                      PTX_EPILOGUE: tl.constexpr):
     """A tile's kept entries into their rows' buffers at ``slot`` (``[BLOCK_N, BLOCK_M]``;
-    ``cand`` or more: not kept, or past the buffer's slots, counted but dropped)."""
-    ok = slot < cand
+    ``cand`` or more: not kept, or past the buffer's slots, counted but dropped).
+
+    ``PTX_EPILOGUE``: the stores as inline PTX. Triton gives the pointers of each load, store
+    or atomic a coalescing layout of its own and converts the values into it through shared
+    memory, with a barrier of the whole program each time; a tile's candidates are a few
+    scattered entries, which no layout coalesces, so the PTX stores (and ``_take_slots``'s
+    atomic) stay in the MMA's layout and each warp goes on at its own pace.
+    """
     at = cand_off[None, :] + slot
-    tl.store(cand_key_ptr + at, key, mask=ok)
-    tl.store(cand_idx_ptr + at, col, mask=ok)
+    if PTX_EPILOGUE:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.lt.s32 p, $1, $2; @p st.global.b32 [$3], $4; "
+            "@p st.global.b32 [$5], $6; mov.u32 $0, 0; }",
+            "=r,r,r,l,r,l,r",
+            [slot, tl.full(slot.shape, cand, tl.int32), cand_key_ptr + at, key, cand_idx_ptr + at,
+             col],
+            dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        ok = slot < cand
+        tl.store(cand_key_ptr + at, key, mask=ok)
+        tl.store(cand_idx_ptr + at, col, mask=ok)
 
 
 def one_head_order(configs, named_args, **kwargs):
@@ -534,7 +590,7 @@ def launch_mqa_candidates(
     _mqa_candidates_tuned[grid](
         q_fp8.contiguous(), k_fp8.contiguous(), k_scale.contiguous(), weights.contiguous(),
         ks, ke, thresholds, keys, cols, counters, S, n_keys, _size_class(S, n_keys), cand,
-        H=H, D=D, HP=_pow2(H), DP=_pow2(max(D, 32)),
+        H=H, D=D, HP=_pow2(H), DP=_pow2(max(D, 32)), PTX_EPILOGUE=_PTX_EPILOGUE,
     )  # fmt: skip
     return keys, cols
 
