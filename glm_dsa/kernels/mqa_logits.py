@@ -77,7 +77,7 @@ from glm_dsa.validate import (
 _COUNTERS = tl.constexpr(COUNTERS)
 
 __all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "launch_mqa_candidates", "CONFIGS",
-           "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS", "INTERPRET_CANDIDATE_CONFIGS",
+           "CANDIDATE_CONFIGS", "INTERPRET_CONFIGS",
            "logits_config_of", "one_head_order", "HEAD_MAJOR_ROWS"]
 
 # Autotune space, tuned for the GLM-5.3 indexer on one H200 (H = 32, D = 128, 4K–32K query rows
@@ -114,9 +114,9 @@ CANDIDATE_CONFIGS = [
     {"BLOCK_Q": 256, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
 # Triton's CPU interpreter (TRITON_INTERPRET=1, the CI tests) runs programs one after another
-# in numpy: one config, small tiles so that masking and splits are exercised at small shapes.
+# in numpy: one config (the candidate kernel's too), small tiles so that masking and splits are
+# exercised at small shapes.
 INTERPRET_CONFIGS = [{"BLOCK_Q": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]
-INTERPRET_CANDIDATE_CONFIGS = INTERPRET_CONFIGS
 # Column splits are added until there are about this many programs per SM.
 PROGRAMS_PER_SM = 2
 # The interpreter has no SMs; this many programs make small tests split their columns.
@@ -213,16 +213,22 @@ def _gated_sum(acc, acc_gate, relu, gate):
 
 
 @triton.jit
+def _rows_by_heads(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HP: tl.constexpr):
+    """A tile's ``[BLOCK_N, BLOCK_M·HP]`` MMA columns as ``[BLOCK_N, BLOCK_M, HP]`` (row, head),
+    undoing the head-major column order (module docstring)."""
+    if (BLOCK_M >= _HEAD_MAJOR_ROWS) & (HP >= 2):
+        x = tl.permute(tl.reshape(x, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2)), (0, 1, 3, 2, 4))
+    return tl.reshape(x, (BLOCK_N, BLOCK_M, HP))
+
+
+@triton.jit
 def _tile_logits(k, k_scale, q, w, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                  HP: tl.constexpr):
     """``[BLOCK_N, BLOCK_M]``: ``k_scale · Σ_h w · relu(k · q_h)`` for one key tile, the heads
     summed in one order whatever the tile or the kernel (module docstring)."""
     s = tl.maximum(tl.dot(k, tl.trans(q)), 0.0)  # [BLOCK_N, BLOCK_M·HP] fp32
-    g = tl.broadcast_to(w[None, :], s.shape)
-    if (BLOCK_M >= _HEAD_MAJOR_ROWS) & (HP >= 2):
-        s = tl.permute(tl.reshape(s, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2)), (0, 1, 3, 2, 4))
-        g = tl.permute(tl.reshape(g, (BLOCK_N, BLOCK_M // 4, HP // 2, 4, 2)), (0, 1, 3, 2, 4))
-    s, g = tl.reshape(s, (BLOCK_N, BLOCK_M, HP)), tl.reshape(g, (BLOCK_N, BLOCK_M, HP))
+    s = _rows_by_heads(s, BLOCK_N, BLOCK_M, HP)
+    g = _rows_by_heads(tl.broadcast_to(w[None, :], (BLOCK_N, BLOCK_M * HP)), BLOCK_N, BLOCK_M, HP)
     if _INTERPRETED:
         # numpy sums in its own order, and a combine function runs element by element there.
         return tl.sum(s * g, axis=2) * k_scale[:, None]
@@ -473,7 +479,7 @@ _paged_mqa_logits_tuned = triton.autotune(configs=_configs(CONFIGS, INTERPRET_CO
     _paged_mqa_logits_kernel)
 # Tuning runs the kernel several times: its slot counters are zeroed before each run.
 _mqa_candidates_tuned = triton.autotune(
-    configs=_configs(CANDIDATE_CONFIGS, INTERPRET_CANDIDATE_CONFIGS), key=_KEY,
+    configs=_configs(CANDIDATE_CONFIGS, INTERPRET_CONFIGS), key=_KEY,
     prune_configs_by=_PRUNE, reset_to_zero=["counters_ptr"], cache_results=True,
 )(_mqa_candidates_kernel)
 
