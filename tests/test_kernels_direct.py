@@ -3,9 +3,9 @@ hands it, against the torch computation it replaces (bitwise where the claim is 
 
 Under Triton's interpreter on the CPU (tests/conftest.py): the top-k select's candidate stage
 (which rows it must redo, NaN among candidates, a window at the buffer's edges), the threshold
-kernel, the row select on strided / non-contiguous logits with NaN counted per row, the
-indexer's redo of a row that holds NaN, the launch buffers, the packed top-k of the MoE's CUDA
-route, and the fused passes of ``glm_dsa.fused`` taken through the model's functions with
+kernel, the sort of a candidate row's picks, the row select on strided / non-contiguous logits
+with NaN counted per row, the indexer's redo of a row that holds NaN, the launch buffers, the
+packed top-k of the MoE's CUDA route, and the fused passes of ``glm_dsa.fused`` taken through the model's functions with
 ``TritonOnCuda("cpu")`` (the decisions the model makes on CUDA, run here).
 """
 
@@ -121,6 +121,28 @@ def test_candidate_select_redoes_exactly_the_rows_its_buffer_cannot_hold():
         buf_cols = cols[r, :n]
         best = ascending_oracle(buf_scores[None], k)[0]
         assert out[r].tolist() == sorted(buf_cols[best].tolist()), r
+
+
+@pytest.mark.parametrize("warps", [1, 4])
+@pytest.mark.parametrize("topk", [37, 64])
+def test_the_row_sort_orders_long_rows_and_leaves_short_rows(warps, topk):
+    """``_sort_rows_kernel`` called directly: rows of more than ``topk`` keys (shuffled,
+    reversed, already ascending, columns up to 2^20) come back as ``sorted`` orders them; a row
+    of ``≤ topk`` keys (its prefix, then ``-1``) is left as it is, bitwise; a power-of-two and an
+    odd ``topk`` (masked slots past it)."""
+    import triton
+
+    g = torch.Generator().manual_seed(topk)
+    rows = [torch.randperm(1 << 20, generator=g)[:topk].to(torch.int32) for _ in range(3)]
+    rows[1] = rows[1].sort(descending=True).values
+    rows[2] = rows[2].sort().values
+    short = torch.tensor(list(range(topk - 5)) + [-1] * 5, dtype=torch.int32)
+    out = torch.stack(rows + [short]).to(DEV)
+    lens = torch.tensor([topk + 1, 5 * topk, topk + 1, topk - 5], dtype=torch.int32, device=DEV)
+    expected = [sorted(r.tolist()) for r in rows] + [short.tolist()]
+    topk_mod._sort_rows_kernel[(4,)](out, lens, topk, TOPK=triton.next_power_of_2(topk),
+                                     num_warps=warps)
+    assert out.cpu().tolist() == expected
 
 
 @pytest.mark.parametrize("block", [1024, 16])

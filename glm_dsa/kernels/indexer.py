@@ -19,7 +19,8 @@ logits of a row never reach memory. Per launch:
 3. **candidates**: the logits kernel over every key, its epilogue appending the entries not
    below the row's threshold (NaN included) to a per-row buffer of
    ``cand = min(CAND_FACTOR · topk, S_kv)`` slots;
-4. **select**: the radix select of ``glm_dsa.kernels.topk`` on each row's candidates.
+4. **select**: the radix select of ``glm_dsa.kernels.topk`` on each row's candidates, then
+   each row's picks sorted by a kernel of its own (one warp a row).
 
 The candidates are every key of the row at or above its threshold, so when there are at least
 ``topk`` of them they hold every key scoring at or above the k-th best, and the select is an

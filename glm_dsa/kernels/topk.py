@@ -77,6 +77,13 @@ NUM_WARPS = 8
 # taken: 3 % for twice the loop steps).
 CANDIDATE_BLOCK = 1024
 CANDIDATE_RADIX_BITS = 6
+# Warps of the program that sorts a candidate row's picked columns (``_sort_rows_kernel``).
+# Inside the select's 8-warp program the sort's bitonic network crossed warps through shared
+# memory, with a barrier a step: 0.34 of the select's 1.12 ms at 4,096 rows (run O). Offline
+# sm_90 compiles of the sort of 2,048 columns (Triton 3.6): one warp issues 13.8K warp
+# instructions a row with no barrier and no spill; 2 / 4 / 8 warps 17.7K / 21.5K / 25.2K with
+# 17 / 32 / 44 barriers (bench/probes/2026-12-07g-select-sort.py times them on a GPU).
+SORT_WARPS = 1
 # Per-row int32 counters: candidates appended, NaNs read.
 _CANDS, _NANS = (tl.constexpr(i) for i in range(2))
 COUNTERS = 2
@@ -187,10 +194,11 @@ def _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW: tl.co
 
 @triton.jit
 def _emit(src, idx_src, first, end, ncols, kth, need, ties, out, nans, topk,
-          FROM_ROW: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr, DIGIT: tl.constexpr):
+          FROM_ROW: tl.constexpr, BLOCK: tl.constexpr, TOPK: tl.constexpr, DIGIT: tl.constexpr,
+          SORT: tl.constexpr):
     """Write every column whose key is above ``kth``, and the ``need`` lowest of the ``ties``
-    columns whose key equals it, in ascending column order (``TOPK``: ``topk`` rounded up to a
-    power of two)."""
+    columns whose key equals it: in ascending column order (``TOPK``: ``topk`` rounded up to a
+    power of two), or with ``SORT`` off in the source's order, for ``_sort_rows_kernel``."""
     last_tie = tl.full((), 0x7FFFFFFF, tl.int32)
     if need < ties:
         last_tie = _last_tie_column(src, idx_src, first, end, ncols, kth, need, FROM_ROW, BLOCK,
@@ -204,16 +212,17 @@ def _emit(src, idx_src, first, end, ncols, kth, need, ties, out, nans, topk,
         # Slots by a prefix sum, in the source's order: no atomics on one counter per row.
         tl.store(out + emitted + tl.cumsum(take, 0) - take, idx, mask=take != 0)
         emitted += tl.sum(take, 0)
-    # A row is read in ascending column order and so written; a candidate buffer is in the
-    # order the atomics that filled it ran, which differs run to run: sorted, the row is the
-    # same bits every run, and so is the attention summed over it.
-    tl.debug_barrier()
-    col = tl.arange(0, TOPK)
-    picked = tl.load(out + col, mask=col < topk, other=0x7FFFFFFF)
-    before = tl.load(out + col - 1, mask=(col >= 1) & (col < topk), other=-1)
-    if tl.sum((picked < before).to(tl.int32), 0) > 0:
+    if SORT:
+        # A row is read in ascending column order and so written; a candidate buffer is in the
+        # order the atomics that filled it ran, which differs run to run: sorted, the row is
+        # the same bits every run, and so is the attention summed over it.
         tl.debug_barrier()
-        tl.store(out + col, tl.sort(picked), mask=col < topk)
+        col = tl.arange(0, TOPK)
+        picked = tl.load(out + col, mask=col < topk, other=0x7FFFFFFF)
+        before = tl.load(out + col - 1, mask=(col >= 1) & (col < topk), other=-1)
+        if tl.sum((picked < before).to(tl.int32), 0) > 0:
+            tl.debug_barrier()
+            tl.store(out + col, tl.sort(picked), mask=col < topk)
     return nans
 
 
@@ -271,13 +280,13 @@ def _topk_kernel(
                 kth, need, ties = _kth_key(keys, cols, 0, found, CAND, 1, topk, False, BLOCK,
                                            DIGIT)
                 nans = _emit(keys, cols, 0, found, CAND, kth, need, ties, out, nans, topk, False,
-                             BLOCK, TOPK, DIGIT)
+                             BLOCK, TOPK, DIGIT, True)
             else:
                 from_row = True
         if from_row:
             kth, need, ties = _kth_key(x, x, start, end, ncols, 1, topk, True, BLOCK, DIGIT)
             nans = _emit(x, x, start, end, ncols, kth, need, ties, out, nans, topk, True, BLOCK,
-                         TOPK, DIGIT)
+                         TOPK, DIGIT, True)
     tl.store(counters + _NANS, nans)
 
 
@@ -327,11 +336,24 @@ def _select_candidates_kernel(
             cols = cand_idx_ptr + row * cand
             kth, need, ties = _kth_key(keys, cols, 0, found, cand, 1, topk, False, BLOCK, DIGIT)
             nans = _emit(keys, cols, 0, found, cand, kth, need, ties, out, nans, topk, False,
-                         BLOCK, TOPK, DIGIT)
+                         BLOCK, TOPK, DIGIT, False)
         else:
             redo += 1
     tl.store(counters + _NANS, nans)
     tl.store(redo_ptr + row, redo)
+
+
+@triton.jit
+def _sort_rows_kernel(out_ptr, lens_ptr, topk, TOPK: tl.constexpr):
+    """Row r's ``topk`` columns in ascending order, for a row of more than ``topk`` keys (a
+    shorter row holds ``0 … len − 1`` then ``-1``, already in order; a row the select flagged
+    for redoing is sorted too, and overwritten after)."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(lens_ptr + row) > topk:
+        col = tl.arange(0, TOPK)
+        out = out_ptr + row * topk + col
+        picked = tl.load(out, mask=col < topk, other=0x7FFFFFFF)
+        tl.store(out, tl.sort(picked), mask=col < topk)
 
 
 def min_sample_stride(topk: int) -> int:
@@ -365,8 +387,10 @@ def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens:
                              ) -> tuple[Tensor, Tensor, Tensor]:
     """Top-k of each row from ``launch_mqa_candidates``' buffers: ``(indices, redo, nans)``.
 
-    ``indices``: int32 ``[R, topk]`` relative to the window start, ``-1`` padded (a row with
-    ``lens ≤ topk`` gives ``0 … len − 1``); valid where ``redo`` (int32 ``[R]``) is 0. ``nans``:
+    ``indices``: int32 ``[R, topk]`` relative to the window start, ascending, ``-1`` padded (a
+    row with ``lens ≤ topk`` gives ``0 … len − 1``); valid where ``redo`` (int32 ``[R]``) is 0.
+    Two launches: the select writes a row's picks in its buffer's order, ``_sort_rows_kernel``
+    sorts them in a program of ``SORT_WARPS`` warps. ``nans``:
     int32 ``[R]``, the NaNs among a row's candidates (column 1 of ``counters``, written here).
     ``counters``: int32 ``[R, COUNTERS]``, column 0 the candidate counts. ``out`` and ``redo``,
     when given (contiguous, of those shapes), are written in place of new tensors: a row chunk
@@ -383,6 +407,8 @@ def launch_select_candidates(keys: Tensor, cols: Tensor, counters: Tensor, lens:
             keys, cols, counters, lens, out, redo, topk, cand, BLOCK=CANDIDATE_BLOCK,
             TOPK=triton.next_power_of_2(topk), DIGIT=CANDIDATE_RADIX_BITS, num_warps=NUM_WARPS,
         )  # fmt: skip
+        _sort_rows_kernel[(R,)](out, lens, topk, TOPK=triton.next_power_of_2(topk),
+                                num_warps=SORT_WARPS)
     return out, redo, counters[:, _NANS.value]
 
 
