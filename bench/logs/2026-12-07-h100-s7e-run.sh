@@ -4,7 +4,8 @@
 # session's last device time: the CUDA tests of the indexer, the direct kernel entries and the
 # top-k on the tree with the candidate kernel's int32 slot indices, the key loads clamped to the
 # last key instead of masked (both now in
-# bench/probes/2026-12-07-candidate-trials/run-s7e-int32-slots-clamped-loads.patch, reverted
+# bench/probes/2026-12-07-candidate-trials/run-s7e-int32-slots.patch and
+# bench/probes/2026-12-07-candidate-trials/run-s7e-clamped-loads.patch, reverted
 # after this run) and the candidate select's sort as its own kernel (kept); then the raw kernels
 # against 9135a69's at 4,096 x 131,072 (bench/probes/2026-12-07g-int32-slots-clamped-loads.py,
 # the old module carried in .oldtree). Logs: $OUT/s7e-logs.tgz.
