@@ -57,17 +57,19 @@ def thresholds(q, w, k, k_scale, ks, ke):
     return starts, ends, lens, tk.launch_thresholds(sample, s_starts, s_ends, lens, TOPK, cand)
 
 
-def candidates(q, w, k, k_scale, starts, ends, thr, tiles, ptx):
+def candidates(q, w, k, k_scale, starts, ends, thr, tiles, ptx, module=ml):
+    """One launch of ``module``'s candidate kernel (this tree's unless another is given)."""
     bq, bn, warps, stages = tiles
     S, H, D = q.shape
     cand = tk.CAND_FACTOR * TOPK
     counters = torch.zeros((S, tk.COUNTERS), dtype=torch.int32, device=q.device)
     keys = torch.empty((S, cand), dtype=torch.int32, device=q.device)
     cols = torch.empty((S, cand), dtype=torch.int32, device=q.device)
-    grid = ml._grid(lambda bm: triton.cdiv(S, bm), lambda b: triton.cdiv(k.shape[0], b), q.device)
-    ml._mqa_candidates_kernel[grid](
+    grid = module._grid(lambda bm: triton.cdiv(S, bm), lambda b: triton.cdiv(k.shape[0], b),
+                        q.device)
+    module._mqa_candidates_kernel[grid](
         q, k, k_scale, w, starts, ends, thr, keys, cols, counters, S, k.shape[0], 0, cand,
-        H=H, D=D, HP=ml._pow2(H), DP=ml._pow2(max(D, 32)), PTX_EPILOGUE=ptx, BLOCK_Q=bq,
+        H=H, D=D, HP=module._pow2(H), DP=module._pow2(max(D, 32)), PTX_EPILOGUE=ptx, BLOCK_Q=bq,
         BLOCK_N=bn, num_warps=warps, num_stages=stages)
     return keys, cols, counters
 

@@ -35,11 +35,10 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_indexer import TOPK, _inputs  # noqa: E402
+from bench_indexer import _inputs  # noqa: E402
 from benchlib import median_seconds  # noqa: E402
 
 from glm_dsa.kernels import mqa_logits as new  # noqa: E402
-from glm_dsa.kernels import topk as tk  # noqa: E402
 
 _ptx = importlib.import_module("2026-12-07f-ptx-epilogue")
 thresholds, kept_sets = _ptx.thresholds, _ptx.kept_sets
@@ -67,18 +66,7 @@ def abba_ms(old_fn, new_fn):
 
 
 def candidates(ml, q, w, k, k_scale, starts, ends, thr):
-    bq, bn, warps, stages = CAND_TILES
-    S, H, D = q.shape
-    cand = tk.CAND_FACTOR * TOPK
-    counters = torch.zeros((S, tk.COUNTERS), dtype=torch.int32, device=q.device)
-    keys = torch.empty((S, cand), dtype=torch.int32, device=q.device)
-    cols = torch.empty((S, cand), dtype=torch.int32, device=q.device)
-    grid = ml._grid(lambda bm: triton.cdiv(S, bm), lambda b: triton.cdiv(k.shape[0], b), q.device)
-    ml._mqa_candidates_kernel[grid](
-        q, k, k_scale, w, starts, ends, thr, keys, cols, counters, S, k.shape[0], 0, cand,
-        H=H, D=D, HP=ml._pow2(H), DP=ml._pow2(max(D, 32)), PTX_EPILOGUE=True, BLOCK_Q=bq,
-        BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    return keys, cols, counters
+    return _ptx.candidates(q, w, k, k_scale, starts, ends, thr, CAND_TILES, True, module=ml)
 
 
 def logits(ml, q, w, k, k_scale, ks, ke, tiles):
