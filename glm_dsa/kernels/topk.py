@@ -82,7 +82,9 @@ CANDIDATE_RADIX_BITS = 6
 # memory, with a barrier a step: 0.34 of the select's 1.12 ms at 4,096 rows (run O). Offline
 # sm_90 compiles of the sort of 2,048 columns (Triton 3.6): one warp issues 13.8K warp
 # instructions a row with no barrier and no spill; 2 / 4 / 8 warps 17.7K / 21.5K / 25.2K with
-# 17 / 32 / 44 barriers (bench/probes/2026-12-07g-select-sort.py times them on a GPU).
+# 17 / 32 / 44 barriers. On an H100 (run S8a, bench/probes/2026-12-07g-select-sort.py, 4,096 x
+# 131,072) the select with its sort: 0.807 ms at 1 warp, 0.930 / 1.239 / 0.970 at 2 / 4 / 8,
+# 0.915 with the sort inside the select's program.
 SORT_WARPS = 1
 # Per-row int32 counters: candidates appended, NaNs read.
 _CANDS, _NANS = (tl.constexpr(i) for i in range(2))
