@@ -393,7 +393,7 @@ def part_frontier(S: int, N: int, topk: int, deep_gemm) -> dict:
     (2·H·D each); ``rate_vs_deepgemm_logits`` and ``speedup_vs_composition`` above 1 favour
     ``indexer_topk``. Memory: at most one budget of logits (or of candidates) at a time."""
     from glm_dsa import budget as budgets, peers
-    from glm_dsa.kernels import indexer as fast
+    from glm_dsa.kernels import indexer as fast, mqa_logits
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = dev == "cuda"
@@ -454,6 +454,10 @@ def part_frontier(S: int, N: int, topk: int, deep_gemm) -> dict:
     res.update(steps)
     _progress(res, *steps, label=label)
     measure("triton_logits", lambda: _triton_logits_in_slices(q, k, k_scale, w, ks, ke, rows))
+    # The pick for the slices' last bucket: at 4,096 x 131,072 run S8a timed this kernel at 5.26
+    # ms against run Z6's 4.03 on the same tree, with no pick logged to tell a tuner's change.
+    res["triton_logits_config"] = _best_config(mqa_logits._mqa_logits_tuned)
+    _progress(res, "triton_logits_config", label=label)
     composed = None
     if deep_gemm is None:
         res["deepgemm_skipped"] = "import deep_gemm failed (the report's deep_gemm_error)"

@@ -227,6 +227,7 @@ def test_frontier_part_reports_each_shape_and_both_top_ks_hold_an_exact_top_k(tm
         assert "deepgemm_logits_ms" in r or "deepgemm_skipped" in r or "deepgemm_error" in r
         for step in ("sample_threshold_ms", "candidates_ms", "select_ms", "rest_ms", "redo_rows"):
             assert step in r
+        assert r["triton_logits_config"].startswith("BLOCK_Q: ")  # the tuner's pick, logged
         assert math.isnan(r["rest_ms"]) == (r["candidate_rows_per_launch"] < S)
         if r["redo_rows"] == 0:  # every row's candidates held its top-k, within the slots
             assert topk <= r["candidates_min"] <= r["candidates_max"] <= r["cand_slots"]
