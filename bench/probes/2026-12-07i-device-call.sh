@@ -5,7 +5,8 @@
 # default) and times (bench/probes/2026-12-07h-fp8-dequant.patch on the device's copy; issue
 # 42); the host timeline at 4,096 x 131,072 (issue 43); the row select's sort as its own kernel
 # (bench/probes/2026-12-07i-row-select-sort.patch) timed beside HEAD's select, then the top-k
-# file's CUDA tests on it. ~9 minutes on a bare machine. Logs: $OUT/logs.tgz.
+# file's CUDA tests on it (in place of the eighth session's plan, which it takes over). ~9
+# minutes on a bare machine. Logs: $OUT/logs.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 T0=$(date +%s)
