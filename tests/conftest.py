@@ -52,3 +52,44 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if "multigpu" in item.keywords and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+@pytest.fixture
+def shuffled_atomics(monkeypatch):
+    """Triton's interpreter serves the lanes of one atomic read-modify-write in lane order, so a
+    buffer whose slots come from ``atomic_add`` fills in column order on the CPU, which a GPU's
+    warps never promise: a missing sort of such a buffer passes every CPU test. Under this
+    fixture each such op serves its lanes in a seeded random order instead (any order is legal:
+    the lanes of one op are unordered, whatever its memory order). Its value reseeds
+    (``shuffled_atomics(seed)``). On a GPU it changes nothing."""
+    import numpy as np
+
+    state = {"rng": np.random.default_rng(0)}
+
+    def reseed(seed: int) -> None:
+        state["rng"] = np.random.default_rng(seed)
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return reseed
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_atomic_rmw
+
+    def create_atomic_rmw(self, rmw_op, ptr, val, mask, *rest):
+        shape, n = ptr.data.shape, ptr.data.size
+        if n <= 1:
+            return original(self, rmw_op, ptr, val, mask, *rest)
+        order = state["rng"].permutation(n)
+
+        def served(h):
+            data = np.ascontiguousarray(h.data.reshape(-1)[order])
+            return interpreter.TensorHandle(data, h.dtype)
+
+        old = original(self, rmw_op, served(ptr), served(val), served(mask), *rest)
+        back = np.empty_like(old.data.reshape(-1))
+        back[order] = old.data.reshape(-1)
+        return interpreter.TensorHandle(back.reshape(shape), old.dtype)
+
+    monkeypatch.setattr(builder, "create_atomic_rmw", create_atomic_rmw)
+    return reseed

@@ -99,10 +99,12 @@ def test_triton_sparse_attention_gives_a_row_the_same_bits_in_any_call():
 
 
 # ---------------------------------------------------------------- the engine, CPU interpreter
-def test_triton_requests_keep_their_bits_across_chunks_neighbours_budgets_and_prefix_hits():
+def test_triton_requests_keep_their_bits_across_chunks_neighbours_budgets_and_prefix_hits(
+        shuffled_atomics):
     """One full layer of ``tiny`` (the interpreter is slow): two requests in one one-shot step,
     against the same two in reverse order at one-page chunks with one-row budgets, the first
-    then a prefix-cache hit that leaves it a one-row tail."""
+    then a prefix-cache hit that leaves it a one-row tail. The indexer's candidate buffers fill
+    in a shuffled order on the CPU (``shuffled_atomics``), another in each run, as on a GPU."""
     model = _model(keep_layers(TINY, "2:3"))
     prefix = _ids(64, 9, TINY.vocab_size)
     first, second = torch.cat([prefix, _ids(1, 10, TINY.vocab_size)]), _ids(70, 11, TINY.vocab_size)

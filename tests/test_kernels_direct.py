@@ -3,9 +3,10 @@ hands it, against the torch computation it replaces (bitwise where the claim is 
 
 Under Triton's interpreter on the CPU (tests/conftest.py): the top-k select's candidate stage
 (which rows it must redo, NaN among candidates, a window at the buffer's edges), the threshold
-kernel, the sort of a candidate row's picks, the row select on strided / non-contiguous logits
-with NaN counted per row, the indexer's redo of a row that holds NaN, the launch buffers, the
-packed top-k of the MoE's CUDA route, and the fused passes of ``glm_dsa.fused`` taken through the model's functions with
+kernel, the sort of a candidate row's picks, the ``shuffled_atomics`` fixture's slots
+(tests/conftest.py), the row select on strided / non-contiguous logits with NaN counted per row,
+the indexer's redo of a row that holds NaN, the launch buffers, the packed top-k of the MoE's
+CUDA route, and the fused passes of ``glm_dsa.fused`` taken through the model's functions with
 ``TritonOnCuda("cpu")`` (the decisions the model makes on CUDA, run here).
 """
 
@@ -143,6 +144,38 @@ def test_the_row_sort_orders_long_rows_and_leaves_short_rows(warps, topk):
     topk_mod._sort_rows_kernel[(4,)](out, lens, topk, TOPK=triton.next_power_of_2(topk),
                                      num_warps=warps)
     assert out.cpu().tolist() == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's atomics")
+def test_shuffled_atomics_hand_out_the_same_slots_in_another_order(shuffled_atomics):
+    """Under the ``shuffled_atomics`` fixture the kept lanes of one ``atomic_add`` still get the
+    slots ``0 … kept − 1``, once each, and the counter ends at ``kept``, but not in lane order
+    (which the interpreter alone gives); another seed, another order."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def take_slots(counter_ptr, keep_ptr, slot_ptr, N: tl.constexpr):
+        # Each kept lane's slot from one relaxed atomic on one counter, as the candidates append.
+        offs = tl.arange(0, N)
+        keep = tl.load(keep_ptr + offs) != 0
+        slot = tl.atomic_add(counter_ptr + tl.zeros([N], dtype=tl.int32), 1, mask=keep,
+                             sem="relaxed")
+        tl.store(slot_ptr + offs, slot, mask=keep)
+
+    keep = (torch.arange(64) % 3 != 0).to(torch.int32)
+    kept = int(keep.sum())
+    orders = []
+    for seed in (0, 1):
+        shuffled_atomics(seed)
+        counter = torch.zeros(1, dtype=torch.int32)
+        slots = torch.full((64,), -1, dtype=torch.int32)
+        take_slots[(1,)](counter, keep, slots, N=64)
+        taken = slots[keep != 0]
+        assert int(counter) == kept and sorted(taken.tolist()) == list(range(kept))
+        assert bool((slots[keep == 0] == -1).all())
+        orders.append(taken.tolist())
+    assert orders[0] != list(range(kept)) and orders[1] != orders[0]
 
 
 @pytest.mark.parametrize("block", [1024, 16])

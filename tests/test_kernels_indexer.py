@@ -714,6 +714,35 @@ def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits(monkeypatch, pa
     _assert_exact_topk_of(fast_out, _kernel_logits(q, w, k, k_scale, ks, ke), ks, ke, topk)
 
 
+@pytest.mark.parametrize("keys", ["random", "tied"])
+def test_indexer_topk_is_the_same_bits_whatever_order_its_candidates_land_in(monkeypatch,
+                                                                             shuffled_atomics,
+                                                                             keys):
+    """The candidate kernel appends a row's kept keys in the order its atomics are served (on
+    the CPU shuffled by tests/conftest.py's ``shuffled_atomics``; the bare interpreter appends
+    in column order). Three orders: each an exact top-k of the kernel's logits, ascending, all
+    the same bits (what lets a captured step and an eager one agree)."""
+    from glm_dsa.kernels import indexer as fast
+
+    pin_logits_configs(monkeypatch)
+    monkeypatch.setattr(fast, "SAMPLE", 16)
+    S, H, D, N, topk = 12, 4, 128, 300, 8
+    q, k, k_scale, w = _inputs(S, H, D, N, seed=44)
+    if keys == "tied":
+        k, k_scale = _tied_keys(N, D, 3, seed=45)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    ks[8:] = 100  # windows [100, ke)
+    logits = _kernel_logits(q, w, k, k_scale, ks, ke)
+    outs = []
+    for seed in range(3):
+        shuffled_atomics(seed)
+        out = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
+        _assert_exact_topk_of(out, logits, ks, ke, topk)
+        outs.append(out.cpu())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_indexer_topk_redoes_rows_whose_ties_overflow_the_buffer(monkeypatch):
     """Every key equal: each candidate buffer overflows, every long row is redone from its
     full logits, and the window's first ``topk`` keys are taken."""

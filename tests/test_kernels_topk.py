@@ -87,6 +87,26 @@ def test_topk_per_row_equals_torch_topk_sets(monkeypatch, path, kind):
     _assert_exact_topk(out, logits, starts, ends, k)
 
 
+@pytest.mark.parametrize("kind", ["random", "ties"])
+def test_topk_per_row_is_the_same_bits_whatever_order_its_candidates_land_in(shuffled_atomics,
+                                                                              kind):
+    """A long row's candidates fill its buffer in the order the atomics serve them: on a GPU
+    the warps', on the CPU a shuffled one (tests/conftest.py's ``shuffled_atomics``; the bare
+    interpreter fills in column order, which would hide a missing sort). Three orders: each
+    the exact top-k in ascending order, all the same bits."""
+    k, N = 16, 1100
+    logits = _rows(kind, 6, N, seed=7)
+    starts = torch.tensor([0, 37, 5, 9, 0, 40], dtype=torch.int32)
+    ends = torch.tensor([N, N - 50, 5 + 7 * k, 9 + k, 3, 900], dtype=torch.int32)
+    outs = []
+    for seed in range(3):
+        shuffled_atomics(seed)
+        out = topk_per_row(logits.to(DEV), starts.to(DEV), ends.to(DEV), k)
+        _assert_exact_topk(out, logits, starts, ends, k)
+        outs.append(out.cpu())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_topk_per_row_never_reads_outside_the_rows():
     k, N = 8, 300
     logits = torch.randn(3, N)

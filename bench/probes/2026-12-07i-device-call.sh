@@ -1,12 +1,14 @@
 #!/bin/bash
-# Written in the ninth session (2026-12-07), when every start failed (~24 of its 30 device
-# minutes went to failed starts and refusals; no call ran): the next session's first call, one
-# script, most needed first. The integer FP8 dequantization's CUDA tests (in-place form, the
-# default) and times (bench/probes/2026-12-07h-fp8-dequant.patch on the device's copy; issue
-# 42); the host timeline at 4,096 x 131,072 (issue 43); the row select's sort as its own kernel
+# Written in the ninth session (2026-12-07), when every start failed (~24 of its 30 device minutes
+# went to failed starts and refusals; no call ran): the next session's first call, one script,
+# most needed first (the tenth session moved the timeline and the dequantization's times ahead of
+# its tests: its starts failed too, and a short call should bring the figures back). The integer
+# FP8 dequantization's CUDA tests (in-place form, the default) and times
+# (bench/probes/2026-12-07h-fp8-dequant.patch on the device's copy; issue 42); the host timeline
+# at 4,096 x 131,072 (issue 43); the row select's sort as its own kernel
 # (bench/probes/2026-12-07i-row-select-sort.patch) timed beside HEAD's select, then the top-k
-# file's CUDA tests on it (in place of the eighth session's plan, which it takes over). ~9
-# minutes on a bare machine. Logs: $OUT/logs.tgz.
+# file's CUDA tests on it (in place of the eighth session's plan, which it takes over). ~9 minutes
+# on a bare machine. Logs: $OUT/logs.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 T0=$(date +%s)
@@ -16,16 +18,16 @@ pack() { tar czf $OUT/logs.tgz -C $L .; }
 s start; nvidia-smi --query-gpu=name --format=csv,noheader
 git show HEAD:glm_dsa/kernels/topk.py > /tmp/topk_head.py
 git apply bench/probes/2026-12-07h-fp8-dequant.patch && echo dequant-applied
+s timeline
+timeout 75 python bench/probes/2026-12-07h-host-timeline.py 4096x131072 > $L/timeline-4096x131072.log 2>&1
+echo "rc=$?"; grep -vE "^\|---" $L/timeline-4096x131072.log | tail -16; pack
+s dequant-times
+timeout 150 python bench/probes/2026-12-07h-fp8-dequant.py > $L/dequant-times.log 2>&1; echo "rc=$?"
+grep -E "^\||CPU|Error" $L/dequant-times.log; pack
 s dequant-tests
 timeout 150 python -m pytest -q -m cuda -p no:cacheprovider -rf tests/test_kernels_sparse_mla_gluon.py \
   -k "(integer_dequantization and in_place) or fp8_dequant" > $L/dequant-pytest.log 2>&1; echo "rc=$?"
 grep -E "^(FAILED|ERROR)|passed|failed" $L/dequant-pytest.log | cut -c1-240 | tail -6; pack
-s dequant-times
-timeout 150 python bench/probes/2026-12-07h-fp8-dequant.py > $L/dequant-times.log 2>&1; echo "rc=$?"
-grep -E "^\||CPU|Error" $L/dequant-times.log; pack
-s timeline
-timeout 75 python bench/probes/2026-12-07h-host-timeline.py 4096x131072 > $L/timeline-4096x131072.log 2>&1
-echo "rc=$?"; grep -vE "^\|---" $L/timeline-4096x131072.log | tail -16; pack
 s sort
 git apply bench/probes/2026-12-07i-row-select-sort.patch && echo sort-applied
 timeout 80 python bench/probes/2026-12-07i-row-select-sort.py /tmp/topk_head.py > $L/row-select.log 2>&1; echo "rc=$?"
