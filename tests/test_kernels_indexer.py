@@ -684,6 +684,18 @@ def _tied_keys(N, D, levels, seed):
     return k.to(DEV), torch.ones(N, device=DEV)
 
 
+def _causal_case(S, N, keys, seed, later_from):
+    """A causal chunk of ``S`` rows over ``N`` keys (4 heads of 128): random keys, or ``tied``
+    ones (``_tied_keys``, 3 levels); windows ``[0, ke)``, ``[100, ke)`` from row ``later_from``."""
+    q, k, k_scale, w = _inputs(S, 4, 128, N, seed=seed)
+    if keys == "tied":
+        k, k_scale = _tied_keys(N, 128, 3, seed=seed + 1)
+    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
+    ks[later_from:] = 100
+    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    return q, k, k_scale, w, ks, ke
+
+
 # Module constants indexer_topk reads at each call: the sample threshold with a stride > 1
 # (SAMPLE below the longest window), a threshold aimed too high (fewer than topk
 # candidates: those rows are redone from their full logits), and a stride set by the sample
@@ -702,14 +714,9 @@ def test_indexer_topk_is_an_exact_topk_of_the_kernels_own_logits(monkeypatch, pa
     pin_logits_configs(monkeypatch)
     for name, value in CANDIDATE_PATHS[path].items():
         monkeypatch.setattr(fast if name == "SAMPLE" else topk_mod, name, value)
-    S, H, D, N, topk = 24, 4, 128, 300, 8
-    q, k, k_scale, w = _inputs(S, H, D, N, seed=41)
-    if keys == "tied":
-        k, k_scale = _tied_keys(N, D, 3, seed=42)
-    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
-    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
+    topk = 8
+    q, k, k_scale, w, ks, ke = _causal_case(24, 300, keys, seed=41, later_from=20)
     ke[:6] = torch.tensor([0, 3, 8, 9, 40, 48], dtype=torch.int32)  # empty … at the buffer size
-    ks[20:] = 100  # windows [100, ke)
     fast_out = indexer_topk(q, w, k, k_scale, ks, ke, topk, 2**30)
     _assert_exact_topk_of(fast_out, _kernel_logits(q, w, k, k_scale, ks, ke), ks, ke, topk)
 
@@ -726,13 +733,8 @@ def test_indexer_topk_is_the_same_bits_whatever_order_its_candidates_land_in(mon
 
     pin_logits_configs(monkeypatch)
     monkeypatch.setattr(fast, "SAMPLE", 16)
-    S, H, D, N, topk = 12, 4, 128, 300, 8
-    q, k, k_scale, w = _inputs(S, H, D, N, seed=44)
-    if keys == "tied":
-        k, k_scale = _tied_keys(N, D, 3, seed=45)
-    ks = torch.zeros(S, dtype=torch.int32, device=DEV)
-    ke = torch.arange(N - S + 1, N + 1, dtype=torch.int32, device=DEV)
-    ks[8:] = 100  # windows [100, ke)
+    topk = 8
+    q, k, k_scale, w, ks, ke = _causal_case(12, 300, keys, seed=44, later_from=8)
     logits = _kernel_logits(q, w, k, k_scale, ks, ke)
     outs = []
     for seed in range(3):
