@@ -54,6 +54,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_multi)
 
 
+@pytest.fixture(autouse=True)
+def shuffled_programs(request, monkeypatch):
+    """Triton's interpreter runs a launch's programs one after another in grid order, which a
+    GPU never promises: a kernel whose result leans on one program finishing before another
+    starts (a slot counter shared across a row's column splits, a "last program reduces") would
+    pass every CPU test. In every test the interpreted programs of each launch run in another
+    order, a seeded permutation of the grid (the seed from the test's id, so a failure repeats).
+    Any order is legal; on a GPU it changes nothing."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import zlib
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    rng = np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    builder = interpreter.InterpreterBuilder
+    set_dim, set_idx = builder.set_grid_dim, builder.set_grid_idx
+    grid: dict = {}
+
+    def set_grid_dim(self, nx, ny, nz):
+        grid["dims"], grid["order"] = (nx, ny, nz), rng.permutation(nx * ny * nz)
+        set_dim(self, nx, ny, nz)
+
+    def set_grid_idx(self, x, y, z):
+        # The interpreter walks (x, y, z) in row-major order: program i runs grid["order"][i].
+        _, ny, nz = grid["dims"]
+        j = int(grid["order"][(x * ny + y) * nz + z])
+        set_idx(self, j // (ny * nz), j // nz % ny, j % nz)
+
+    monkeypatch.setattr(builder, "set_grid_dim", set_grid_dim)
+    monkeypatch.setattr(builder, "set_grid_idx", set_grid_idx)
+
+
 @pytest.fixture
 def shuffled_atomics(monkeypatch):
     """Triton's interpreter serves the lanes of one atomic read-modify-write in lane order, so a

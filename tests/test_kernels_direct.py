@@ -4,7 +4,7 @@ hands it, against the torch computation it replaces (bitwise where the claim is 
 Under Triton's interpreter on the CPU (tests/conftest.py): the top-k select's candidate stage
 (which rows it must redo, NaN among candidates, a window at the buffer's edges), the threshold
 kernel, the sort of a candidate row's picks, the ``shuffled_atomics`` fixture's slots
-(tests/conftest.py), the row select on strided / non-contiguous logits with NaN counted per row,
+and the ``shuffled_programs`` fixture's program order (tests/conftest.py), the row select on strided / non-contiguous logits with NaN counted per row,
 the indexer's redo of a row that holds NaN, the launch buffers, the packed top-k of the MoE's
 CUDA route, and the fused passes of ``glm_dsa.fused`` taken through the model's functions with
 ``TritonOnCuda("cpu")`` (the decisions the model makes on CUDA, run here).
@@ -176,6 +176,34 @@ def test_shuffled_atomics_hand_out_the_same_slots_in_another_order(shuffled_atom
         assert bool((slots[keep == 0] == -1).all())
         orders.append(taken.tolist())
     assert orders[0] != list(range(kept)) and orders[1] != orders[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's program order")
+@pytest.mark.parametrize("grid", [(64,), (4, 3, 5)])
+def test_interpreted_programs_run_once_each_out_of_grid_order(grid):
+    """Under the autouse ``shuffled_programs`` fixture every program of a launch runs once, with
+    its own ids and the grid's sizes, but not in the grid's row-major order (the interpreter's
+    alone); two launches in one test run in two orders."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def record(counter_ptr, ran_ptr):
+        # The order programs run in, from the count of those that ran before.
+        x, y, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        ny, nz = tl.num_programs(1), tl.num_programs(2)
+        turn = tl.atomic_add(counter_ptr, 1)
+        tl.store(ran_ptr + turn, (x * ny + y) * nz + z)
+
+    n = math.prod(grid)
+    orders = []
+    for _ in range(2):
+        counter = torch.zeros(1, dtype=torch.int32)
+        ran = torch.full((n,), -1, dtype=torch.int32)
+        record[grid](counter, ran)
+        assert int(counter) == n and sorted(ran.tolist()) == list(range(n))
+        orders.append(ran.tolist())
+    assert orders[0] != list(range(n)) and orders[1] != orders[0]
 
 
 @pytest.mark.parametrize("block", [1024, 16])
