@@ -1,6 +1,6 @@
-"""Issue 42 (eighth session): offline sm_90 SASS (Triton 3.6, no GPU) of the FP8-row Gluon
-kernel's gather loop, per ``fp8_form`` and ``fp8_dequant`` (the latter needs
-``bench/probes/2026-12-07h-fp8-dequant.patch``; without it only "float" exists): the loop's
+"""Issue 42 (eighth session; the eleventh's patch): offline sm_90 SASS (Triton 3.6, no GPU) of
+the FP8-row Gluon kernel's gather loop, per ``fp8_form`` and ``fp8_dequant`` (the latter needs
+``bench/probes/2026-12-08-fp8-dequant.patch``; without it only "float" exists): the loop's
 instructions per thread and 64-key tile, its conversions (F2FP), the float32 path's HADD2.F32 /
 FMUL, the integer path's PRMT / LOP3 / shifts / HMUL2, partition barriers, local-memory
 accesses, and ptxas's spill bytes. Static counts, not times. The gather loop is the smallest
@@ -9,21 +9,26 @@ backward branch holding the tile's 32 dequantizing ``STS.128``.
     PATH=/tmp/t36/lib/python3.11/site-packages/triton/backends/nvidia/bin:$PATH \\
         PYTHONPATH=. /tmp/t36/bin/python bench/probes/2026-12-07h-offline-fp8-dequant-sass.py
 
-Eighth session (8c91485 + the patch), per thread and tile:
+(``/tmp/t36``: ``python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+torch==2.11.0 einops safetensors numpy tqdm``.) Per thread and tile, HEAD 454441b, then with
+the patch (eleventh session):
 
-| form, dequant | loop | F2FP | HADD2.F32 | FMUL | PRMT | LOP3 | shifts | HMUL2 | BAR.SYNC | LDL/STL | spill B |
-|---|---|---|---|---|---|---|---|---|---|---|---|
-| in_place, float | 1,081 | 256 | 256 | 256 | 0 | 3 | 12 | 0 | 19 | 0 | 0 |
-| in_place, pow2 | 849 | 8 | 0 | 16 | 128 | 131 | 140 | 128 | 19 | 0 | 0 |
-| in_place, auto | 1,734 (both paths) | 264 | 256 | 272 | 128 | 136 | 142 | 128 | 29 | 3 | 16 |
-| ring, float | 1,156 | 256 | 256 | 256 | 0 | 4 | 19 | 0 | 11 | 0 | 0 |
-| ring, pow2 | 924 | 8 | 0 | 16 | 128 | 132 | 146 | 128 | 11 | 0 | 0 |
-| ring, auto | 1,805 (both paths) | 264 | 256 | 272 | 128 | 138 | 148 | 128 | 19 | 3 | 16 |
+| tree | form, dequant | loop | F2FP | HADD2.F32 | FMUL | PRMT | LOP3 | shifts | HMUL2 | BAR.SYNC | LDL/STL | spill B |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| HEAD | in_place, float | 1,081 | 256 | 256 | 256 | 0 | 3 | 12 | 0 | 19 | 0 | 0 |
+| HEAD | ring, float | 1,156 | 256 | 256 | 256 | 0 | 4 | 19 | 0 | 11 | 0 | 0 |
+| patch | in_place, float | 1,043 | 256 | 256 | 256 | 0 | 3 | 12 | 0 | 8 | 0 | 0 |
+| patch | in_place, pow2 | 799 | 4 | 0 | 8 | 128 | 131 | 140 | 128 | 8 | 0 | 0 |
+| patch | in_place, auto | 1,693 (both paths) | 260 | 256 | 264 | 128 | 147 | 149 | 128 | 14 | 3 | 16 |
+| patch | ring, float | 1,156 | 256 | 256 | 256 | 0 | 4 | 19 | 0 | 11 | 0 | 0 |
+| patch | ring, pow2 | 924 | 8 | 0 | 16 | 128 | 132 | 146 | 128 | 11 | 0 | 0 |
+| patch | ring, auto | 1,805 (both paths) | 264 | 256 | 272 | 128 | 138 | 148 | 128 | 19 | 3 | 16 |
 
-The in-place float loop's 19 partition barriers against the bf16 gather's 2 (run C's count):
-7 sit between the 8 chunk copies into the raw stage and 3 between the 4 stores into ``w_l``,
-i.e. between accesses to slices of one allocation, which Triton 3.6's barrier analysis does not
-tell apart; 2 are the kernel's own (``_dequantize_in_place``).
+HEAD's in-place loop has 19 partition barriers against the bf16 gather's 2: 7 between its 8
+chunk copies into the raw stage and 3 between its 4 stores into ``w_l``, i.e. between accesses
+to slices of one allocation, which Triton's barrier analysis does not tell apart; 2 are the
+kernel's own (``_dequantize_in_place``). The patch copies a tile in one op and stores two chunks
+an op (``bench/probes/2026-12-08-fp8-dequant.py``'s docstring).
 """
 import collections
 import os
