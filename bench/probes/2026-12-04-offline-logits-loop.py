@@ -84,8 +84,8 @@ def _compile(kernel, sig: dict, consts: dict, num_warps: int, num_stages: int, t
 def main(argv: list[str]) -> None:
     trees = dict(a.split("=", 1) for a in argv)
     print("| tree | kernel | H | BLOCK_Q × BLOCK_N, warps, stages, lag | registers | spill B "
-          "| loop instr. | FMNMX+FFMA | SHFL |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| loop instr. | FMNMX+FFMA | SHFL | BAR |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as d:
         for name, path in trees.items():
             ml = _module(name, path)
@@ -93,8 +93,10 @@ def main(argv: list[str]) -> None:
                 hp = 1 << (H - 1).bit_length()
                 jobs = [(ml._mqa_logits_kernel, LOGITS_SIG, c, {"CLEAN": False, "COMPRESSED": False})
                         for c in ml.CONFIGS]
+                epilogue = ({"PTX_EPILOGUE": ml._PTX_EPILOGUE}
+                            if "PTX_EPILOGUE" in ml._mqa_candidates_kernel.arg_names else {})
                 jobs += [(ml._mqa_candidates_kernel, CAND_SIG, c,
-                          {"STORE_LAG": c["STORE_LAG"]} if "STORE_LAG" in c else {})
+                          {"STORE_LAG": c["STORE_LAG"]} if "STORE_LAG" in c else epilogue)
                          for c in ml.CANDIDATE_CONFIGS]
                 for kernel, sig, c, extra in jobs:
                     consts = {"H": H, "D": 128, "HP": hp, "DP": 128, **extra,
@@ -106,7 +108,7 @@ def main(argv: list[str]) -> None:
                     print(f"| {name} | {kernel.__name__.strip('_')} | {H} | {c['BLOCK_Q']} × "
                           f"{c['BLOCK_N']}, {c['num_warps']}, {c['num_stages']}, "
                           f"{c.get('STORE_LAG', '-')} | {regs} | {spill} | {sum(ops.values())} | "
-                          f"{ops['FMNMX'] + ops['FFMA']} | {ops['SHFL']} |", flush=True)
+                          f"{ops['FMNMX'] + ops['FFMA']} | {ops['SHFL']} | {ops['BAR']} |", flush=True)
 
 
 if __name__ == "__main__":
