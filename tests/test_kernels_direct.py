@@ -3,11 +3,12 @@ hands it, against the torch computation it replaces (bitwise where the claim is 
 
 Under Triton's interpreter on the CPU (tests/conftest.py): the top-k select's candidate stage
 (which rows it must redo, NaN among candidates, a window at the buffer's edges), the threshold
-kernel, the sort of a candidate row's picks, the ``shuffled_atomics`` fixture's slots
-and the ``shuffled_programs`` fixture's program order (tests/conftest.py), the row select on strided / non-contiguous logits with NaN counted per row,
-the indexer's redo of a row that holds NaN, the launch buffers, the packed top-k of the MoE's
-CUDA route, and the fused passes of ``glm_dsa.fused`` taken through the model's functions with
-``TritonOnCuda("cpu")`` (the decisions the model makes on CUDA, run here).
+kernel, the sort of a candidate row's picks, the ``shuffled_atomics`` fixture's slots and the
+``shuffled_programs`` fixture's program order (tests/conftest.py), the row select on strided /
+non-contiguous logits with NaN counted per row, the indexer's redo of a row that holds NaN, the
+launch buffers, the packed top-k of the MoE's CUDA route, and the fused passes of
+``glm_dsa.fused`` taken through the model's functions with ``TritonOnCuda("cpu")`` (the
+decisions the model makes on CUDA, run here).
 """
 
 import math
